@@ -1,0 +1,289 @@
+"""Benchmark: one Visual-Contrast Attention layer against multi-head self-attention, time versus token count.
+
+For every token count N, width C / heads h, dtype and pass (forward, forward+backward) it times MHSA on SDPA,
+MHSA as plain bmm–softmax–bmm (faster than the CPU SDPA kernel in bf16, REFERENCE.md) and VCA with n = 64 and
+n = N/4 contrast tokens, and compares VCA with the faster MHSA. Whole layers are timed, q/k/v and output
+projections included, since that is what a model swaps. bf16 runs under autocast, as training does.
+A large matmul timed in the same run gives the machine's peak, so each row also says which fraction of it the
+layer reaches (FLOPs counted by torch's FlopCounterMode).
+
+Writes bench/results/attention-<device>[-quick].{json,md,png}. On the CPU run it as `make bench` does, with
+MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000: glibc's default allocator maps every large tensor
+afresh and the first-touch page faults distort timings by up to 2×.
+
+Usage: python bench/attention.py [--quick] [--device cpu|cuda] [--out bench/results]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention  # noqa: E402
+
+WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
+FIXED_CONTRAST = 64  # n = 64, an 8×8 contrast grid
+METHODS = ("mhsa-sdpa", "mhsa-bmm", "vca-64", "vca-N/4")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+
+
+class MatmulSelfAttention(MultiHeadSelfAttention):
+    """The MHSA baseline with its attention written as bmm–softmax–bmm instead of SDPA."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, h, N, N)
+        return scores.softmax(dim=-1) @ v  # (B, h, N, d)
+
+
+def build_layer(method: str, width: int, heads: int, tokens: int) -> nn.Module:
+    grid = int(tokens**0.5)
+    if method == "mhsa-sdpa":
+        return MultiHeadSelfAttention(width, heads)
+    if method == "mhsa-bmm":
+        return MatmulSelfAttention(width, heads)
+    contrast_grid = 8 if method == "vca-64" else None  # None: H/2, n = N/4
+    return VisualContrastAttention(width, heads, grid, block_index=0, options=VCAOptions(contrast_grid=contrast_grid))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(step, device: torch.device, min_time: float, max_repeats: int) -> float:
+    """Median wall time of `step` after one warm-up call, repeated until min_time has passed (≥ 3 times)."""
+    step()
+    synchronize(device)
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < min_time and len(times) < max_repeats):
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def layer_step(layer: nn.Module, x: Tensor, dtype: torch.dtype, backward: bool):
+    """One forward (and backward) pass of `layer` on x, under autocast for bf16."""
+    autocast = torch.autocast(x.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        with autocast, torch.set_grad_enabled(backward):  # a forward-only pass is inference: no graph
+            out = layer(x)
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    return step
+
+
+def count_flops(method: str, width: int, heads: int, tokens: int, batch: int, backward: bool) -> int:
+    """FLOPs of one pass, counted on the meta device (shapes only) with the math SDPA backend."""
+    with torch.device("meta"):
+        layer = build_layer(method, width, heads, tokens)
+        x = torch.empty(batch, tokens, width, requires_grad=backward)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            layer_step(layer, x, torch.float32, backward)()
+    return counter.get_total_flops()
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, min_time: float) -> dict[str, float]:
+    """GFLOP/s of a size³ matmul through torch.mm and, on the CPU, a 1×1 convolution (oneDNN's GEMM, which
+    outruns MKL's fp32 GEMM on some CPUs); the larger one is the peak."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    flops = 2 * size**3
+    rates = {"mm": flops / median_seconds(lambda: torch.mm(a, b), device, min_time, 20) / 1e9}
+    if device.type == "cpu":
+        image, kernel = a.T.reshape(1, size, size, 1), b.T.reshape(size, size, 1, 1)  # (1, K, M, 1), (N, K, 1, 1)
+        conv = lambda: torch.nn.functional.conv2d(image, kernel)  # noqa: E731
+        rates["conv1x1"] = flops / median_seconds(conv, device, min_time, 20) / 1e9
+    rates["peak"] = max(rates.values())
+    return rates
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    token_counts = [256, 1024] if args.quick else [256, 1024, 4096] + ([16384] if device.type == "cuda" else [])
+    widths = WIDTHS[:1] if args.quick else WIDTHS
+    min_time = 0.0 if args.quick else 0.5  # quick: warm-up + 3 calls
+    tokens_per_batch = args.tokens_per_batch or (1024 if args.quick else 4096 if device.type == "cpu" else 16384)
+    matmul_size = 512 if args.quick else 2048 if device.type == "cpu" else 8192
+    probe = {name: matmul_peak(device, dtype, 512, 0.3)["peak"] for name, dtype in DTYPES.items()}
+    dtypes, notes = dict(DTYPES), []
+    if probe["bf16"] < 0.5 * probe["fp32"]:
+        # Without native bf16 instructions (e.g. an AVX2-only CPU) bf16 GEMMs fall back to slow reference code:
+        # timing attention there measures that fallback, and would take hours at large N.
+        del dtypes["bf16"]
+        notes.append(f"bf16 rows skipped: a 512³ bf16 matmul runs at {probe['bf16']:.1f} GFLOP/s here against "
+                     f"{probe['fp32']:.1f} in fp32 (no native bf16 GEMM on this device)")
+    peak = {name: matmul_peak(device, dtype, matmul_size, min_time) for name, dtype in dtypes.items()}
+    print(f"matmul GFLOP/s: {json.dumps(peak)}", flush=True)
+
+    rows = []
+    for tokens in token_counts:
+        batch = max(1, tokens_per_batch // tokens)
+        for width, heads in widths:
+            for dtype_name, dtype in dtypes.items():
+                for backward in (False, True):
+                    for method in METHODS:
+                        if method == "vca-N/4" and tokens // 4 == FIXED_CONTRAST:
+                            continue  # same layer as vca-64
+                        torch.manual_seed(0)
+                        layer = build_layer(method, width, heads, tokens).to(device)
+                        x = torch.randn(batch, tokens, width, device=device, requires_grad=backward)
+                        if device.type == "cuda":
+                            torch.cuda.reset_peak_memory_stats(device)
+                        seconds = median_seconds(layer_step(layer, x, dtype, backward), device, min_time, 20)
+                        flops = count_flops(method, width, heads, tokens, batch, backward)
+                        row = dict(tokens=tokens, width=width, heads=heads, batch=batch, dtype=dtype_name,
+                                   mode="fwd+bwd" if backward else "fwd", method=method, ms=1e3 * seconds,
+                                   gflop=flops / 1e9, peak_fraction=flops / seconds / 1e9 / peak[dtype_name]["peak"])
+                        if device.type == "cuda":
+                            row["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                        rows.append(row)
+                        print(f"N={tokens:5d} C={width:4d} {dtype_name} {row['mode']:7s} {method:9s} "
+                              f"{row['ms']:9.2f} ms  {100 * row['peak_fraction']:5.1f}% of peak", flush=True)
+                        del layer, x
+    return dict(device=describe(device), device_type=device.type, torch=torch.__version__, quick=args.quick,
+                allocator={name: os.environ.get(name) for name in ALLOCATOR_ENV},
+                tokens_per_batch=tokens_per_batch, matmul_gflops=peak, notes=notes, rows=rows)
+
+
+def comparisons(results: dict) -> list[dict]:
+    """One entry per (N, C, dtype, pass): the times of every method and VCA's ratio to the faster MHSA."""
+    groups: dict[tuple, dict] = {}
+    for row in results["rows"]:
+        key = (row["tokens"], row["width"], row["heads"], row["dtype"], row["mode"])
+        groups.setdefault(key, {})[row["method"]] = row
+    table = []
+    for (tokens, width, heads, dtype, mode), by_method in groups.items():
+        by_method.setdefault("vca-N/4", by_method["vca-64"])
+        mhsa = min((by_method["mhsa-sdpa"], by_method["mhsa-bmm"]), key=lambda row: row["ms"])
+        table.append(dict(tokens=tokens, width=width, heads=heads, dtype=dtype, mode=mode,
+                          ms={method: row["ms"] for method, row in by_method.items()},
+                          mhsa_best=mhsa["method"], mhsa_peak_fraction=mhsa["peak_fraction"],
+                          vca64_peak_fraction=by_method["vca-64"]["peak_fraction"],
+                          ratio_64=by_method["vca-64"]["ms"] / mhsa["ms"],
+                          ratio_quarter=by_method["vca-N/4"]["ms"] / mhsa["ms"]))
+    return table
+
+
+def goal_lines(table: list[dict], device_type: str) -> list[str]:
+    """The issue's goals (fwd+bwd, n = 64): ratio ≤ 1 at N = 256 and ≤ 0.2 at N = 4096 on the CPU;
+    ≤ 1/3 at N = 16384 on a GPU."""
+    goals = {256: 1.0, 4096: 0.2} if device_type == "cpu" else {16384: 1 / 3}
+    lines = []
+    for entry in table:
+        limit = goals.get(entry["tokens"])
+        if limit is None or entry["mode"] != "fwd+bwd":
+            continue
+        verdict = "met" if entry["ratio_64"] <= limit else f"missed by {entry['ratio_64'] / limit:.2f}×"
+        lines.append(f"- N = {entry['tokens']}, C = {entry['width']}, {entry['dtype']}: VCA/MHSA = "
+                     f"{entry['ratio_64']:.2f} (goal ≤ {limit:.2f}, {verdict})")
+    return lines
+
+
+def markdown(results: dict, table: list[dict]) -> str:
+    peaks = ", ".join(f"{name} {rates['peak']:.0f}" for name, rates in results["matmul_gflops"].items())
+    lines = [
+        f"Attention layer benchmark on {results['device']} (torch {results['torch']}, "
+        f"{results['tokens_per_batch']} tokens per batch, allocator env {results['allocator']}).",
+        f"Times in ms (median); ratio = VCA / faster MHSA; % peak = layer GFLOP/s over a large matmul's "
+        f"({peaks} GFLOP/s).",
+        "",
+        "| N | C / h | dtype | pass | MHSA SDPA | MHSA bmm | VCA n=64 | VCA n=N/4 | VCA64/MHSA | VCA(N/4)/MHSA "
+        "| % peak MHSA | % peak VCA64 |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in table:
+        ms = e["ms"]
+        lines.append(
+            f"| {e['tokens']} | {e['width']} / {e['heads']} | {e['dtype']} | {e['mode']} | {ms['mhsa-sdpa']:.2f} "
+            f"| {ms['mhsa-bmm']:.2f} | {ms['vca-64']:.2f} | {ms['vca-N/4']:.2f} | **{e['ratio_64']:.2f}** "
+            f"| {e['ratio_quarter']:.2f} | {100 * e['mhsa_peak_fraction']:.0f} | {100 * e['vca64_peak_fraction']:.0f} |"
+        )
+    lines += [""] + [f"Note: {note}." for note in results["notes"]] if results["notes"] else []
+    goals = goal_lines(table, results["device_type"])
+    return "\n".join(lines + ([""] + ["Goals (forward+backward, n = 64):"] + goals if goals else [])) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({(row["width"], row["heads"]) for row in results["rows"]})
+    dtypes = [name for name in DTYPES if name in results["matmul_gflops"]]
+    fig, axes = plt.subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)
+    for (width, heads), ax_row in zip(widths, axes):
+        for dtype, ax in zip(dtypes, ax_row):
+            for method in METHODS:
+                points = sorted((r["tokens"], r["ms"]) for r in results["rows"] if r["method"] == method
+                                and r["width"] == width and r["dtype"] == dtype and r["mode"] == "fwd+bwd")
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=method)
+            ax.set(xscale="log", yscale="log", xlabel="tokens N",
+                   ylabel=f"fwd+bwd ms (batch·N = {results['tokens_per_batch']})",
+                   title=f"C = {width}, h = {heads}, {dtype}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+    fig.suptitle(f"VCA vs MHSA, one layer, {results['device']}")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="N ≤ 1024, C = 384, small batches, 3 repeats: a smoke run")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--tokens-per-batch", type=int, default=None,
+                        help="batch = max(1, this // N); default 4096 on the CPU, 16384 on a GPU, 1024 with --quick")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    results = run(args)
+    table = comparisons(results)
+    results["comparisons"] = table
+    stem = f"attention-{torch.device(args.device).type}{'-quick' if args.quick else ''}"
+    write_text_atomic(args.out / f"{stem}.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomic(args.out / f"{stem}.md", markdown(results, table))
+    plot(results, args.out / f"{stem}.png")
+    print(markdown(results, table))
+    print(f"wrote {args.out / stem}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Benchmark: sampling throughput (images/s) and function evaluations (NFE) of every sampler on DiT-S/2-VCA
+(DDPM-250, DDIM-50) and SiT-S/2-VCA (Euler-50, Heun-50, dopri5, SDE Euler-250), batch 32, fp32 and bf16.
+
+The models have random weights; their zero-initialised layers (adaLN-Zero, final layer) are filled with small
+noise first, otherwise the network is the zero function and an adaptive solver would stop after its minimum
+number of steps. dopri5's NFE therefore describes this random field, not a trained model (SiT reports ~100-250
+NFE for trained SiT-XL). bf16 runs the model under autocast; the sampler state stays fp32. No guidance (a
+guided run doubles each batch). Each configuration is warmed up with a 2-step run and then timed once, whole.
+
+Writes bench/results/samplers-<device>[-quick].{json,md,png}. On the CPU run it as `make bench` does, with
+MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (REFERENCE.md: glibc's default allocator skews CPU
+timings by up to 2x). --quick is a smoke run (2-block models on a 16x16 latent, batch 4, a tenth of the steps).
+
+Usage: python bench/samplers.py [--quick] [--device cpu|cuda] [--out bench/results] [--threads N]
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+import dit_vca  # noqa: E402
+import sit_vca  # noqa: E402
+from samplers import SampleResult  # noqa: E402
+
+# (model, sampler, steps); steps None = adaptive.
+RUNS = (
+    ("DiT-S/2", "ddpm", 250),
+    ("DiT-S/2", "ddim", 50),
+    ("SiT-S/2", "euler", 50),
+    ("SiT-S/2", "heun", 50),
+    ("SiT-S/2", "dopri5", None),
+    ("SiT-S/2", "sde-euler", 250),
+)
+SAMPLER_LABELS = {"ddpm": "DDPM", "ddim": "DDIM", "euler": "Euler", "heun": "Heun", "dopri5": "dopri5",
+                  "sde-euler": "SDE-Euler"}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+FULL = {"batch": 32, "input_size": 32, "depth": None, "step_divisor": 1}  # 256 px images, 32x32x4 latents
+QUICK = {"batch": 4, "input_size": 16, "depth": 2, "step_divisor": 10}
+NUM_CLASSES = 1000
+
+
+def build(name: str, settings: dict, device: torch.device) -> tuple[nn.Module, object]:
+    """A randomly initialised VCA model and its objective (DiT: DDPM; SiT: linear-path velocity transport)."""
+    family = dit_vca if name.startswith("DiT") else sit_vca
+    depth = {} if settings["depth"] is None else {"depth": settings["depth"]}
+    model = family.create_model(name, attention="vca", input_size=settings["input_size"], num_classes=NUM_CLASSES,
+                                **depth)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if not parameter.any():  # zero-initialised: give the random network a non-trivial output
+                parameter.copy_(0.02 * torch.randn(parameter.shape, generator=generator))
+    objective = dit_vca.create_diffusion() if family is dit_vca else sit_vca.create_transport()
+    return model.to(device).eval(), objective
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_sampler(model: nn.Module, objective, sampler: str, steps: int | None, batch: int, precision: str,
+                 device: torch.device) -> tuple[float, SampleResult]:
+    """Seconds for one whole sampling run of a batch, after a 2-step warm-up (Euler for an adaptive solver)."""
+    autocast = (torch.autocast(device.type, dtype=PRECISIONS[precision]) if PRECISIONS[precision] is not None
+                else nullcontext())
+    generator = torch.Generator(device).manual_seed(0)
+    x_T = torch.randn(batch, model.in_channels, model.input_size, model.input_size, generator=generator,
+                      device=device)
+    labels = torch.randint(0, NUM_CLASSES, (batch,), generator=generator, device=device)
+    with torch.no_grad(), autocast:
+        objective.sample(model, x_T, labels, sampler="euler" if steps is None else sampler, steps=2)
+        synchronize(device)
+        start = time.perf_counter()
+        result = objective.sample(model, x_T, labels, sampler=sampler, steps=steps)
+        synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    settings = QUICK if args.quick else FULL
+    rows, models = [], {}
+    for name, sampler, steps in RUNS:
+        if name not in models:
+            models[name] = build(name, settings, device)
+        model, objective = models[name]
+        steps = None if steps is None else max(2, steps // settings["step_divisor"])
+        label = SAMPLER_LABELS[sampler] + ("" if steps is None else f"-{steps}")
+        for precision in PRECISIONS:
+            seconds, result = time_sampler(model, objective, sampler, steps, settings["batch"], precision, device)
+            if not torch.isfinite(result.samples).all():
+                raise RuntimeError(f"{name} {sampler} {precision}: non-finite samples")
+            rows.append({"model": f"{name}-VCA", "sampler": sampler, "label": label, "steps": steps,
+                         "precision": precision, "nfe": result.nfe, "seconds": seconds,
+                         "images_per_s": settings["batch"] / seconds, "ms_per_nfe": 1e3 * seconds / result.nfe})
+            print(f"{name} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
+                  f"{settings['batch'] / seconds:8.3f} images/s", flush=True)
+    return {
+        "device": describe(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "settings": settings,
+        "allocator": {key: os.environ.get(key) for key in ALLOCATOR_ENV},
+        "rows": rows,
+    }
+
+
+def markdown(results: dict) -> str:
+    settings = results["settings"]
+    depth = "full depth" if settings["depth"] is None else f"depth {settings['depth']}"
+    lines = [
+        f"Sampler benchmark on {results['device']} (torch {results['torch']}; random-weight VCA models, {depth}, "
+        f"{settings['input_size']}x{settings['input_size']}x4 latents, batch {settings['batch']}, no guidance; "
+        f"allocator env {results['allocator']}).",
+        "",
+        "| model | sampler | precision | NFE | s / batch | images/s | ms / NFE |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for row in results["rows"]:
+        lines.append(f"| {row['model']} | {row['label']} | {row['precision']} | {row['nfe']} | {row['seconds']:.2f} "
+                     f"| {row['images_per_s']:.3f} | {row['ms_per_nfe']:.1f} |")
+    lines += ["", "dopri5's NFE is that of a random network's field; a trained model's differs."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(row["label"] for row in results["rows"]))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(PRECISIONS)
+    for i, precision in enumerate(PRECISIONS):
+        rate = {row["label"]: row["images_per_s"] for row in results["rows"] if row["precision"] == precision}
+        ax.bar([j + i * width for j in range(len(labels))], [rate[label] for label in labels], width, label=precision)
+    ax.set_xticks([j + width * (len(PRECISIONS) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set_ylabel("images / s")
+    ax.set_title(f"Sampler throughput, {results['device']}, batch {results['settings']['batch']}")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, batch 4, 1/10 of the steps")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run(args)
+    stem = f"samplers-{torch.device(args.device).type}" + ("-quick" if args.quick else "")
+    write_text_atomic(args.out / f"{stem}.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomic(args.out / f"{stem}.md", markdown(results))
+    plot(results, args.out / f"{stem}.png")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

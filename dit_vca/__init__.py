@@ -1,0 +1,5 @@
+"""DiT with Visual-Contrast Attention: backbone, attention and DDPM objective."""
+
+from .attention import MultiHeadSelfAttention, VisualContrastAttention
+from .models import DiT, build_model_from_config, create_model
+from .diffusion import GaussianDiffusion, create_diffusion

@@ -1,0 +1,188 @@
+"""Token mixers for DiT/SiT blocks: the official multi-head self-attention and Visual-Contrast Attention.
+
+Both map tokens (B, N, C), laid out row-major on a square H×W grid, to tokens of the same shape, and both
+keep the official DiT parameter names (`qkv`, a fused Linear(C, 3C), and `proj`), so a block holds either.
+VCA follows ../shared/docs/VCA.md (Pu et al., NeurIPS 2025, "Linear Differential Vision Transformer").
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ATTENTION_KINDS = ("mhsa", "vca")
+
+
+@dataclass(frozen=True)
+class VCAOptions:
+    """Switches of Visual-Contrast Attention. The defaults are the released code; the others give the paper's
+    ablation rows (see VisualContrastAttention for what each switch turns off)."""
+
+    contrast_grid: int | None = None  # side p of the pooled p×p grid; None means H/2 (n = N/4)
+    joint_softmax: bool = True  # Stage II: one softmax over the 2n columns (released code) or two (paper text)
+    stage1_differential: bool = True
+    stage2_differential: bool = True
+    pooled_content: bool = True  # False: the streams are the embeddings E± alone
+
+
+def resolve_contrast_grid(grid_size: int, contrast_grid: int | None) -> int:
+    """Side p of the contrast grid for an H×W = grid_size×grid_size token grid; p must divide grid_size."""
+    if contrast_grid is None:
+        if grid_size % 2:
+            raise ValueError(
+                f"the default contrast grid is H/2, but the token grid is {grid_size}x{grid_size} (odd); "
+                f"pass contrast_grid= a divisor of {grid_size}"
+            )
+        return grid_size // 2
+    if contrast_grid < 1 or grid_size % contrast_grid:
+        raise ValueError(
+            f"contrast_grid={contrast_grid} must be a positive divisor of the token grid side {grid_size} "
+            f"(token grid {grid_size}x{grid_size})"
+        )
+    return contrast_grid
+
+
+def lambda_init(block_index: int) -> float:
+    """Initial differential weight of block ℓ (0-based): 0.8 − 0.6·exp(−0.3·ℓ), as in the Differential Transformer."""
+    return 0.8 - 0.6 * math.exp(-0.3 * block_index)
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention on SDPA with the official DiT layout (`qkv`, `proj`): the baseline."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """softmax(qkᵀ/√d)·v per head; a separate method so benchmarks can swap the kernel."""
+        return F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        out = self.attend(q, k, v)  # (B, h, N, d)
+        return self.proj(out.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
+
+
+def _scaled_rms_norm(norm: nn.RMSNorm, x: Tensor, scale: float) -> Tensor:
+    """scale · RMSNorm(x) over the last dimension, the scale folded into the norm's weight. Computed in the
+    weight's dtype (float32 under bf16 autocast, for accuracy) and returned in x's dtype."""
+    weight = norm.weight * scale
+    return F.rms_norm(x.to(weight.dtype), norm.normalized_shape, weight, norm.eps).to(x.dtype)
+
+
+class DifferentialWeight(nn.Module):
+    """The scalar λ = exp(⟨λ_q1, λ_k1⟩) − exp(⟨λ_q2, λ_k2⟩) + λ_init that weighs a negative stream."""
+
+    def __init__(self, head_dim: int, init: float):
+        super().__init__()
+        self.init = init
+        self.q1, self.k1, self.q2, self.k2 = (nn.Parameter(torch.empty(head_dim)) for _ in range(4))
+        for vector in (self.q1, self.k1, self.q2, self.k2):
+            nn.init.normal_(vector, std=0.1)
+
+    def forward(self) -> Tensor:
+        return torch.exp(torch.dot(self.q1, self.k1)) - torch.exp(torch.dot(self.q2, self.k2)) + self.init
+
+
+class VisualContrastAttention(nn.Module):
+    """Visual-Contrast Attention: O(N·n·C) attention through n = p² pooled contrast tokens (VCA.md).
+
+    Stage I lets the positive and negative contrast streams T± = pool(q) + E± read all tokens and takes their
+    λ₁-weighted difference V̂; Stage II lets every query read V̂ through the λ₂-weighted difference of its
+    attention to T⁺ and T⁻. A depthwise 3×3 convolution of v adds local detail before the output projection.
+
+    Ablation switches (our reading of the paper's rows; VCA.md does not spell out the "off" states):
+    - `stage1_differential=False` ("Stage II only"): Stage I is plain attention of T⁺ over the tokens,
+      V̂ = softmax(T⁺kᵀ/√d)·v, with no negative stream, λ₁, RMSNorm or (1 − λ_init) scale.
+    - `stage2_differential=False` ("Stage I only"): Stage II is plain attention of the queries over the
+      positive contrast tokens, O = softmax(qT⁺ᵀ/√d)·V̂, likewise without λ₂, RMSNorm or scale.
+    - `pooled_content=False` ("streams from embeddings only"): T± = E±, the pooled queries are not used.
+    - `joint_softmax=False`: Stage II uses two softmaxes (paper text) instead of one over 2n columns.
+    The paper's "plain differential attention in both stages" row is not defined precisely enough in
+    VCA.md to reproduce, so it has no switch. Parameters that a configuration never uses are not created.
+    """
+
+    def __init__(self, dim: int, num_heads: int, grid_size: int, block_index: int, options: VCAOptions = VCAOptions()):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.grid_size = grid_size
+        self.contrast_grid = resolve_contrast_grid(grid_size, options.contrast_grid)
+        self.options = options
+        self.lambda_init = lambda_init(block_index)
+        num_contrast = self.contrast_grid**2
+
+        self.qkv = nn.Linear(dim, 3 * dim)
+        # E⁺ = contrast_embed[:, :, 0] and E⁻ = contrast_embed[:, :, 1] (absent when no stage is differential),
+        # stored together so that both streams come out of one broadcast add, already stacked.
+        num_streams = 2 if options.stage1_differential or options.stage2_differential else 1
+        self.contrast_embed = nn.Parameter(torch.empty(1, num_heads, num_streams, num_contrast, self.head_dim))
+        nn.init.normal_(self.contrast_embed)
+        if options.stage1_differential:
+            self.lambda1 = DifferentialWeight(self.head_dim, self.lambda_init)
+            self.norm1 = nn.RMSNorm(self.head_dim, eps=1e-5)
+        if options.stage2_differential:
+            self.lambda2 = DifferentialWeight(self.head_dim, self.lambda_init)
+            self.norm2 = nn.RMSNorm(self.head_dim, eps=1e-5)
+        self.value_conv = nn.Conv2d(dim, dim, kernel_size=3, padding=1, groups=dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        h, d, H, p = self.num_heads, self.head_dim, self.grid_size, self.contrast_grid
+        options = self.options
+        q, k, v = self.qkv(x).view(B, N, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, h, N, d)
+        n = p * p
+
+        # 1-2. Contrast streams [T⁺; T⁻] = adaptive average pool of q to p×p, plus E±.
+        streams = self.contrast_embed.expand(B, -1, -1, -1, -1)  # (B, h, 2 or 1, n, d)
+        if options.pooled_content:
+            q_image = q.transpose(1, 2).reshape(B, H, H, C).permute(0, 3, 1, 2)  # (B, C, H, W), a view
+            pooled = F.adaptive_avg_pool2d(q_image, p).flatten(2).unflatten(1, (h, d)).transpose(2, 3)  # (B, h, n, d)
+            streams = streams + pooled.unsqueeze(2)
+        streams = streams.flatten(2, 3)  # (B, h, 2n, d): T⁺ rows first, then T⁻
+        t_pos = streams[:, :, :n]  # (B, h, n, d)
+
+        # 4. Stage I: the contrast tokens attend to all N keys (one fused call for both streams).
+        if options.stage1_differential:
+            read_pos, read_neg = F.scaled_dot_product_attention(streams, k, v).unflatten(2, (2, n)).unbind(2)
+            contrast_values = _scaled_rms_norm(self.norm1, read_pos - self.lambda1() * read_neg, 1 - self.lambda_init)
+        else:
+            contrast_values = F.scaled_dot_product_attention(t_pos, k, v)  # (B, h, n, d)
+
+        # 5. Stage II: every query reads the contrast values: one matmul and a softmax over the n (or 2n) columns.
+        # Combining the two maps before the value product keeps it at 3·n·N·C multiply-adds.
+        if options.stage2_differential:
+            scores = q @ (streams * d**-0.5).transpose(-2, -1)  # (B, h, N, 2n)
+            if options.joint_softmax:
+                probs = scores.softmax(dim=-1).unflatten(-1, (2, n))  # (B, h, N, 2, n)
+            else:
+                probs = scores.unflatten(-1, (2, n)).softmax(dim=-1)  # (B, h, N, 2, n)
+            probs_pos, probs_neg = probs.unbind(-2)  # (B, h, N, n) each
+            weights = torch.addcmul(probs_pos, probs_neg, -self.lambda2())  # S⁺ − λ₂·S⁻
+            out = _scaled_rms_norm(self.norm2, weights @ contrast_values, 1 - self.lambda_init)  # (B, h, N, d)
+        else:
+            out = (q @ (t_pos * d**-0.5).transpose(-2, -1)).softmax(dim=-1) @ contrast_values  # (B, h, N, d)
+        out = out.transpose(1, 2).reshape(B, N, C)  # heads concatenated
+
+        # 6. Local detail: depthwise 3×3 convolution of v (channels-last, its natural token layout).
+        v_image = v.transpose(1, 2).reshape(B, H, H, C).permute(0, 3, 1, 2)  # (B, C, H, W)
+        local = self.value_conv(v_image.contiguous(memory_format=torch.channels_last))  # (B, C, H, W)
+        return self.proj(out + local.flatten(2).transpose(1, 2))  # (B, N, C)
+
+
+def build_attention(
+    kind: str, dim: int, num_heads: int, grid_size: int, block_index: int, vca_options: VCAOptions
+) -> nn.Module:
+    """The token mixer of block `block_index`: "mhsa" (official DiT) or "vca"."""
+    if kind == "mhsa":
+        return MultiHeadSelfAttention(dim, num_heads)
+    if kind == "vca":
+        return VisualContrastAttention(dim, num_heads, grid_size, block_index, vca_options)
+    raise ValueError(f"unknown attention {kind!r}; expected one of {ATTENTION_KINDS}")

@@ -1,0 +1,262 @@
+"""DiT's DDPM objective: the 1000-step linear-beta schedule (float64), epsilon prediction with a learned-range
+variance, the hybrid loss of improved DDPM, respacing to fewer steps, and dispatch into the DDPM/DDIM samplers."""
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from samplers import PerSampleNoise, SampleResult
+from samplers import ddpm as ddpm_samplers
+from samplers.ddpm import ReverseStep
+from samplers.interface import check_sampler_request
+
+NUM_TIMESTEPS = 1000
+BETA_START = 1e-4  # for 1000 steps; scaled by 1000 / num_timesteps otherwise, as in improved DDPM
+BETA_END = 0.02
+PIXEL_BIN_HALF_WIDTH = 1.0 / 255.0  # decoder NLL: data in [-1, 1] discretised to 256 levels
+
+SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta")}
+DEFAULT_STEPS = {"ddpm": 250, "ddim": 50}
+
+ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Schedules and respacing
+# ----------------------------------------------------------------------------------------------------------------
+
+def linear_betas(num_timesteps: int = NUM_TIMESTEPS) -> np.ndarray:
+    """Ho et al.'s linear betas, stretched so that any number of steps covers the same noise range."""
+    scale = NUM_TIMESTEPS / num_timesteps
+    return np.linspace(scale * BETA_START, scale * BETA_END, num_timesteps, dtype=np.float64)
+
+
+def space_timesteps(num_timesteps: int, spec: str) -> list[int]:
+    """The retained step indices of a num_timesteps process for a respacing spec.
+
+    "" keeps every step. "ddimK" takes the integer stride of the DDIM paper that yields exactly K steps.
+    "K" (or "K1,K2,..." for equal sections of the process) spreads K steps evenly, rounding fractional strides,
+    both ends included: the convention of improved DDPM / ADM / DiT, which published numbers depend on.
+    """
+    if spec == "":
+        return list(range(num_timesteps))
+    if spec.startswith("ddim"):
+        count = _parse_count(spec, spec[len("ddim"):])
+        for stride in range(1, num_timesteps):
+            if len(range(0, num_timesteps, stride)) == count:
+                return list(range(0, num_timesteps, stride))
+        raise ValueError(f"respacing {spec!r}: no integer stride gives exactly {count} of {num_timesteps} steps")
+    counts = [_parse_count(spec, part) for part in spec.split(",")]
+    size_per, extra = divmod(num_timesteps, len(counts))
+    start, steps = 0, []
+    for i, count in enumerate(counts):
+        size = size_per + (1 if i < extra else 0)
+        if count > size:
+            raise ValueError(f"respacing {spec!r}: cannot take {count} steps from a section of {size}")
+        stride = (size - 1) / (count - 1) if count > 1 else 1.0
+        steps += [start + round(j * stride) for j in range(count)]
+        start += size
+    return sorted(set(steps))
+
+
+def _parse_count(spec: str, text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"respacing {spec!r}: expected '', 'K', 'K1,K2,...' or 'ddimK' with positive integers")
+    return int(text)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gaussian helpers (nats)
+# ----------------------------------------------------------------------------------------------------------------
+
+def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:
+    """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) per element."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tensor) -> Tensor:
+    """log P(x) per element for x on the 256-level grid of [-1, 1] under N(mean, e^(2 log_scale)) integrated over
+    x's bin; the end bins extend to -inf and +inf. Uses the exact normal CDF (ADM/DiT use a tanh approximation of
+    it, which differs by < 1e-3 in the CDF); probabilities are floored at 1e-12 as there."""
+    inv_scale = torch.exp(-log_scale)
+    upper = (x - mean + PIXEL_BIN_HALF_WIDTH) * inv_scale
+    lower = (x - mean - PIXEL_BIN_HALF_WIDTH) * inv_scale
+    log_cdf_upper = torch.special.log_ndtr(upper)  # bin (-inf, x + 1/255] at x = -1
+    log_sf_lower = torch.special.log_ndtr(-lower)  # bin [x - 1/255, inf) at x = +1
+    log_bin = torch.log((torch.special.ndtr(upper) - torch.special.ndtr(lower)).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_upper, torch.where(x > 0.999, log_sf_lower, log_bin))
+
+
+def mean_flat(x: Tensor) -> Tensor:
+    """Mean over all non-batch dimensions."""
+    return x.mean(dim=tuple(range(1, x.ndim)))  # (B,)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The diffusion process
+# ----------------------------------------------------------------------------------------------------------------
+
+class GaussianDiffusion:
+    """A (possibly respaced) DDPM process with epsilon prediction and, when learn_sigma, a learned-range variance.
+
+    Step k of the process corresponds to timestep_map[k] of the original training process; the model is always
+    called with those original indices, so one trained model serves every respacing.
+    """
+
+    def __init__(self, betas: np.ndarray, learn_sigma: bool = True, timestep_map: list[int] | None = None):
+        betas = np.asarray(betas, dtype=np.float64)
+        if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
+            raise ValueError("betas must be a 1-D array with values in (0, 1]")
+        self.learn_sigma = learn_sigma
+        self.num_timesteps = len(betas)
+        timestep_map = list(range(len(betas))) if timestep_map is None else list(timestep_map)
+        if len(timestep_map) != len(betas):
+            raise ValueError(f"timestep_map has {len(timestep_map)} entries for {len(betas)} betas")
+
+        alphas_cumprod = np.cumprod(1.0 - betas)
+        alphas_cumprod_prev = np.append(1.0, alphas_cumprod[:-1])
+        posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
+        # The posterior variance is 0 at step 0; its log is clipped to the value at step 1.
+        clipped = np.append(posterior_variance[1], posterior_variance[1:]) if len(betas) > 1 else posterior_variance
+        # Without a learned variance DiT uses the "fixed large" choice beta_t (with beta~_1 at step 0).
+        fixed_large = np.append(posterior_variance[1], betas[1:]) if len(betas) > 1 else betas
+
+        as_tensor = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float64))  # noqa: E731
+        self.timestep_map = torch.tensor(timestep_map, dtype=torch.long)  # (K,)
+        self.betas = as_tensor(betas)  # (K,) float64, as are all schedule tensors below
+        self.alphas_cumprod = as_tensor(alphas_cumprod)
+        self.alphas_cumprod_prev = as_tensor(alphas_cumprod_prev)
+        self.sqrt_alphas_cumprod = as_tensor(np.sqrt(alphas_cumprod))
+        self.sqrt_one_minus_alphas_cumprod = as_tensor(np.sqrt(1.0 - alphas_cumprod))
+        self.sqrt_recip_alphas_cumprod = as_tensor(np.sqrt(1.0 / alphas_cumprod))
+        self.sqrt_recipm1_alphas_cumprod = as_tensor(np.sqrt(1.0 / alphas_cumprod - 1.0))
+        self.posterior_variance = as_tensor(posterior_variance)
+        self.posterior_log_variance_clipped = as_tensor(np.log(clipped))
+        self.posterior_mean_coef1 = as_tensor(betas * np.sqrt(alphas_cumprod_prev) / (1.0 - alphas_cumprod))
+        self.posterior_mean_coef2 = as_tensor((1.0 - alphas_cumprod_prev) * np.sqrt(1.0 - betas)
+                                              / (1.0 - alphas_cumprod))
+        self.log_betas = as_tensor(np.log(betas))
+        self.fixed_log_variance = as_tensor(np.log(fixed_large))
+
+    # -- respacing --------------------------------------------------------------------------------------------
+
+    def respaced(self, spec: str) -> "GaussianDiffusion":
+        """The process restricted to the steps kept by `spec` (see space_timesteps), with the betas that give the
+        same alphas_cumprod at those steps: beta_k = 1 - abar[t_k] / abar[t_{k-1}]."""
+        kept = space_timesteps(self.num_timesteps, spec)
+        alphas_cumprod = self.alphas_cumprod.numpy()[kept]
+        betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
+        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[kept].tolist())
+
+    def model_timesteps(self, t: Tensor) -> Tensor:
+        """Original timestep indices (what the model was trained on) for process steps t (B,)."""
+        return self.timestep_map.to(t.device)[t]  # (B,)
+
+    # -- forward process and posterior --------------------------------------------------------------------------
+
+    @staticmethod
+    def _at(coefficients: Tensor, t: Tensor, x: Tensor) -> Tensor:
+        """coefficients[t] as a (B, 1, ..., 1) tensor in x's dtype and device."""
+        values = coefficients.to(t.device)[t].to(x.dtype)  # (B,)
+        return values.view(-1, *([1] * (x.ndim - 1)))
+
+    def q_sample(self, x_start: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+        """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, a draw from q(x_t | x_0)."""
+        return (self._at(self.sqrt_alphas_cumprod, t, x_start) * x_start
+                + self._at(self.sqrt_one_minus_alphas_cumprod, t, x_start) * noise)
+
+    def q_posterior_mean_variance(self, x_start: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x_0)."""
+        mean = self._at(self.posterior_mean_coef1, t, x_t) * x_start + self._at(self.posterior_mean_coef2, t, x_t) * x_t
+        return mean, self._at(self.posterior_variance, t, x_t), self._at(self.posterior_log_variance_clipped, t, x_t)
+
+    def p_mean_variance(self, model_output: Tensor, x_t: Tensor, t: Tensor, clip_denoised: bool = False) -> ReverseStep:
+        """The reverse step p(x_{t-1} | x_t) implied by the model output at process step t.
+
+        With learn_sigma the output is [eps, v] with v in [-1, 1] interpolating the log-variance between the
+        posterior variance beta~_t (v = -1) and beta_t (v = +1) ("learned range", improved DDPM).
+        """
+        channels = x_t.shape[1]
+        expected = 2 * channels if self.learn_sigma else channels
+        if model_output.shape[1] != expected:
+            raise ValueError(f"model output has {model_output.shape[1]} channels; expected {expected} for "
+                             f"{channels}-channel inputs with learn_sigma={self.learn_sigma}")
+        model_output = model_output.to(x_t.dtype)
+        if self.learn_sigma:
+            eps, v = model_output.split(channels, dim=1)  # (B, C, H, W) each
+            frac = (v + 1) / 2
+            log_variance = (frac * self._at(self.log_betas, t, x_t)
+                            + (1 - frac) * self._at(self.posterior_log_variance_clipped, t, x_t))
+        else:
+            eps = model_output
+            log_variance = self._at(self.fixed_log_variance, t, x_t).expand_as(x_t)
+        # x_0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar), and back when x_0 is clipped
+        recip = self._at(self.sqrt_recip_alphas_cumprod, t, x_t)
+        recipm1 = self._at(self.sqrt_recipm1_alphas_cumprod, t, x_t)
+        pred_xstart = recip * x_t - recipm1 * eps
+        if clip_denoised:
+            pred_xstart = pred_xstart.clamp(-1, 1)
+            eps = (recip * x_t - pred_xstart) / recipm1
+        mean, _, _ = self.q_posterior_mean_variance(pred_xstart, x_t, t)
+        return ReverseStep(mean=mean, log_variance=log_variance, pred_xstart=pred_xstart, eps=eps)
+
+    # -- training -------------------------------------------------------------------------------------------------
+
+    def vb_terms_bits(self, x_start: Tensor, x_t: Tensor, t: Tensor, step: ReverseStep) -> Tensor:
+        """The variational-bound term of each sample in bits per dimension: KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t))
+        for t > 0, the discretised decoder NLL -log p(x_0|x_1) at t = 0."""
+        true_mean, _, true_log_variance = self.q_posterior_mean_variance(x_start, x_t, t)
+        kl = mean_flat(normal_kl(true_mean, true_log_variance, step.mean, step.log_variance)) / math.log(2.0)
+        nll = -discretized_gaussian_log_likelihood(x_start, step.mean, 0.5 * step.log_variance)
+        return torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)  # (B,)
+
+    def training_losses(self, model: ModelFn, x: Tensor, y: Tensor, t: Tensor | None = None,
+                        noise: Tensor | None = None) -> dict[str, Tensor]:
+        """Per-sample losses (B,) for clean inputs x: "mse" of the predicted noise, "vb" (bits/dim) training only
+        the variance (the mean is detached, as in improved DDPM's hybrid loss; DiT adds it unscaled), and their
+        sum "loss". t defaults to uniform process steps; the model sees the original timestep indices."""
+        if t is None:
+            t = torch.randint(0, self.num_timesteps, (x.shape[0],), device=x.device)
+        if noise is None:
+            noise = torch.randn_like(x)
+        x_t = self.q_sample(x, t, noise)  # (B, C, H, W)
+        output = model(x_t, self.model_timesteps(t), y).to(x.dtype)  # (B, C or 2C, H, W)
+        eps = output[:, : x.shape[1]]
+        terms = {"mse": mean_flat((noise - eps) ** 2)}
+        if self.learn_sigma:
+            frozen_mean = torch.cat([eps.detach(), output[:, x.shape[1]:]], dim=1)
+            terms["vb"] = self.vb_terms_bits(x, x_t, t, self.p_mean_variance(frozen_mean, x_t, t))
+            terms["loss"] = terms["mse"] + terms["vb"]
+        else:
+            terms["loss"] = terms["mse"]
+        return terms
+
+    # -- sampling --------------------------------------------------------------------------------------------------
+
+    default_sampler = "ddpm"
+    sampler_names = tuple(SAMPLER_OPTIONS)
+
+    def sample(self, model_fn: ModelFn, x_T: Tensor, labels: Tensor, *, sampler: str = "ddpm",
+               steps: int | None = None, noise: PerSampleNoise | None = None, progress: bool = False,
+               **options) -> SampleResult:
+        """Sample with "ddpm" (ancestral, respaced to `steps`, default 250) or "ddim" (spacing "ddimK", default
+        50; option eta, default 0). Option clip_denoised clamps predicted x_0 to [-1, 1] (pixel data only)."""
+        check_sampler_request(sampler, options, SAMPLER_OPTIONS)
+        steps = DEFAULT_STEPS[sampler] if steps is None else steps
+        process = self.respaced(f"ddim{steps}" if sampler == "ddim" else str(steps))
+        run = ddpm_samplers.ddim if sampler == "ddim" else ddpm_samplers.ddpm
+        with torch.no_grad():
+            return run(model_fn, x_T, labels, process, noise=noise, progress=progress, **options)
+
+
+def create_diffusion(timestep_respacing: str = "", learn_sigma: bool = True,
+                     diffusion_steps: int = NUM_TIMESTEPS) -> GaussianDiffusion:
+    """DiT's diffusion: `diffusion_steps` linear-beta steps, respaced by `timestep_respacing` ("" = all steps).
+
+    As in DiT, even the full process is built through respacing, so its betas are recomputed from alphas_cumprod.
+    """
+    base = GaussianDiffusion(linear_betas(diffusion_steps), learn_sigma=learn_sigma)
+    return base.respaced(timestep_respacing)

@@ -1,0 +1,330 @@
+"""The DiT backbone (Peebles & Xie, 2023), shared by DiT and SiT, with MHSA or Visual-Contrast Attention.
+
+With attention="mhsa" the parameter layout is the official one (key for key, shape for shape), so official
+DiT and SiT checkpoints load with `load_state_dict`.
+"""
+
+import math
+
+import torch
+from timm.layers import Mlp, PatchEmbed
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import ATTENTION_KINDS, VCAOptions, build_attention, resolve_contrast_grid
+
+TIMESTEP_FREQUENCY_DIM = 256  # width of the sinusoidal timestep features
+MAX_PERIOD = 10_000  # longest period of the timestep and position sinusoids
+NORM_EPS = 1e-6  # LayerNorm eps of the official DiT
+
+
+#################################################################################
+#                     Embedding layers for timesteps, labels, positions         #
+#################################################################################
+
+
+def timestep_embedding(t: Tensor, dim: int = TIMESTEP_FREQUENCY_DIM, max_period: int = MAX_PERIOD) -> Tensor:
+    """Sinusoidal features [cos(t·ω), sin(t·ω)] of (possibly fractional) timesteps t (B,) -> (B, dim).
+
+    Written here rather than imported from diffusers to keep the model free of that heavy import; the tests
+    check it against diffusers' `get_timestep_embedding`.
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]  # (B, dim/2)
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (B, dim)
+
+
+def sincos_pos_embed_2d(dim: int, grid_size: int, device: torch.device | None = None) -> Tensor:
+    """Fixed 2-D sin-cos position embedding of a grid_size² token grid (row-major) -> (grid_size², dim).
+
+    The first half of the channels encodes the column, the second half the row (the official DiT/MAE order).
+    """
+    quarter = dim // 4
+    omega = 1.0 / MAX_PERIOD ** (torch.arange(quarter, dtype=torch.float64, device=device) / quarter)  # (dim/4,)
+    coords = torch.arange(grid_size, dtype=torch.float64, device=device)
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")  # (G, G) each
+
+    def encode(positions: Tensor) -> Tensor:
+        args = positions.reshape(-1, 1) * omega  # (G², dim/4)
+        return torch.cat([torch.sin(args), torch.cos(args)], dim=1)  # (G², dim/2)
+
+    return torch.cat([encode(cols), encode(rows)], dim=1).float()  # (G², dim)
+
+
+class TimestepEmbedder(nn.Module):
+    """Embeds scalar timesteps into vectors: sinusoidal features followed by an MLP."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(TIMESTEP_FREQUENCY_DIM, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
+        )
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.mlp(timestep_embedding(t))  # (B, C)
+
+
+class LabelEmbedder(nn.Module):
+    """Embeds class labels; during training drops them to the null class `num_classes` for classifier-free guidance."""
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), hidden_size)
+
+    def forward(self, labels: Tensor) -> Tensor:
+        if self.training and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape, device=labels.device) < self.dropout_prob  # (B,)
+            labels = torch.where(drop, self.num_classes, labels)
+        return self.embedding_table(labels)  # (B, C)
+
+
+#################################################################################
+#                                 Core DiT model                                #
+#################################################################################
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN modulation of tokens (B, N, C) by per-sample shift and scale (B, C)."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    """A transformer block with adaLN-Zero conditioning; its token mixer is MHSA or VCA."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, attention: nn.Module):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
+        self.attn = attention
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))  # (B, N, C)
+        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))  # (B, N, C)
+
+
+class FinalLayer(nn.Module):
+    """The last adaLN-modulated LayerNorm and the linear map from tokens to patches."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))  # (B, N, p·p·out)
+
+
+class DiT(nn.Module):
+    """Diffusion/flow transformer over a latent image, conditioned on a timestep and a class label.
+
+    `model(x, t, y)`: x (B, in_channels, H, W); t (B,) DDPM step index (DiT) or time in [0, 1] (SiT);
+    y (B,) labels, `num_classes` being the null label. Returns (B, out_channels, H, W).
+    Models built by `create_model` also carry `config`, the dict that rebuilds them.
+    """
+
+    def __init__(
+        self,
+        input_size: int = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 1152,
+        depth: int = 28,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+        attention: str = "vca",
+        vca_options: VCAOptions = VCAOptions(),
+        gradient_checkpointing: bool = False,
+    ):
+        super().__init__()
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+        if attention == "mhsa" and vca_options != VCAOptions():
+            raise ValueError(f"VCA options {vca_options} have no effect with attention='mhsa'")
+        if input_size % patch_size:
+            raise ValueError(f"input_size={input_size} is not divisible by the patch size {patch_size}")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        grid_size = input_size // patch_size
+        if attention == "vca":
+            resolve_contrast_grid(grid_size, vca_options.contrast_grid)  # fail before building anything
+
+        self.input_size = input_size
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.learn_sigma = learn_sigma
+        self.out_channels = 2 * in_channels if learn_sigma else in_channels
+        self.num_classes = num_classes
+        self.num_heads = num_heads
+        self.gradient_checkpointing = gradient_checkpointing
+
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        # A frozen parameter, not a buffer, to keep the official state-dict key and parameter count.
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid_size**2, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList(
+            DiTBlock(
+                hidden_size,
+                num_heads,
+                mlp_ratio,
+                build_attention(attention, hidden_size, num_heads, grid_size, index, vca_options),
+            )
+            for index in range(depth)
+        )
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """Official DiT initialisation: xavier linears, N(0, 0.02) embeddings, zero adaLN and output (adaLN-Zero).
+
+        VCA's own parameters (E±, λ vectors, RMSNorm, depthwise conv) keep the initialisation of their module.
+        """
+
+        def init_linear(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+
+        self.apply(init_linear)
+        with torch.no_grad():
+            grid_size = self.input_size // self.patch_size
+            self.pos_embed.copy_(sincos_pos_embed_2d(self.pos_embed.shape[-1], grid_size, self.pos_embed.device))
+        patch_weight = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(patch_weight.view(patch_weight.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        zero_init = [block.adaLN_modulation[-1] for block in self.blocks]
+        zero_init += [self.final_layer.adaLN_modulation[-1], self.final_layer.linear]
+        for linear in zero_init:
+            nn.init.zeros_(linear.weight)
+            nn.init.zeros_(linear.bias)
+
+    def unpatchify(self, x: Tensor) -> Tensor:
+        """(B, N, p·p·out) tokens -> (B, out, H, W) image, in the official channel order."""
+        p, c, grid = self.patch_size, self.out_channels, self.input_size // self.patch_size
+        x = x.reshape(x.shape[0], grid, grid, p, p, c)  # (B, h, w, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, grid * p, grid * p)  # (B, c, H, W)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        x = self.x_embedder(x) + self.pos_embed  # (B, N, C)
+        c = self.t_embedder(t) + self.y_embedder(y)  # (B, C)
+        for block in self.blocks:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, c, use_reentrant=False)  # (B, N, C)
+            else:
+                x = block(x, c)  # (B, N, C)
+        return self.unpatchify(self.final_layer(x, c))  # (B, out, H, W)
+
+
+#################################################################################
+#                                 Model factory                                 #
+#################################################################################
+
+MODEL_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}  # depth, width, heads
+PATCH_SIZES = (2, 4, 8)
+LEARN_SIGMA_DEFAULT = {"DiT": True, "SiT": False}  # DDPM learns its variance; SiT predicts velocity only
+
+
+def model_names(family: str) -> tuple[str, ...]:
+    """The twelve names of a family, e.g. "DiT-S/2" … "DiT-XL/8"."""
+    return tuple(f"{family}-{size}/{patch}" for size in MODEL_SIZES for patch in PATCH_SIZES)
+
+
+def create_backbone(
+    family: str,
+    name: str,
+    attention: str = "vca",
+    input_size: int = 32,
+    in_channels: int = 4,
+    num_classes: int = 1000,
+    learn_sigma: bool | None = None,
+    class_dropout_prob: float = 0.1,
+    contrast_grid: int | None = None,
+    *,
+    gradient_checkpointing: bool = False,
+    joint_softmax: bool = True,
+    stage1_differential: bool = True,
+    stage2_differential: bool = True,
+    pooled_content: bool = True,
+    depth: int | None = None,
+    hidden_size: int | None = None,
+    num_heads: int | None = None,
+    mlp_ratio: float = 4.0,
+) -> DiT:
+    """Build the model `name` of `family` ("DiT" or "SiT"); the result's `config` rebuilds it.
+
+    attention: "vca" or "mhsa" (the official baseline). input_size: latent side. learn_sigma: None means the
+    family's default (DiT True, SiT False). contrast_grid: VCA's p (None: H/2 of the token grid).
+    The VCA switches are described in `dit_vca.attention.VisualContrastAttention`; depth, hidden_size,
+    num_heads and mlp_ratio override the size given by the name (for tiny test and demo models).
+    """
+    if family not in LEARN_SIGMA_DEFAULT:
+        raise ValueError(f"unknown model family {family!r}; expected one of {tuple(LEARN_SIGMA_DEFAULT)}")
+    if name not in model_names(family):
+        raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(model_names(family))}")
+    size, patch = name.removeprefix(f"{family}-").split("/")
+    default_depth, default_width, default_heads = MODEL_SIZES[size]
+    vca_options = VCAOptions(contrast_grid, joint_softmax, stage1_differential, stage2_differential, pooled_content)
+    config = dict(
+        name=name,
+        attention=attention,
+        input_size=input_size,
+        in_channels=in_channels,
+        num_classes=num_classes,
+        learn_sigma=LEARN_SIGMA_DEFAULT[family] if learn_sigma is None else learn_sigma,
+        class_dropout_prob=class_dropout_prob,
+        contrast_grid=contrast_grid,
+        gradient_checkpointing=gradient_checkpointing,
+        joint_softmax=joint_softmax,
+        stage1_differential=stage1_differential,
+        stage2_differential=stage2_differential,
+        pooled_content=pooled_content,
+        depth=default_depth if depth is None else depth,
+        hidden_size=default_width if hidden_size is None else hidden_size,
+        num_heads=default_heads if num_heads is None else num_heads,
+        mlp_ratio=mlp_ratio,
+    )
+    model = DiT(
+        input_size=input_size,
+        patch_size=int(patch),
+        in_channels=in_channels,
+        hidden_size=config["hidden_size"],
+        depth=config["depth"],
+        num_heads=config["num_heads"],
+        mlp_ratio=mlp_ratio,
+        class_dropout_prob=class_dropout_prob,
+        num_classes=num_classes,
+        learn_sigma=config["learn_sigma"],
+        attention=attention,
+        vca_options=vca_options,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    model.config = config
+    return model
+
+
+def create_model(name: str, *args, **kwargs) -> DiT:
+    """Build a "DiT-{S,B,L,XL}/{2,4,8}" model (learn_sigma defaults to True); arguments as `create_backbone`."""
+    return create_backbone("DiT", name, *args, **kwargs)
+
+
+def build_model_from_config(config: dict) -> DiT:
+    """Rebuild a DiT or SiT model from its `model.config` dict (dispatch on the "DiT-"/"SiT-" name prefix)."""
+    name = config.get("name")
+    family = name.split("-", 1)[0] if isinstance(name, str) else None
+    if family not in LEARN_SIGMA_DEFAULT:
+        raise ValueError(f"model config 'name' must start with 'DiT-' or 'SiT-', got {name!r}")
+    return create_backbone(family, **config)

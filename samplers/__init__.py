@@ -1,0 +1,9 @@
+"""How samples are integrated: DDPM/DDIM over a respaced diffusion, ODE and SDE solvers for interpolants,
+classifier-free guidance and per-sample noise. Every sampler takes a model function, x_T, labels and options
+and returns a SampleResult(samples, nfe)."""
+
+from .guidance import classifier_free_guidance
+from .interface import SampleResult
+from .noise import PerSampleNoise
+
+__all__ = ["SampleResult", "PerSampleNoise", "classifier_free_guidance"]

@@ -1,0 +1,87 @@
+"""Discrete-time samplers over a (respaced) DDPM process: ancestral DDPM and DDIM."""
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .interface import SampleResult
+from .noise import PerSampleNoise, standard_normal_like
+
+ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, C, H, W), t (B,), y (B,)) -> (B, C or 2C, H, W)
+
+
+class ReverseStep(NamedTuple):
+    """What a model output implies about x_{t-1} given x_t (all shaped like x_t)."""
+
+    mean: Tensor
+    log_variance: Tensor
+    pred_xstart: Tensor
+    eps: Tensor
+
+
+class DiscreteProcess(Protocol):
+    """The part of a respaced diffusion process (dit_vca.GaussianDiffusion) that the samplers use."""
+
+    num_timesteps: int
+    alphas_cumprod: Tensor  # (K,) float64
+    alphas_cumprod_prev: Tensor  # (K,) float64
+
+    def model_timesteps(self, t: Tensor) -> Tensor: ...
+
+    def p_mean_variance(self, model_output: Tensor, x_t: Tensor, t: Tensor,
+                        clip_denoised: bool = False) -> ReverseStep: ...
+
+
+def _reverse_step(model_fn: ModelFn, process: DiscreteProcess, x: Tensor, labels: Tensor, i: int,
+                  clip_denoised: bool) -> ReverseStep:
+    """Evaluate the model at process step i; the model sees the original (un-respaced) timestep index."""
+    t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)  # (B,)
+    return process.p_mean_variance(model_fn(x, process.model_timesteps(t), labels), x, t, clip_denoised)
+
+
+def ddpm(
+    model_fn: ModelFn,
+    x: Tensor,
+    labels: Tensor,
+    process: DiscreteProcess,
+    *,
+    noise: PerSampleNoise | None = None,
+    progress: bool = False,
+    clip_denoised: bool = False,
+) -> SampleResult:
+    """Ancestral sampling (Ho et al. 2020, Alg. 2): x_{t-1} ~ N(mu(x_t, t), Sigma(x_t, t)); the last step adds
+    no noise."""
+    for i in tqdm(range(process.num_timesteps - 1, -1, -1), desc="DDPM", disable=not progress):
+        step = _reverse_step(model_fn, process, x, labels, i, clip_denoised)
+        x = step.mean
+        if i > 0:
+            x = x + torch.exp(0.5 * step.log_variance) * standard_normal_like(x, noise)
+    return SampleResult(samples=x, nfe=process.num_timesteps)
+
+
+def ddim(
+    model_fn: ModelFn,
+    x: Tensor,
+    labels: Tensor,
+    process: DiscreteProcess,
+    *,
+    eta: float = 0.0,
+    noise: PerSampleNoise | None = None,
+    progress: bool = False,
+    clip_denoised: bool = False,
+) -> SampleResult:
+    """DDIM (Song et al. 2021, Eq. 12): jump to the predicted x_0 re-noised to step t-1; eta=0 is deterministic."""
+    if eta < 0:
+        raise ValueError(f"DDIM eta must be >= 0, got {eta}")
+    for i in tqdm(range(process.num_timesteps - 1, -1, -1), desc="DDIM", disable=not progress):
+        step = _reverse_step(model_fn, process, x, labels, i, clip_denoised)
+        alpha_bar = process.alphas_cumprod[i].item()
+        alpha_bar_prev = process.alphas_cumprod_prev[i].item()
+        sigma = eta * ((1 - alpha_bar_prev) / (1 - alpha_bar) * (1 - alpha_bar / alpha_bar_prev)) ** 0.5
+        x = step.pred_xstart * alpha_bar_prev**0.5 + (1 - alpha_bar_prev - sigma**2) ** 0.5 * step.eps
+        if i > 0 and sigma > 0:
+            x = x + sigma * standard_normal_like(x, noise)
+    return SampleResult(samples=x, nfe=process.num_timesteps)

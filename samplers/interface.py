@@ -1,0 +1,30 @@
+"""The one interface every sampler shares: its result type and the checks on a sampler request."""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Final samples of a sampler and the number of model-function evaluations (NFE) it took."""
+
+    samples: Tensor  # (B, C, H, W), same shape as x_T
+    nfe: int
+
+
+def check_sampler_request(sampler: str, options: dict, allowed_options: dict[str, Iterable[str]]) -> None:
+    """Raise ValueError naming the bad sampler or option (and the valid ones) before any sampling work."""
+    if sampler not in allowed_options:
+        raise ValueError(f"unknown sampler {sampler!r}; expected one of {sorted(allowed_options)}")
+    unknown = sorted(set(options) - set(allowed_options[sampler]))
+    if unknown:
+        valid = sorted(allowed_options[sampler]) or "none"
+        raise ValueError(f"sampler {sampler!r} got unknown option(s) {unknown}; its options are: {valid}")
+
+
+def batch_time(t: float, x: Tensor) -> Tensor:
+    """The scalar time t repeated for every sample of x, in x's dtype and device."""
+    return torch.full((x.shape[0],), t, device=x.device, dtype=x.dtype)  # (B,)

@@ -1,0 +1,244 @@
+"""DiT's DDPM objective against the reference implementation's numbers, diffusers and closed-form Gaussians."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DDPMScheduler
+from scipy import integrate, stats
+
+from _gaussian import load_reference
+from dit_vca import GaussianDiffusion, create_diffusion
+from dit_vca.diffusion import space_timesteps
+
+# The reference numbers are float64 results of the same arithmetic; 1e-12 leaves room only for a different
+# order of float64 operations (values are O(1)-O(10), float64 eps 2.2e-16).
+EXACT = 1e-12
+RESPACINGS = ["250", "100", "50", "ddim50", "ddim25"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference()
+
+
+@pytest.fixture(scope="module")
+def diffusion():
+    return create_diffusion()
+
+
+def reference_schedule(reference) -> tuple[np.ndarray, np.ndarray]:
+    """Training betas and alphas_cumprod straight from the reference file."""
+    betas = np.array(reference["betas_linear_1000"], dtype=np.float64)
+    return betas, np.cumprod(1.0 - betas)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Schedules and respacing
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_training_schedule_matches_reference(diffusion, reference):
+    assert diffusion.num_timesteps == reference["train_T"] == 1000
+    np.testing.assert_allclose(diffusion.betas.numpy(), reference["betas_linear_1000"], rtol=0, atol=EXACT)
+    for t, value in reference["alphas_cumprod_1000_at"].items():
+        assert abs(diffusion.alphas_cumprod[int(t)].item() - value) <= EXACT, t
+    for t, value in reference["posterior_log_variance_clipped_at"].items():
+        assert abs(diffusion.posterior_log_variance_clipped[int(t)].item() - value) <= EXACT, t
+
+
+@pytest.mark.parametrize("spec", RESPACINGS)
+def test_respacing_matches_reference(diffusion, reference, spec):
+    expected = reference[f"respace_{spec}"]
+    process = create_diffusion(spec)
+    assert process.timestep_map.tolist() == expected["timesteps"]
+    np.testing.assert_allclose(process.betas.numpy(), expected["betas"], rtol=0, atol=EXACT)
+    # Respacing keeps the marginals q(x_t | x_0) of the retained steps (relative float64 rounding only).
+    np.testing.assert_allclose(process.alphas_cumprod.numpy(),
+                               diffusion.alphas_cumprod.numpy()[expected["timesteps"]], rtol=1e-13)
+
+
+def test_alphas_cumprod_match_diffusers(diffusion):
+    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear")
+    # diffusers builds the schedule in float32: storage rounding (6e-8) plus a random walk of rounding errors over
+    # up to 1000 products (~sqrt(1000) * 6e-8 = 2e-6); rtol 1e-5 keeps a 5x margin and still catches any schedule
+    # difference (the next beta differs from its neighbour by ~2e-5 relative to alphas_cumprod).
+    np.testing.assert_allclose(diffusion.alphas_cumprod.numpy(), scheduler.alphas_cumprod.double().numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["ddim999", "2000", "abc", "0", "ddim"])
+def test_bad_respacing_is_rejected(spec):
+    with pytest.raises(ValueError, match="respacing"):
+        space_timesteps(1000, spec)
+
+
+def test_model_is_called_with_original_timesteps(reference):
+    seen = []
+
+    def model(x, t, y):
+        seen.append(t[0].item())
+        return torch.zeros(x.shape[0], 2 * x.shape[1], *x.shape[2:])
+
+    y = torch.zeros(2, dtype=torch.long)
+    create_diffusion().sample(model, torch.randn(2, 4, 2, 2), y, sampler="ddpm", steps=50)
+    assert seen == reference["respace_50"]["timesteps"][::-1]
+
+    seen.clear()
+    process = create_diffusion("ddim25")
+    process.training_losses(model, torch.randn(2, 4, 2, 2), y, t=torch.tensor([3, 3]))
+    assert seen == [reference["respace_ddim25"]["timesteps"][3]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learned-range variance and the variational bound
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_learned_range_extremes_are_beta_tilde_and_beta(diffusion, reference):
+    betas, alphas_cumprod = reference_schedule(reference)
+    t = torch.tensor([1, 10, 500, 999])
+    x = torch.randn(4, 4, 2, 2, dtype=torch.float64)
+    eps = torch.randn_like(x)
+    beta = betas[t.numpy()]
+    beta_tilde = beta * (1 - alphas_cumprod[t.numpy() - 1]) / (1 - alphas_cumprod[t.numpy()])
+    for v, expected in [(-1.0, beta_tilde), (1.0, beta)]:
+        output = torch.cat([eps, torch.full_like(x, v)], dim=1)
+        variance = diffusion.p_mean_variance(output, x, t).log_variance.exp()  # (4, 4, 2, 2)
+        np.testing.assert_allclose(variance[:, 0, 0, 0].numpy(), expected, rtol=EXACT)
+    # At step 0 the posterior variance is 0; its log is clipped to step 1's (reference value).
+    output = torch.cat([eps, -torch.ones_like(x)], dim=1)
+    log_variance = diffusion.p_mean_variance(output, x, torch.zeros(4, dtype=torch.long)).log_variance
+    assert abs(log_variance[0, 0, 0, 0].item() - reference["posterior_log_variance_clipped_at"]["0"]) <= EXACT
+    # Without learn_sigma the variance is fixed to beta_t ("fixed large").
+    fixed = create_diffusion(learn_sigma=False).p_mean_variance(eps, x, t).log_variance.exp()
+    np.testing.assert_allclose(fixed[:, 0, 0, 0].numpy(), beta, rtol=EXACT)
+
+
+def _reverse_gaussians(reference, x_start, x_t, eps, v, t):
+    """Closed-form q(x_{t-1} | x_t, x_0) and the model's p(x_{t-1} | x_t) from the reference betas (numpy)."""
+    betas, abar = reference_schedule(reference)
+    abar_prev = 1.0 if t == 0 else abar[t - 1]
+    coef_x0 = betas[t] * math.sqrt(abar_prev) / (1 - abar[t])
+    coef_xt = (1 - abar_prev) * math.sqrt(1 - betas[t]) / (1 - abar[t])
+    beta_tilde = betas[t] * (1 - abar_prev) / (1 - abar[t])
+    pred_x0 = (x_t - math.sqrt(1 - abar[t]) * eps) / math.sqrt(abar[t])
+    frac = (v + 1) / 2
+    log_beta_tilde_clipped = math.log(beta_tilde if t > 0 else betas[1] * (1 - abar[0]) / (1 - abar[1]))
+    model_var = np.exp(frac * math.log(betas[t]) + (1 - frac) * log_beta_tilde_clipped)
+    return coef_x0 * x_start + coef_xt * x_t, beta_tilde, coef_x0 * pred_x0 + coef_xt * x_t, model_var
+
+
+def gaussian_kl(mean1, var1, mean2, var2):
+    """KL(N(mean1, var1) || N(mean2, var2)) in nats, element-wise (numpy)."""
+    return 0.5 * np.log(var2 / var1) + (var1 + (mean1 - mean2) ** 2) / (2 * var2) - 0.5
+
+
+def test_vb_term_is_the_gaussian_kl_in_bits(diffusion, reference):
+    rng = np.random.default_rng(0)
+    x_start = rng.uniform(-1, 1, size=(3, 2, 2, 1))
+    noise = rng.normal(size=x_start.shape)
+    eps = noise + 0.3 * rng.normal(size=x_start.shape)  # an imperfect prediction
+    v = rng.uniform(-1, 1, size=x_start.shape)
+    t = np.array([1, 300, 999])
+    x_t = np.stack([math.sqrt(a) * x0 + math.sqrt(1 - a) * n for a, x0, n in
+                    zip(reference_schedule(reference)[1][t], x_start, noise)])
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    step = diffusion.p_mean_variance(torch.cat([as_t(eps), as_t(v)], dim=1), as_t(x_t), as_t(t))
+    vb = diffusion.vb_terms_bits(as_t(x_start), as_t(x_t), as_t(t), step).numpy()  # (3,)
+    for i in range(3):
+        true_mean, true_var, model_mean, model_var = _reverse_gaussians(reference, x_start[i], x_t[i], eps[i], v[i],
+                                                                        t[i])
+        kl = gaussian_kl(true_mean, true_var, model_mean, model_var)
+        # float64 arithmetic on O(1) quantities; 1e-10 relative allows reordering only.
+        assert vb[i] == pytest.approx(kl.mean() / math.log(2), rel=1e-10)
+    # One element by numerical integration of p log(p/q): an independent check of the closed form above.
+    true_mean, true_var, model_mean, model_var = _reverse_gaussians(reference, x_start[1], x_t[1], eps[1], v[1], 300)
+    p = stats.norm(true_mean[0, 0, 0], math.sqrt(true_var))
+    q = stats.norm(model_mean[0, 0, 0], math.sqrt(model_var[0, 0, 0]))
+    lo, hi = p.ppf(1e-12), p.isf(1e-12)
+    kl_quad, _ = integrate.quad(lambda z: p.pdf(z) * (p.logpdf(z) - q.logpdf(z)), lo, hi, epsabs=1e-13, limit=200)
+    kl_closed = gaussian_kl(true_mean, true_var, model_mean, model_var)
+    assert kl_closed[0, 0, 0] == pytest.approx(kl_quad, rel=1e-6)  # quadrature accuracy
+
+
+def test_decoder_nll_at_step_zero(diffusion):
+    # Pixels on the 256-level grid of [-1, 1], including both end bins (which extend to -inf / +inf).
+    levels = torch.tensor([0, 37, 200, 255], dtype=torch.float64)
+    x_start = (levels / 127.5 - 1).view(1, 4, 1, 1)
+    x_t = x_start + 0.01
+    eps = torch.full_like(x_start, 0.2)
+    v = torch.full_like(x_start, 0.4)
+    t = torch.zeros(1, dtype=torch.long)
+    step = diffusion.p_mean_variance(torch.cat([eps, v], dim=1), x_t, t)
+    nll_bits = diffusion.vb_terms_bits(x_start, x_t, t, step).item()
+
+    mean = step.mean.flatten().numpy()
+    scale = np.exp(0.5 * step.log_variance.flatten().numpy())
+    expected = []
+    for x, m, s in zip(x_start.flatten().numpy(), mean, scale):
+        dist = stats.norm(m, s)
+        if x < -0.999:
+            log_p = dist.logcdf(x + 1 / 255)
+        elif x > 0.999:
+            log_p = dist.logsf(x - 1 / 255)
+        else:
+            log_p = math.log(dist.cdf(x + 1 / 255) - dist.cdf(x - 1 / 255))
+        expected.append(-log_p / math.log(2))
+    # scipy's normal CDF vs torch's ndtr, both float64: agreement to ~1e-12 relative; 1e-9 allows for log of
+    # differences of CDFs (cancellation over a bin of width 2/255 at scale ~1e-2).
+    assert nll_bits == pytest.approx(np.mean(expected), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training losses
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_hybrid_loss_trains_the_mean_by_mse_and_the_variance_by_vb(diffusion):
+    x = torch.randn(3, 4, 2, 2)
+    noise = torch.randn_like(x)
+    t = torch.tensor([0, 17, 999])
+    output = torch.randn(3, 8, 2, 2, requires_grad=True)
+    terms = diffusion.training_losses(lambda x_t, t_, y: output, x, torch.zeros(3, dtype=torch.long), t=t, noise=noise)
+
+    torch.testing.assert_close(terms["mse"], ((noise - output[:, :4]) ** 2).mean(dim=(1, 2, 3)), rtol=0, atol=0)
+    torch.testing.assert_close(terms["loss"], terms["mse"] + terms["vb"], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(terms["vb"].sum(), output)
+    assert torch.count_nonzero(grad[:, :4]) == 0, "the VB term must not train the mean (epsilon) channels"
+    assert torch.count_nonzero(grad[:, 4:]) == grad[:, 4:].numel()
+
+
+def test_training_losses_without_learned_sigma():
+    diffusion = create_diffusion(learn_sigma=False)
+    x = torch.randn(2, 4, 2, 2)
+    terms = diffusion.training_losses(lambda x_t, t, y: torch.zeros_like(x_t), x, torch.zeros(2, dtype=torch.long),
+                                      noise=torch.ones_like(x))
+    assert set(terms) == {"mse", "loss"}
+    torch.testing.assert_close(terms["loss"], torch.ones(2), rtol=0, atol=0)  # mean((1 - 0)^2)
+
+
+def test_clip_denoised_keeps_eps_consistent_with_the_clipped_x0(diffusion):
+    """Pixel-space sampling may clip predicted x_0 to [-1, 1]; DDIM then needs the epsilon that matches it:
+    x_t = sqrt(abar) x_0 + sqrt(1 - abar) eps must still hold (float64 rounding only)."""
+    x_t = 3 * torch.randn(4, 4, 2, 2, dtype=torch.float64)
+    t = torch.tensor([5, 100, 400, 900])
+    output = torch.cat([torch.randn_like(x_t), torch.zeros_like(x_t)], dim=1)
+    step = diffusion.p_mean_variance(output, x_t, t, clip_denoised=True)
+    assert step.pred_xstart.abs().max() <= 1 and (step.pred_xstart.abs() == 1).any()
+    abar = diffusion.alphas_cumprod[t].view(-1, 1, 1, 1)
+    torch.testing.assert_close(abar.sqrt() * step.pred_xstart + (1 - abar).sqrt() * step.eps, x_t, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_wrong_model_output_channels_are_reported(diffusion):
+    with pytest.raises(ValueError, match="expected 8"):
+        diffusion.training_losses(lambda x_t, t, y: x_t, torch.randn(2, 4, 2, 2), torch.zeros(2, dtype=torch.long))
+
+
+def test_sampler_request_is_checked_before_sampling(diffusion):
+    model = lambda x, t, y: pytest.fail("the model must not run for a bad request")  # noqa: E731
+    x, y = torch.randn(1, 4, 2, 2), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"unknown sampler 'euler'.*'ddim', 'ddpm'"):
+        diffusion.sample(model, x, y, sampler="euler")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['eta'\]"):
+        diffusion.sample(model, x, y, sampler="ddpm", eta=1.0)
+    assert diffusion.default_sampler == "ddpm" and set(diffusion.sampler_names) == {"ddpm", "ddim"}
+    assert isinstance(diffusion, GaussianDiffusion)
