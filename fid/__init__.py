@@ -1,0 +1,29 @@
+"""FID, sFID, Inception Score and precision/recall in PyTorch, faithful to the ADM evaluator.
+
+Knows nothing of models: it scores uint8 images (N, H, W, 3) from .npz files, folders or
+iterators, against images or ADM-format statistics files.
+"""
+
+from .evaluation import Evaluation, evaluate, extract_features, fid_from_batches
+from .frechet import frechet_distance
+from .inception import InceptionFeatures, load_inception
+from .inception_score import inception_score
+from .precision_recall import precision_recall
+from .statistics import FeatureMoments, Gaussian, StatisticsFile, load_statistics, save_statistics
+
+__all__ = [
+    "Evaluation",
+    "FeatureMoments",
+    "Gaussian",
+    "InceptionFeatures",
+    "StatisticsFile",
+    "evaluate",
+    "extract_features",
+    "fid_from_batches",
+    "frechet_distance",
+    "inception_score",
+    "load_inception",
+    "load_statistics",
+    "precision_recall",
+    "save_statistics",
+]

