@@ -31,6 +31,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention  # noqa: E402
+from _results import plt, save_results  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
 FIXED_CONTRAST = 64  # n = 64, an 8×8 contrast grid
@@ -228,12 +230,7 @@ def markdown(results: dict, table: list[dict]) -> str:
     return "\n".join(lines + ([""] + ["Goals (forward+backward, n = 64):"] + goals if goals else [])) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict) -> Figure:
     widths = sorted({(row["width"], row["heads"]) for row in results["rows"]})
     dtypes = [name for name in DTYPES if name in results["matmul_gflops"]]
     fig, axes = plt.subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)
@@ -251,15 +248,7 @@ def plot(results: dict, path: Path) -> None:
             ax.legend()
     fig.suptitle(f"VCA vs MHSA, one layer, {results['device']}")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    return fig
 
 
 def main() -> None:
@@ -272,15 +261,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
-    args.out.mkdir(parents=True, exist_ok=True)
 
     results = run(args)
     table = comparisons(results)
     results["comparisons"] = table
     stem = f"attention-{torch.device(args.device).type}{'-quick' if args.quick else ''}"
-    write_text_atomic(args.out / f"{stem}.json", json.dumps(results, indent=1) + "\n")
-    write_text_atomic(args.out / f"{stem}.md", markdown(results, table))
-    plot(results, args.out / f"{stem}.png")
+    save_results(args.out, stem, results, markdown(results, table), plot)
     print(markdown(results, table))
     print(f"wrote {args.out / stem}.{{json,md,png}}")
 

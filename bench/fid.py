@@ -8,7 +8,6 @@ Run CPU benchmarks with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (
 """
 
 import argparse
-import json
 import multiprocessing
 import re
 import sys
@@ -24,6 +23,8 @@ sys.path.insert(0, str(REPO))
 
 from fid import FeatureMoments, Gaussian, frechet_distance, load_inception  # noqa: E402
 from fid.weights import POOL_DIM  # noqa: E402
+from _results import plt, save_results  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SETTINGS = {  # full vs --quick sizes
@@ -161,12 +162,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict) -> Figure:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     methods = results["frechet"]["methods"]
     left.barh(list(methods), [m["seconds"] for m in methods.values()])
@@ -177,8 +173,7 @@ def plot(results: dict, path: Path) -> None:
     right.set_ylabel("MiB")
     right.set_title(f"peak memory, {memory['features']:,} features")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure
 
 
 def main() -> None:
@@ -198,10 +193,7 @@ def main() -> None:
         "memory": memory,
     }
     stem = f"fid-{device_label(devices[-1])}" + ("-quick" if args.quick else "")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / f"{stem}.md").write_text(markdown(results))
-    plot(results, RESULTS / f"{stem}.png")
+    save_results(RESULTS, stem, results, markdown(results), plot)
     print(markdown(results))
     print(f"written: {RESULTS / stem}.json, .md, .png")
 

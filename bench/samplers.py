@@ -15,7 +15,6 @@ Usage: python bench/samplers.py [--quick] [--device cpu|cuda] [--out bench/resul
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -30,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import dit_vca  # noqa: E402
 import sit_vca  # noqa: E402
 from samplers import SampleResult  # noqa: E402
+from _results import plt, save_results  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 # (model, sampler, steps); steps None = adaptive.
 RUNS = (
@@ -141,12 +142,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict) -> Figure:
     labels = list(dict.fromkeys(row["label"] for row in results["rows"]))
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(PRECISIONS)
@@ -158,16 +154,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(f"Sampler throughput, {results['device']}, batch {results['settings']['batch']}")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    return fig
 
 
 def main() -> None:
@@ -179,12 +166,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
     results = run(args)
     stem = f"samplers-{torch.device(args.device).type}" + ("-quick" if args.quick else "")
-    write_text_atomic(args.out / f"{stem}.json", json.dumps(results, indent=1) + "\n")
-    write_text_atomic(args.out / f"{stem}.md", markdown(results))
-    plot(results, args.out / f"{stem}.png")
+    save_results(args.out, stem, results, markdown(results), plot)
     print(markdown(results))
 
 

@@ -1,0 +1,122 @@
+"""Config files, the `base:` chain, dotted overrides, and the errors for keys and values that do not fit."""
+
+from pathlib import Path
+
+import pytest
+
+from training.config import ConfigError, config_to_yaml, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+EXPERIMENTS = sorted(path for path in CONFIGS.glob("*.yaml") if path.name not in ("imagenet256.yaml", "digits.yaml"))
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_one_config_per_paper_experiment():
+    # DiT and SiT x S and B x patch 2/4/8 x VCA and MHSA, plus L/2 and XL/2 of both families and attentions.
+    names = {path.stem for path in EXPERIMENTS}
+    expected = {f"{family}-{size}{patch}-{attention}" for family in ("dit", "sit") for size in ("s", "b")
+                for patch in (2, 4, 8) for attention in ("vca", "mhsa")}
+    expected |= {f"{family}-{size}2-{attention}" for family in ("dit", "sit") for size in ("l", "xl")
+                 for attention in ("vca", "mhsa")}
+    assert names == expected
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda path: path.stem)
+def test_experiment_configs_share_the_paper_recipe(path):
+    config = load_config(path)
+    family, size_patch, attention = path.stem.split("-")
+    assert config.model.name.lower().replace("/", "").replace("-", "") == family + size_patch
+    assert config.model.attention == attention
+    # The paper's recipe (REFERENCE.md / VCA.md), written once in imagenet256.yaml.
+    train = config.train
+    assert (train.global_batch_size, train.lr, train.weight_decay, train.ema_decay, train.max_steps) == \
+        (256, 1e-4, 0.0, 0.9999, 400_000)
+    assert train.warmup_steps == 0 and train.max_grad_norm is None and not train.ema_warmup
+    assert (config.data.source, config.data.image_size, config.data.num_classes, config.data.random_flip) == \
+        ("latents", 256, 1000, True)
+    assert (config.vae.name, config.vae.scale) == ("stabilityai/sd-vae-ft-ema", 0.18215)
+    assert config.run.dir == str(Path("results") / path.stem)
+    # Each experiment file states only its base and its model: nothing of the recipe is repeated.
+    assert set(line.split(":")[0] for line in path.read_text().splitlines()
+               if line and not line.startswith((" ", "#"))) == {"base", "model"}
+
+
+def test_digits_config_matches_the_calibration():
+    config = load_config(CONFIGS / "digits.yaml")
+    assert (config.model.hidden_size, config.model.depth, config.model.num_heads) == (128, 4, 4)
+    assert config.model.attention == "vca" and config.model.name.endswith("/2")
+    assert (config.data.source, config.data.image_size, config.data.num_classes) == ("digits", 8, 10)
+    assert config.train.global_batch_size == 128 and config.train.warmup_steps == 200
+    assert config.train.max_grad_norm == 1.0 and config.train.ema_decay == 0.999 and config.train.ema_warmup
+
+
+def test_overrides_are_typed_and_win_over_files(tmp_path):
+    base = write(tmp_path / "base.yaml", "train: {lr: 1.0e-4, betas: [0.9, 0.95]}\nlog: {every: 7}\n")
+    child = write(tmp_path / "child.yaml", "base: base.yaml\nlog: {every: 9}\n")
+    config = load_config(child, ["model.name=SiT-B/4", "data.source=digits", "data.image_size=8",
+                                 "data.num_classes=10", "train.global_batch_size=32", "train.max_steps=5",
+                                 "train.ema_decay=0.99", "train.lr=2e-4", "train.max_grad_norm=null"])
+    assert config.train.lr == 2e-4 and isinstance(config.train.lr, float)   # "2e-4" parsed as a float
+    assert config.train.betas == [0.9, 0.95]                                  # from the base
+    assert config.log.every == 9                                              # the file overrides its base
+    assert config.train.max_grad_norm is None
+    assert config.run.dir == str(Path("results") / "child")
+    assert base.exists()
+
+
+def test_resolved_yaml_loads_back_to_the_same_config(tmp_path):
+    config = load_config(CONFIGS / "sit-b2-vca.yaml", ["train.lr=3e-4", "run.dir=somewhere"])
+    saved = write(tmp_path / "resolved.yaml", config_to_yaml(config))
+    assert load_config(saved) == config
+
+
+@pytest.mark.parametrize("override, message", [
+    (["train.lrr=1"], "unknown key 'train.lrr'; valid keys under 'train': global_batch_size"),
+    (["trian.lr=1"], "unknown key 'trian'; valid keys at the top level: model, diffusion"),
+    (["train.lr=fast"], "bad value for 'train.lr' (expected float)"),
+    (["log.every=2.5"], "bad value for 'log.every' (expected int)"),
+    (["train=3"], "'train' must be a section of keys"),
+    (["model.attention=mha"], "'model.attention' is 'mha'; valid choices: vca, mhsa"),
+    (["data.source=imagenet"], "valid choices: latents, images, digits"),
+    (["model.name=DiT-M/2"], "'model.name' is 'DiT-M/2'; valid choices: DiT-S/2, DiT-S/4"),
+    (["train.lr"], "is not of the form section.key=value"),
+])
+def test_bad_overrides_name_the_key_and_the_valid_choices(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIGS / "dit-s2-vca.yaml", override)
+    assert message in str(error.value)
+
+
+def test_bad_file_values_name_the_file(tmp_path):
+    bad = write(tmp_path / "bad.yaml", "base: " + str(CONFIGS / "imagenet256.yaml") + "\ntrain: {ema_decay: high}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: bad value for 'train\.ema_decay' \(expected float\)"):
+        load_config(bad)
+
+
+def test_missing_required_values_are_listed(tmp_path):
+    bare = write(tmp_path / "bare.yaml", "model: {name: DiT-S/2}\n")
+    with pytest.raises(ConfigError, match="no value for data.image_size, data.num_classes, data.source"):
+        load_config(bare)
+
+
+def test_latent_space_needs_a_vae(tmp_path):
+    no_vae = write(tmp_path / "no_vae.yaml", "base: " + str(CONFIGS / "imagenet256.yaml") +
+                   "\nmodel: {name: DiT-S/2}\nvae: {name: null}\n")
+    with pytest.raises(ConfigError, match="needs vae.name and vae.scale"):
+        load_config(no_vae)
+
+
+def test_base_chain_errors(tmp_path):
+    write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="circular `base:` chain"):
+        load_config(tmp_path / "a.yaml")
+    write(tmp_path / "c.yaml", "base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere\.yaml does not exist \(named as base by .*c\.yaml\)"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")

@@ -1,0 +1,152 @@
+"""Datasets and the sharded, resumable batch stream."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from sklearn.datasets import load_digits
+from torchvision import transforms
+
+from training.data import (CorruptImageError, DigitsDataset, ImageFolderDataset, LatentShardDataset,
+                           ShardedBatches, center_crop_adm, collate_examples, read_manifest)
+
+
+def make_image_folder(root, classes=("cat", "dog"), per_class=6, size=(40, 48), seed=0):
+    rng = np.random.default_rng(seed)
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i:03d}.png")
+    return root
+
+
+def test_adm_crop_equals_torchvision_resize_and_crop_for_small_images():
+    # With the short side below 2x the target no box halving happens, so ADM's crop is a bicubic resize of the
+    # short side plus a centre crop, which torchvision implements independently. 300x400 -> 256x341 is
+    # chosen so both libraries round the long side (341.33) and the crop offset (42.5 -> 42) the same way.
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    reference = transforms.CenterCrop(256)(transforms.Resize(256, transforms.InterpolationMode.BICUBIC)(image))
+    np.testing.assert_array_equal(center_crop_adm(image, 256), np.asarray(reference))
+
+
+def test_adm_crop_box_halves_large_images_first():
+    # 640x512 with target 128: two box halvings give 160x128 exactly, so only the centre crop follows.
+    # PIL's reduce(4) is an independent 4x4 box average; it rounds once where two halvings round twice, so
+    # values may differ by up to 2 levels. Resizing without the halving (plain antialiased bicubic) is a
+    # different filter and differs by ~7 levels on average on this noise image, which the test would catch.
+    image = Image.fromarray(np.random.default_rng(2).integers(0, 256, (512, 640, 3), dtype=np.uint8))
+    ours = center_crop_adm(image, 128).astype(int)
+    reference = np.asarray(transforms.CenterCrop(128)(image.reduce(4))).astype(int)
+    assert np.abs(ours - reference).max() <= 2 and np.abs(ours - reference).mean() < 1.5
+    direct = transforms.CenterCrop(128)(transforms.Resize(128, transforms.InterpolationMode.BICUBIC)(image))
+    assert np.abs(ours - np.asarray(direct).astype(int)).mean() > 5
+
+
+def test_image_folder_labels_range_and_flip(tmp_path):
+    folder = make_image_folder(tmp_path / "images")
+    plain = ImageFolderDataset(folder, 32, random_flip=False)
+    flipping = ImageFolderDataset(folder, 32, random_flip=True, seed=3)
+    assert len(plain) == 12 and plain.classes == ["cat", "dog"]
+    assert [label for _, label in plain.samples] == [0] * 6 + [1] * 6
+    x, label = plain[7]
+    assert x.shape == (3, 32, 32) and label == 1 and -1 <= x.min() and x.max() <= 1
+    flips = set()
+    for epoch in range(20):  # all 20 draws equal has probability 2^-19
+        flipping.set_epoch(epoch)
+        y, _ = flipping[7]
+        flips.add(torch.equal(y, x.flip(-1)))
+        assert torch.equal(y, x) or torch.equal(y, x.flip(-1))
+        assert torch.equal(flipping[7][0], y)  # the same (seed, epoch, index) draws the same flip
+    assert flips == {True, False}
+
+
+def test_corrupt_image_is_named_or_skipped_and_counted(tmp_path):
+    folder = make_image_folder(tmp_path / "images")
+    corrupt = folder / "dog" / "002.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:60])  # truncated PNG
+    strict = ImageFolderDataset(folder, 16, random_flip=False)
+    with pytest.raises(CorruptImageError, match=str(corrupt)):
+        strict[8]
+    lenient = ImageFolderDataset(folder, 16, random_flip=False, on_corrupt="skip")
+    x, y, skipped = collate_examples([lenient[i] for i in range(6, 12)])
+    assert skipped == 1 and x.shape == (5, 3, 16, 16) and y.tolist() == [1] * 5
+
+
+def test_digits_are_sklearns_digits_in_minus_one_one():
+    dataset = DigitsDataset()
+    digits = load_digits()
+    assert len(dataset) == 1797
+    x, label = dataset[123]
+    assert x.shape == (1, 8, 8) and label == digits.target[123]
+    np.testing.assert_allclose(x[0].numpy(), digits.images[123] / 16 * 2 - 1)
+    assert dataset.images.min() == -1 and dataset.images.max() == 1
+
+
+def write_latent_shards(root, means, stds, labels, shard_size):
+    root.mkdir()
+    shards = []
+    for k, start in enumerate(range(0, len(labels), shard_size)):
+        part = slice(start, start + shard_size)
+        save_file({"mean": means[part], "std": stds[part], "labels": labels[part]}, root / f"shard-{k:05d}.safetensors")
+        shards.append({"file": f"shard-{k:05d}.safetensors", "count": len(labels[part]), "skipped": 0})
+    manifest = {"format": 1, "image_size": 32, "vae": "test", "latent_channels": 4, "latent_size": 4,
+                "dtype": "float32", "classes": ["a", "b", "c"], "num_images": len(labels), "num_skipped": 0,
+                "shards": shards}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_latent_shards_draw_a_fresh_posterior_sample_and_flip(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    means = torch.randn(10, 2, 4, 4, 4, generator=generator)
+    stds = torch.rand(10, 2, 4, 4, 4, generator=generator) + 0.5
+    labels = torch.arange(10) % 3
+    write_latent_shards(tmp_path / "latents", means, stds, labels, shard_size=4)
+    scale = 0.5
+    dataset = LatentShardDataset(tmp_path / "latents", scale=scale, random_flip=True, seed=1)
+    assert len(dataset) == 10 and read_manifest(tmp_path / "latents")["num_images"] == 10
+    draws, flips = [], []
+    for epoch in range(400):
+        dataset.set_epoch(epoch)
+        z, label = dataset[6]  # second shard, row 2
+        assert label == 0
+        # Which flip was drawn: the standardised residual under the right one is N(0, 1), under the other huge.
+        residuals = [((z / scale - means[6, f]) / stds[6, f]).abs().max() for f in (0, 1)]
+        flip = int(residuals[1] < residuals[0])
+        flips.append(flip)
+        draws.append(((z / scale - means[6, flip]) / stds[6, flip]))
+    eps = torch.stack(draws)  # (400, 4, 4, 4) standardised samples
+    # Mean 0 and variance 1 of 25 600 draws: tolerances are ~6 standard errors (0.006 and 0.009).
+    assert eps.mean().abs() < 0.04 and (eps.var() - 1).abs() < 0.06
+    assert 150 < sum(flips) < 250  # Binomial(400, 1/2): +-5 standard deviations
+    dataset.set_epoch(7)
+    assert torch.equal(dataset[6][0], dataset[6][0])  # reproducible for a given (seed, epoch, index)
+
+
+def test_sharded_batches_split_the_epoch_and_resume_at_any_position():
+    dataset = DigitsDataset()
+    streams = [ShardedBatches(dataset, 32, rank, 2, seed=5, num_workers=0) for rank in (0, 1)]
+    assert streams[0].batches_per_epoch == 898 // 32
+    # Disjoint halves of one permutation: no example index repeats within an epoch across processes.
+    indices = [list(itertools.islice(iter(s.sampler), 28 * 32)) for s in streams]
+    assert not set(indices[0]) & set(indices[1])
+    # Resuming at micro-batch 20 (inside the first epoch) replays exactly what follows, across the boundary.
+    full = list(itertools.islice(streams[1].stream(0), 40))
+    resumed = list(itertools.islice(streams[1].stream(20), 20))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[20:], resumed))
+    # A new epoch is a new permutation.
+    assert not torch.equal(full[0][1], full[28][1])
+
+
+def test_batches_do_not_depend_on_the_number_of_loader_workers(tmp_path):
+    folder = make_image_folder(tmp_path / "images", per_class=8)
+    dataset = ImageFolderDataset(folder, 16, random_flip=True, seed=2)
+    draws = []
+    for workers in (0, 2):
+        stream = ShardedBatches(dataset, 4, 0, 1, seed=2, num_workers=workers).stream(0)
+        draws.append([x for x, _, _ in itertools.islice(stream, 8)])  # two epochs of 4 batches
+    assert all(torch.equal(a, b) for a, b in zip(*draws))

@@ -1,0 +1,191 @@
+"""VAE loading and latent extraction: local folders, offline errors, shards that survive kill -9."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import PartialState
+from diffusers import AutoencoderKL
+from PIL import Image
+from safetensors.torch import load_file
+
+from training.config import load_config
+from training.data import CorruptImageError, LatentShardDataset
+from training.latents import extract_latents, plan_shards, shard_name, shards_of_process
+from training.vae import VAEUnavailableError, encode_posterior, load_vae
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small AutoencoderKL: two resolutions (2x downsampling), 4 latent channels, random weights.
+TINY_VAE = dict(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8)
+
+
+@pytest.fixture(scope="module")
+def vae_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("vae") / "tiny-vae"
+    AutoencoderKL(**TINY_VAE).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def single_process():
+    """One CPU process, single-threaded like the subprocesses (so their float results match bit for bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield PartialState(cpu=True)
+    PartialState._reset_state()
+    torch.set_num_threads(threads)
+
+
+def make_images(root: Path, per_class: int, size: int = 32) -> Path:
+    rng = np.random.default_rng(0)
+    for name in ("ant", "bee"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size + 8, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+def extraction_config(tmp_path: Path, images: Path, latents: Path, vae_folder: Path, **extract) -> Path:
+    settings = {"batch_size": 3, "shard_size": 4, "dtype": "float32", **extract}
+    path = tmp_path / f"extract-{latents.name}.yaml"
+    path.write_text(f"""
+model: {{name: DiT-S/2}}
+data: {{source: images, images: {images}, latents: {latents}, image_size: {settings.pop('image_size', 32)},
+        num_classes: 2, num_workers: 0}}
+vae: {{name: {vae_folder}, scale: 0.5}}
+extract: {json.dumps(settings)}
+train: {{global_batch_size: 4, max_steps: 1, lr: 1.0e-4, ema_decay: 0.99, cpu: true}}
+""")
+    return path
+
+
+def test_vae_round_trips_through_a_local_folder(vae_folder):
+    torch.manual_seed(0)
+    original = AutoencoderKL(**TINY_VAE)  # same seed as the saved one
+    loaded = load_vae(str(vae_folder))
+    assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    reference = original.state_dict()
+    assert all(torch.equal(value, reference[key]) for key, value in loaded.state_dict().items())
+    images = torch.rand(2, 3, 16, 16) * 2 - 1
+    mean, std = encode_posterior(loaded, images)
+    expected = original.encode(images).latent_dist
+    assert torch.equal(mean, expected.mean) and torch.equal(std, expected.std)
+
+
+def test_missing_vae_errors_say_how_to_provide_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(VAEUnavailableError) as error:
+        load_vae("stabilityai/sd-vae-ft-mse")
+    assert "offline (HF_HUB_OFFLINE=1)" in str(error.value)
+    assert "save_pretrained('vae/sd-vae-ft-mse')" in str(error.value)
+    with pytest.raises(VAEUnavailableError, match="does not exist"):
+        load_vae(str(tmp_path / "no" / "such" / "vae"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VAEUnavailableError, match="has no config.json"):
+        load_vae(str(tmp_path / "empty"))
+
+
+def test_every_shard_belongs_to_exactly_one_process():
+    for processes in range(1, 5):
+        owners = [shards_of_process(10, rank, processes) for rank in range(processes)]
+        assert sorted(shard for owned in owners for shard in owned) == list(range(10))
+    assert [len(r) for r in plan_shards(10, 4)] == [4, 4, 2]
+
+
+def test_extracted_shards_hold_the_posterior_of_each_image_and_its_mirror(tmp_path, vae_folder, single_process):
+    images = make_images(tmp_path / "images", per_class=5)
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder))
+    out = extract_latents(config, single_process)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["count"] for s in manifest["shards"]] == [4, 4, 2]
+    assert (manifest["num_images"], manifest["classes"], manifest["latent_channels"], manifest["latent_size"]) == \
+        (10, ["ant", "bee"], 4, 16)
+
+    vae = load_vae(str(vae_folder))
+    from training.data import ImageFolderDataset
+    dataset = ImageFolderDataset(images, 32, random_flip=False)
+    pixels = torch.stack([dataset[i][0] for i in range(10)])
+    mean, std = encode_posterior(vae, torch.cat([pixels, pixels.flip(-1)]))
+    shards = [load_file(out / shard_name(k)) for k in range(3)]
+    stored_mean = torch.cat([s["mean"] for s in shards])                    # (10, 2, 4, 16, 16)
+    stored_std = torch.cat([s["std"] for s in shards])
+    # Same VAE and images, encoded in batches of 6 instead of 20: float32 convolutions may round differently
+    # with the batch size, hence a tolerance far below any real error (values are O(1)).
+    torch.testing.assert_close(stored_mean, torch.stack(mean.chunk(2), dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stored_std, torch.stack(std.chunk(2), dim=1), rtol=1e-5, atol=1e-5)
+    assert torch.cat([s["labels"] for s in shards]).tolist() == [0] * 5 + [1] * 5
+
+    latents = LatentShardDataset(out, scale=0.5, random_flip=False)
+    z, label = latents[7]
+    eps = (z / 0.5 - stored_mean[7, 0]) / stored_std[7, 0]
+    assert label == 1 and eps.abs().max() < 6  # a posterior sample: standardised residual N(0, 1)
+
+
+def test_corrupt_image_fails_naming_it_without_a_partial_shard(tmp_path, vae_folder, single_process):
+    images = make_images(tmp_path / "images", per_class=5)
+    corrupt = images / "bee" / "2.png"
+    corrupt.write_bytes(b"not a png")
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder))
+    with pytest.raises(CorruptImageError, match=str(corrupt)):
+        extract_latents(config, single_process)
+    # Image 7 lies in shard 1: shard 0 is complete, nothing of shard 1 (not even a temporary file) remains.
+    assert sorted(p.name for p in (tmp_path / "latents").iterdir()) == ["extraction.json", shard_name(0)]
+
+    skipping = load_config(extraction_config(tmp_path, images, tmp_path / "skipped", vae_folder),
+                           ["data.on_corrupt=skip"])
+    manifest = json.loads((extract_latents(skipping, single_process) / "manifest.json").read_text())
+    assert manifest["num_images"] == 9 and manifest["num_skipped"] == 1
+    assert [s["skipped"] for s in manifest["shards"]] == [0, 1, 0]
+
+
+def test_a_folder_started_with_other_settings_is_refused(tmp_path, vae_folder, single_process):
+    images = make_images(tmp_path / "images", per_class=2)
+    extract_latents(load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder)), single_process)
+    other = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder, image_size=16))
+    with pytest.raises(ValueError, match=r"other settings \(image_size"):
+        extract_latents(other, single_process)
+
+
+def test_killed_extraction_keeps_finished_shards_and_completes_identically(tmp_path, vae_folder, single_process):
+    # 24 shards of 2 images at 64 px: each shard takes long enough that the kill lands well before the end.
+    images = make_images(tmp_path / "images", per_class=24, size=64)
+    interrupted = extraction_config(tmp_path, images, tmp_path / "interrupted", vae_folder, shard_size=2,
+                                    batch_size=2, image_size=64)
+    command = [sys.executable, "-m", "training.latents", "--config", str(interrupted)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    for line in process.stdout:
+        if f"wrote {shard_name(1)}" in line:
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    folder = tmp_path / "interrupted"
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.glob("shard-*.safetensors")}
+    assert 2 <= len(finished) < 24 and not (folder / "manifest.json").exists()
+    assert all(name.startswith(".") for name in os.listdir(folder)
+               if name not in finished and name != "extraction.json")  # only temporaries besides whole shards
+
+    extract_latents(load_config(interrupted), single_process)
+    for name, identity in finished.items():  # not redone: same file, never rewritten
+        path = folder / name
+        assert (path.stat().st_ino, path.stat().st_mtime_ns) == identity
+    assert sorted(os.listdir(folder)) == sorted(["extraction.json", "manifest.json"] +
+                                                [shard_name(k) for k in range(24)])
+
+    uninterrupted = extraction_config(tmp_path, images, tmp_path / "uninterrupted", vae_folder, shard_size=2,
+                                      batch_size=2, image_size=64)
+    reference = extract_latents(load_config(uninterrupted), single_process)
+    assert (folder / "manifest.json").read_text() == (reference / "manifest.json").read_text()
+    for k in range(24):
+        ours, theirs = load_file(folder / shard_name(k)), load_file(reference / shard_name(k))
+        assert all(torch.equal(ours[key], theirs[key]) for key in ("mean", "std", "labels"))

@@ -1,0 +1,287 @@
+"""Typed experiment configuration: YAML files with a `base:` chain plus dotted command-line overrides.
+
+A config file may name one or more files it extends (`base: imagenet256.yaml`, paths relative to the file);
+the chain is merged base first, then the file itself, then the command line (`train.lr=2e-4`). Every key and
+value is checked against the dataclass schema below before anything is built, so a typo or a wrong type
+fails at once with the key, the file it came from and the valid choices.
+
+The schema holds types and neutral defaults; recipe values (model, data, batch size, learning rate, EMA
+decay, steps, VAE) have no default and come from the YAML files, so each is written down in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+BASE_KEY = "base"
+DEFAULT_RESULTS_DIR = "results"
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+def _choice(default: Any, *choices: Any) -> Any:
+    """A field whose value must be one of `choices` (checked after all sources are merged)."""
+    return field(default=default, metadata={"choices": choices})
+
+
+# --------------------------------------------------------------------------------------------------
+#                                              Schema
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches."""
+    name: str = MISSING                          # "DiT-S/2" ... "SiT-XL/8"
+    attention: str = _choice("vca", "vca", "mhsa")
+    class_dropout_prob: float = 0.1
+    contrast_grid: Optional[int] = None          # VCA pooled grid side p; None: half the token grid
+    joint_softmax: bool = True                   # VCA ablation switches (see docs/VCA.md)
+    stage1_differential: bool = True
+    stage2_differential: bool = True
+    pooled_content: bool = True
+    gradient_checkpointing: bool = False
+    depth: Optional[int] = None                  # size overrides for small models (tests, digits)
+    hidden_size: Optional[int] = None
+    num_heads: Optional[int] = None
+    mlp_ratio: Optional[float] = None
+
+
+@dataclass
+class DiffusionConfig:
+    """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
+    learn_sigma: bool = True                     # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
+
+
+@dataclass
+class TransportConfig:
+    """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
+    path: str = _choice("linear", "linear", "gvp", "vp")
+    prediction: str = _choice("velocity", "velocity", "score", "noise")
+    loss_weight: Optional[str] = _choice(None, None, "velocity", "likelihood")
+    train_eps: Optional[float] = None            # None: the path's default (REFERENCE.md)
+    sample_eps: Optional[float] = None
+
+
+@dataclass
+class DataConfig:
+    """Where training examples come from; `source` decides which of the paths is used."""
+    source: str = _choice(MISSING, "latents", "images", "digits")
+    images: Optional[str] = None                 # ImageNet-style folder: one sub-folder per class
+    latents: Optional[str] = None                # shards written by `python -m training.latents`
+    image_size: int = MISSING                    # pixels (digits: 8)
+    num_classes: int = MISSING
+    random_flip: bool = True
+    on_corrupt: str = _choice("error", "error", "skip")
+    num_workers: int = 4
+
+
+@dataclass
+class VAEConfig:
+    """The autoencoder that maps images to latents (required unless data.source is the pixel-space digits)."""
+    name: Optional[str] = None                   # hub id or a local folder written by save_pretrained
+    scale: Optional[float] = None                # latents are multiplied by this before the model sees them
+
+
+@dataclass
+class ExtractConfig:
+    """`python -m training.latents`: how the image folder is encoded into shards."""
+    batch_size: int = 64
+    shard_size: int = 4096
+    dtype: str = _choice("float16", "float16", "float32")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
+    global_batch_size: int = MISSING             # over all processes and accumulation steps
+    grad_accum_steps: int = 1
+    max_steps: int = MISSING
+    lr: float = MISSING
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0                        # linear learning-rate warm-up, then constant
+    max_grad_norm: Optional[float] = None        # None: no clipping (the norm is logged either way)
+    ema_decay: float = MISSING
+    ema_warmup: bool = False                     # decay 1 - (1 + step)^-power, capped at ema_decay
+    ema_warmup_power: float = 0.75
+    seed: int = 0
+    mixed_precision: Optional[str] = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
+    tf32: bool = True
+    compile: bool = False
+    cpu: bool = False                            # force CPU processes (gloo), e.g. under torchrun for tests
+
+
+@dataclass
+class LogConfig:
+    """What is written to the run directory and how often (in optimiser steps)."""
+    every: int = 100
+    checkpoint_every: int = 50_000
+    keep_checkpoints: int = 2
+    sample_every: int = 10_000                   # EMA sample grid; 0 disables
+    sample_count: int = 16
+    sample_sampler: Optional[str] = None         # None: the objective's default sampler
+    sample_steps: Optional[int] = None
+    sample_guidance: float = 1.0
+    tensorboard: bool = True
+    fid_every: int = 0                           # FID of EMA samples against fid_reference; 0 disables
+    fid_samples: int = 5000
+    fid_reference: Optional[str] = None          # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
+    fid_inception: Optional[str] = None          # Inception weights file or "bundled"; None: fid's default lookup
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives; `dir` defaults to results/<config file name>."""
+    dir: Optional[str] = None
+
+
+@dataclass
+class Config:
+    """One experiment."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                             Loading
+# --------------------------------------------------------------------------------------------------
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read `path` with its `base:` chain, apply `key=value` overrides and validate the result."""
+    path = Path(path)
+    merged = OmegaConf.structured(Config)
+    for source, values in [*_read_chain(path, ()), ("the command line", _parse_overrides(overrides))]:
+        _check_keys(values, Config, source, prefix="")
+        try:
+            merged = OmegaConf.merge(merged, values)
+        except OmegaConfBaseException as error:
+            raise ConfigError(_describe_merge_error(error, source)) from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{path}: no value for {', '.join(missing)} (set them in the file, its base, or on "
+                          f"the command line)")
+    config: Config = OmegaConf.to_object(merged)
+    _check_choices(config, prefix="")
+    _check_model_name(config.model.name)
+    if config.data.source != "digits" and (config.vae.name is None or config.vae.scale is None):
+        raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
+                          f"and vae.scale")
+    if config.run.dir is None:
+        config.run.dir = str(Path(DEFAULT_RESULTS_DIR) / path.stem)
+    return config
+
+
+def config_to_yaml(config: Config) -> str:
+    """The resolved config as YAML (what is stored in the run directory and in each checkpoint)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The resolved config as nested plain dicts (for trackers and JSON)."""
+    return dataclasses.asdict(config)
+
+
+def _read_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictConfig]]:
+    """(source name, values) for each file of the base chain of `path`, most basic first."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular `base:` chain through {' -> '.join(map(str, seen))}")
+    if not path.is_file():
+        referrer = f" (named as base by {seen[-1]})" if seen else ""
+        raise ConfigError(f"config file {path} does not exist{referrer}")
+    values = OmegaConf.load(path)
+    if not isinstance(values, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    bases = values.pop(BASE_KEY, None)
+    if isinstance(bases, str):
+        bases = [bases]
+    if bases is not None and not (isinstance(bases, ListConfig) or isinstance(bases, list)):
+        raise ConfigError(f"{path}: `{BASE_KEY}:` must be a file name or a list of file names")
+    chain = []
+    for base in bases or []:
+        chain += _read_chain(path.parent / str(base), seen + (path,))
+    return chain + [(str(path), values)]
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise ConfigError(f"command-line override {item!r} is not of the form section.key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"the command line: cannot parse overrides {list(overrides)}: {error}") from None
+
+
+def _check_keys(values: DictConfig, schema: type, source: str, prefix: str) -> None:
+    """Reject keys that the schema does not have, naming the valid ones."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in values.keys():
+        full_key = f"{prefix}{key}"
+        if key not in fields:
+            where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+            raise ConfigError(f"{source}: unknown key '{full_key}'; valid keys {where}: {', '.join(fields)}")
+        field_type = _field_type(schema, key)
+        if dataclasses.is_dataclass(field_type):
+            section = values[key]
+            if not isinstance(section, DictConfig):
+                raise ConfigError(f"{source}: '{full_key}' must be a section of keys "
+                                  f"({', '.join(f.name for f in dataclasses.fields(field_type))}), got {section!r}")
+            _check_keys(section, field_type, source, prefix=f"{full_key}.")
+
+
+def _describe_merge_error(error: OmegaConfBaseException, source: str) -> str:
+    full_key = getattr(error, "full_key", None) or "?"
+    expected = _expected_type(full_key)
+    value = getattr(error, "msg", str(error)).splitlines()[0]
+    return f"{source}: bad value for '{full_key}' (expected {expected}): {value}"
+
+
+def _expected_type(full_key: str) -> str:
+    schema: Any = Config
+    for part in full_key.split("."):
+        if not dataclasses.is_dataclass(schema) or part not in {f.name for f in dataclasses.fields(schema)}:
+            return "a value of the schema's type"
+        schema = _field_type(schema, part)
+    if typing.get_origin(schema) is None and hasattr(schema, "__name__"):
+        return schema.__name__
+    return str(schema).replace("typing.", "")
+
+
+def _field_type(schema: type, name: str) -> Any:
+    return typing.get_type_hints(schema)[name]
+
+
+def _check_choices(node: Any, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, prefix=f"{prefix}{f.name}.")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            choices = ", ".join("null" if c is None else str(c) for c in f.metadata["choices"])
+            raise ConfigError(f"'{prefix}{f.name}' is {value!r}; valid choices: {choices}")
+
+
+def _check_model_name(name: str) -> None:
+    from dit_vca.models import LEARN_SIGMA_DEFAULT, model_names  # the size table lives with the backbone
+
+    valid = [valid_name for family in LEARN_SIGMA_DEFAULT for valid_name in model_names(family)]
+    if name not in valid:
+        raise ConfigError(f"'model.name' is {name!r}; valid choices: {', '.join(valid)}")

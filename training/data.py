@@ -1,0 +1,272 @@
+"""Training examples: an image folder (ADM centre crop), pre-extracted latent shards, or the built-in digits.
+
+Every random choice made for an example (flip, posterior sample) comes from a generator seeded by
+(seed, epoch, index), so a run sees the same data whatever the number of loader workers, and a resumed run
+sees exactly what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from accelerate import skip_first_batches
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+from training.config import Config
+
+LATENT_MANIFEST = "manifest.json"
+DIGITS_SIZE = 8           # scikit-learn's digits are 8 x 8 ...
+DIGITS_CLASSES = 10
+DIGITS_MAX_VALUE = 16.0   # ... with integer intensities 0..16
+
+Example = tuple[torch.Tensor, int]
+
+
+class CorruptImageError(RuntimeError):
+    """An image file that PIL cannot decode."""
+
+
+def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A generator private to one draw of one example."""
+    state = np.random.SeedSequence([seed, epoch, index]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+class _EpochSeeded(Dataset):
+    """Base of datasets whose per-example randomness depends on (seed, epoch, index)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def generator(self, index: int) -> torch.Generator:
+        return example_generator(self.seed, self.epoch, index)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                          Image folder
+# --------------------------------------------------------------------------------------------------
+
+def center_crop_adm(image: Image.Image, size: int) -> np.ndarray:
+    """ADM's preprocessing: halve with a box filter while possible, bicubic-resize the short side to
+    `size`, then crop the centre. Returns (size, size, 3) uint8."""
+    while min(image.size) >= 2 * size:
+        image = image.resize(tuple(side // 2 for side in image.size), resample=Image.BOX)
+    scale = size / min(image.size)
+    image = image.resize(tuple(round(side * scale) for side in image.size), resample=Image.BICUBIC)
+    pixels = np.asarray(image)
+    top, left = (pixels.shape[0] - size) // 2, (pixels.shape[1] - size) // 2
+    return pixels[top:top + size, left:left + size]
+
+
+class ImageFolderDataset(_EpochSeeded):
+    """root/<class name>/<image>; classes sorted by name get labels 0..K-1.
+
+    Items are (image (3, S, S) in [-1, 1], label). A file PIL cannot decode raises CorruptImageError naming
+    it, or, with on_corrupt="skip", yields None (dropped and counted by `collate_examples`).
+    """
+
+    def __init__(self, root: str | Path, image_size: int, random_flip: bool, on_corrupt: str = "error",
+                 seed: int = 0) -> None:
+        super().__init__(seed)
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"image folder {root} does not exist")
+        self.classes, class_to_index = find_classes(str(root))
+        self.samples = make_dataset(str(root), class_to_index, extensions=IMG_EXTENSIONS)
+        self.image_size = image_size
+        self.random_flip = random_flip
+        self.on_corrupt = on_corrupt
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Optional[Example]:
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as file:
+                image = file.convert("RGB")
+        except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for unreadable or truncated files
+            if self.on_corrupt == "skip":
+                return None
+            raise CorruptImageError(f"cannot decode image {path}: {error} "
+                                    f"(set data.on_corrupt=skip to skip and count such files)") from error
+        pixels = torch.from_numpy(center_crop_adm(image, self.image_size).copy())
+        x = pixels.permute(2, 0, 1).float() / 127.5 - 1.0                      # (3, S, S) in [-1, 1]
+        if self.random_flip and torch.randint(2, (), generator=self.generator(index)):
+            x = x.flip(-1)
+        return x, label
+
+
+# --------------------------------------------------------------------------------------------------
+#                                         Latent shards
+# --------------------------------------------------------------------------------------------------
+
+def read_manifest(root: str | Path) -> dict:
+    """The description written by `python -m training.latents` once every shard exists."""
+    path = Path(root) / LATENT_MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the latents at {root} are missing or incomplete; "
+                                f"(re)run `python -m training.latents --config <config>` to finish them")
+    return json.loads(path.read_text())
+
+
+class LatentShardDataset(_EpochSeeded):
+    """Pre-extracted posteriors; each item is a fresh sample scale * (mean + std * eps) of a random flip.
+
+    Shards hold "mean" and "std" of shape (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped
+    image) and "labels" (n,).
+    """
+
+    def __init__(self, root: str | Path, scale: float, random_flip: bool, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.root = Path(root)
+        self.manifest = read_manifest(root)
+        self.files = [self.root / shard["file"] for shard in self.manifest["shards"]]
+        self.offsets = np.cumsum([0] + [shard["count"] for shard in self.manifest["shards"]]).tolist()
+        self.scale = scale
+        self.random_flip = random_flip
+        self._open: dict[int, object] = {}  # shard index -> safe_open handle, opened lazily in each worker
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, index: int) -> Example:
+        shard = bisect.bisect_right(self.offsets, index) - 1
+        row = index - self.offsets[shard]
+        tensors = self._shard(shard)
+        generator = self.generator(index)
+        flip = int(torch.randint(2, (), generator=generator)) if self.random_flip else 0
+        mean = tensors.get_slice("mean")[row, flip].float()                  # (C, h, w)
+        std = tensors.get_slice("std")[row, flip].float()                    # (C, h, w)
+        latent = mean + std * torch.randn(mean.shape, generator=generator)   # (C, h, w)
+        return self.scale * latent, int(tensors.get_slice("labels")[row])
+
+    def __getstate__(self) -> dict:
+        # open file handles do not cross into worker processes; each worker reopens what it reads
+        return {**self.__dict__, "_open": {}}
+
+    def _shard(self, shard: int):
+        from safetensors import safe_open
+
+        if shard not in self._open:
+            self._open[shard] = safe_open(self.files[shard], framework="pt")
+        return self._open[shard]
+
+
+# --------------------------------------------------------------------------------------------------
+#                                             Digits
+# --------------------------------------------------------------------------------------------------
+
+class DigitsDataset(_EpochSeeded):
+    """scikit-learn's 1797 handwritten digits: (1, 8, 8) in [-1, 1], labels 0..9, bundled (no download)."""
+
+    def __init__(self, random_flip: bool = False, seed: int = 0) -> None:
+        from sklearn.datasets import load_digits
+
+        super().__init__(seed)
+        digits = load_digits()
+        images = torch.from_numpy(digits.images).float() / DIGITS_MAX_VALUE * 2 - 1   # (1797, 8, 8)
+        self.images = images.unsqueeze(1)                                              # (1797, 1, 8, 8)
+        self.labels = torch.from_numpy(digits.target).long()                           # (1797,)
+        self.random_flip = random_flip
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> Example:
+        x = self.images[index]
+        if self.random_flip and torch.randint(2, (), generator=self.generator(index)):
+            x = x.flip(-1)
+        return x, int(self.labels[index])
+
+
+# --------------------------------------------------------------------------------------------------
+#                                         Building and loading
+# --------------------------------------------------------------------------------------------------
+
+def build_dataset(config: Config) -> Dataset:
+    """The dataset named by `data.source`, checked against the config before any model is built."""
+    data = config.data
+    if data.source == "digits":
+        if (data.image_size, data.num_classes) != (DIGITS_SIZE, DIGITS_CLASSES):
+            raise ValueError(f"data.source=digits needs data.image_size={DIGITS_SIZE} and "
+                             f"data.num_classes={DIGITS_CLASSES}, got {data.image_size} and {data.num_classes}")
+        return DigitsDataset(random_flip=data.random_flip, seed=config.train.seed)
+    if data.source == "images":
+        if data.images is None:
+            raise ValueError("data.source=images needs data.images=<folder with one sub-folder per class>")
+        dataset = ImageFolderDataset(data.images, data.image_size, data.random_flip, data.on_corrupt,
+                                     seed=config.train.seed)
+        _check_num_classes(len(dataset.classes), data.num_classes, data.images)
+        return dataset
+    if data.latents is None:
+        raise ValueError("data.source=latents needs data.latents=<folder written by python -m training.latents>")
+    dataset = LatentShardDataset(data.latents, config.vae.scale, data.random_flip, seed=config.train.seed)
+    manifest = dataset.manifest
+    if manifest["image_size"] != data.image_size:
+        raise ValueError(f"latents at {data.latents} were extracted at {manifest['image_size']} px, "
+                         f"but data.image_size={data.image_size}")
+    _check_num_classes(len(manifest["classes"]), data.num_classes, data.latents)
+    return dataset
+
+
+def _check_num_classes(found: int, expected: int, where: str) -> None:
+    if found != expected:
+        raise ValueError(f"{where} holds {found} classes but data.num_classes={expected}")
+
+
+def collate_examples(items: list[Optional[Example]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stack examples into (x (B, ...), y (B,), number of skipped corrupt files); B may be 0."""
+    kept = [item for item in items if item is not None]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), len(items)
+    x = torch.stack([item[0] for item in kept])
+    y = torch.tensor([item[1] for item in kept], dtype=torch.long)
+    return x, y, len(items) - len(kept)
+
+
+class ShardedBatches:
+    """This process's share of an endless shuffled stream of micro-batches, resumable at any batch.
+
+    Epoch e visits a permutation that depends only on (seed, e), split over processes by DistributedSampler;
+    the stream's position is the number of micro-batches drawn so far.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, process_index: int, num_processes: int, seed: int,
+                 num_workers: int, pin_memory: bool = False) -> None:
+        self.dataset = dataset
+        self.sampler = DistributedSampler(dataset, num_replicas=num_processes, rank=process_index, shuffle=True,
+                                          seed=seed, drop_last=True)
+        # Workers are recreated each epoch (persistent_workers=False) so they see the dataset's new epoch; the
+        # loader's own generator keeps worker seeding off the global RNG, which checkpoints restore.
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
+                                 num_workers=num_workers, collate_fn=collate_examples, pin_memory=pin_memory,
+                                 generator=torch.Generator().manual_seed(seed))
+        if len(self.loader) == 0:
+            raise ValueError(f"the dataset has {len(dataset)} examples, fewer than one batch of {batch_size} "
+                             f"on each of {num_processes} processes")
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.loader)
+
+    def stream(self, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Micro-batches from position `start` on."""
+        epoch, skip = divmod(start, self.batches_per_epoch)
+        while True:
+            self.sampler.set_epoch(epoch)
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(epoch)
+            yield from skip_first_batches(self.loader, skip) if skip else self.loader
+            epoch, skip = epoch + 1, 0

@@ -1,0 +1,165 @@
+"""Encode an image folder once into VAE-posterior shards, so training never runs the encoder.
+
+    python -m training.latents --config configs/dit-s2-vca.yaml            # one process
+    accelerate launch -m training.latents --config configs/dit-s2-vca.yaml  # shards spread over GPUs
+
+Reads data.images, writes data.latents/shard-XXXXX.safetensors with the posterior mean and std of every
+image and of its mirror image, then manifest.json once all shards exist. Each shard is written to a
+temporary file and renamed, so a killed run leaves only whole shards; rerunning skips them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from accelerate import PartialState
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from training.config import Config, load_config
+from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
+from training.vae import encode_posterior, latent_downsampling, load_vae
+
+SETTINGS_FILE = "extraction.json"
+FORMAT_VERSION = 1
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def plan_shards(num_images: int, shard_size: int) -> list[range]:
+    """Consecutive image-index ranges, one per shard."""
+    return [range(start, min(start + shard_size, num_images)) for start in range(0, num_images, shard_size)]
+
+
+def shards_of_process(num_shards: int, process_index: int, num_processes: int) -> list[int]:
+    """Round-robin assignment: every shard belongs to exactly one process."""
+    return list(range(process_index, num_shards, num_processes))
+
+
+def extract_latents(config: Config, state: PartialState | None = None) -> Path:
+    """Write the missing shards of this process, then (main process) the manifest. Returns the folder."""
+    state = state or PartialState(cpu=config.train.cpu)
+    data = config.data
+    if data.images is None or data.latents is None:
+        raise ValueError("latent extraction needs data.images=<image folder> and data.latents=<output folder>")
+    dataset = ImageFolderDataset(data.images, data.image_size, random_flip=False, on_corrupt=data.on_corrupt)
+    out = Path(data.latents)
+    _claim_folder(out, _settings(config, len(dataset)), state)
+    shards = plan_shards(len(dataset), config.extract.shard_size)
+    todo = [k for k in shards_of_process(len(shards), state.process_index, state.num_processes)
+            if not (out / shard_name(k)).exists()]
+    if todo:
+        vae = load_vae(config.vae.name, device=state.device)
+        _encode_shards(vae, dataset, shards, todo, out, config, state)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        _write_manifest(out, dataset.classes, len(shards), config)
+    state.wait_for_everyone()
+    return out
+
+
+def _settings(config: Config, num_images: int) -> dict:
+    return {"images": str(Path(config.data.images).resolve()), "num_images": num_images,
+            "image_size": config.data.image_size, "vae": config.vae.name,
+            "shard_size": config.extract.shard_size, "dtype": config.extract.dtype}
+
+
+def _claim_folder(out: Path, settings: dict, state: PartialState) -> None:
+    """Record the settings in a new folder, or check that an existing one was started with the same ones."""
+    path = out / SETTINGS_FILE
+    if state.is_main_process and not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(path, settings)
+    state.wait_for_everyone()
+    previous = json.loads(path.read_text())
+    if previous != settings:
+        changed = sorted(key for key in settings if previous.get(key) != settings[key])
+        raise ValueError(f"{out} holds latents extracted with other settings ({', '.join(changed)}: "
+                         f"{[previous.get(k) for k in changed]} vs {[settings[k] for k in changed]}); "
+                         f"choose another data.latents folder")
+
+
+def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: list[int], out: Path,
+                   config: Config, state: PartialState) -> None:
+    batch_size = config.extract.batch_size
+    batches = [(shard, indices) for shard in todo for indices in _chunks(shards[shard], batch_size)]
+    loader = DataLoader(dataset, batch_sampler=[indices for _, indices in batches],
+                        num_workers=config.data.num_workers, collate_fn=collate_examples)
+    dtype = getattr(torch, config.extract.dtype)
+    side = config.data.image_size // latent_downsampling(vae.config)
+    empty = torch.empty(0, 2, vae.config.latent_channels, side, side, dtype=dtype)  # a shard's start
+    pending = {"mean": [empty], "std": [empty], "labels": [torch.empty(0, dtype=torch.long)]}
+    skipped = 0
+    progress = tqdm(total=len(batches), desc="encoding", disable=not state.is_local_main_process)
+    for (shard, indices), (images, labels, batch_skipped) in zip(batches, loader):
+        if len(labels):  # every image of a batch may have been corrupt (and skipped)
+            images = images.to(state.device)
+            mean, std = encode_posterior(vae, torch.cat([images, images.flip(-1)]))       # (2B, C, h, w) each
+            pending["mean"].append(torch.stack(mean.chunk(2), dim=1).to("cpu", dtype))  # (B, 2, C, h, w)
+            pending["std"].append(torch.stack(std.chunk(2), dim=1).to("cpu", dtype))    # (B, 2, C, h, w)
+            pending["labels"].append(labels)
+        skipped += batch_skipped
+        progress.update()
+        if indices[-1] == shards[shard][-1]:  # last batch of this shard
+            tensors = {key: torch.cat(values) for key, values in pending.items()}
+            _save_shard_atomic(out / shard_name(shard), tensors, {"skipped": str(skipped)})
+            progress.write(f"wrote {shard_name(shard)} ({len(tensors['labels'])} images, {skipped} skipped)")
+            pending, skipped = {key: values[:1] for key, values in pending.items()}, 0
+    progress.close()
+
+
+def _chunks(indices: range, size: int) -> Iterator[list[int]]:
+    for start in range(0, len(indices), size):
+        yield list(indices[start:start + size])
+
+
+def _save_shard_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: Config) -> None:
+    shards = []
+    for k in range(num_shards):
+        with safe_open(out / shard_name(k), framework="pt") as tensors:
+            shape = tensors.get_slice("mean").get_shape()                   # [n, 2, C, h, w]
+            shards.append({"file": shard_name(k), "count": shape[0],
+                           "skipped": int(tensors.metadata()["skipped"])})
+    manifest = {"format": FORMAT_VERSION, "image_size": config.data.image_size, "vae": config.vae.name,
+                "latent_channels": shape[2], "latent_size": shape[3], "dtype": config.extract.dtype,
+                "classes": list(classes), "num_images": sum(s["count"] for s in shards),
+                "num_skipped": sum(s["skipped"] for s in shards), "shards": shards}
+    _write_json_atomic(out / LATENT_MANIFEST, manifest)
+
+
+def _write_json_atomic(path: Path, value: dict) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(value, indent=2))
+    os.replace(temporary, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="experiment config (data.images, data.latents, vae.*)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. extract.batch_size=32")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    out = extract_latents(config)
+    print(f"latents ready in {out}")
+
+
+if __name__ == "__main__":
+    main()

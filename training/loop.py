@@ -1,0 +1,189 @@
+"""The training loop: optimiser steps over sharded micro-batches, EMA, logs, checkpoints, sample grids, FID.
+
+One optimiser step consumes `grad_accum_steps` micro-batches on every process. After the step the EMA is
+updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
+measured. A non-finite loss stops the run before anything is saved after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from accelerate import Accelerator
+from diffusers import AutoencoderKL
+from timm.utils import ModelEmaV3
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from training.build import Objective
+from training.checkpoint import checkpoint_name, save_checkpoint
+from training.config import Config, config_to_yaml
+from training.data import CorruptImageError, ShardedBatches
+from training.metrics import JsonLines, TrainingMetrics
+from training.preview import EMASampler
+from training.run import RunDirectory
+from training.vae import sample_latents
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands: optimiser steps done and examples drawn, corrupt files included (the data
+    position), with the batch geometry that produced them."""
+    step: int = 0
+    examples_seen: int = 0
+    num_processes: int = 1
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+
+    def resumed(self, saved: dict[str, Any]) -> "TrainerState":
+        """This run's geometry with the progress of a saved state (a checkpoint's trainer_state.json)."""
+        return TrainerState(**{**asdict(self), "step": saved["step"], "examples_seen": saved["examples_seen"]})
+
+    def same_geometry(self, saved: dict[str, Any]) -> bool:
+        return all(saved[key] == value for key, value in asdict(self).items() if key not in ("step", "examples_seen"))
+
+    @property
+    def stream_position(self) -> int:
+        """Micro-batches each process has drawn; exact when the geometry is unchanged, nearest otherwise."""
+        return self.examples_seen // (self.num_processes * self.micro_batch_size)
+
+
+def create_optimizer(model: nn.Module, config: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the trainable parameters, with a linear warm-up to a constant learning rate."""
+    train = config.train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.lr,
+                                  betas=tuple(train.betas), weight_decay=train.weight_decay)
+    warmup = train.warmup_steps
+    scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
+    return optimizer, scheduler
+
+
+class Trainer:
+    """Runs `config.train.max_steps` optimiser steps from `state` (see the module docstring)."""
+
+    def __init__(self, accelerator: Accelerator, config: Config, run: RunDirectory, model: nn.Module,
+                 ema: ModelEmaV3, objective: Objective, optimizer: torch.optim.Optimizer,
+                 scheduler: LambdaLR, batches: ShardedBatches,
+                 vae: Optional[AutoencoderKL], sampler: EMASampler, export: dict[str, Any], state: TrainerState,
+                 last_checkpoint: Optional[str] = None, fid_extractor=None) -> None:
+        self.accelerator = accelerator
+        self.config = config
+        self.run = run
+        self.model = model
+        self.ema = ema
+        self.objective = objective
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.batches = batches
+        self.vae = vae
+        self.sampler = sampler
+        self.export = export
+        self.state = state
+        self.last_checkpoint = last_checkpoint
+        self.fid_extractor = fid_extractor
+        self.fid_log = JsonLines(run.fid)
+
+    def fit(self) -> None:
+        config, accelerator = self.config, self.accelerator
+        log, max_steps = config.log, config.train.max_steps
+        stream = self.batches.stream(self.state.stream_position)
+        metrics = TrainingMetrics(accelerator, self.run.metrics, config.train.global_batch_size, self.state.step)
+        if accelerator.is_main_process:
+            self.fid_log.drop_after(self.state.step)
+        progress = tqdm(total=max_steps, initial=self.state.step, desc="training", dynamic_ncols=True,
+                        disable=not accelerator.is_main_process)
+        while self.state.step < max_steps:
+            loss, grad_norm, skipped = self.train_step(stream)
+            step = self.state.step
+            metrics.record(step, loss, grad_norm, skipped)
+            progress.update()
+            last = step == max_steps
+            if step % log.every == 0 or last:
+                self.stop_if_non_finite(metrics)
+                line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
+                progress.set_postfix(loss=f"{line['loss']:.4f}", grad_norm=f"{line['grad_norm']:.3f}")
+            if step % log.checkpoint_every == 0 or last:
+                self.stop_if_non_finite(metrics)
+                self.save_checkpoint()
+            if log.sample_every and (step % log.sample_every == 0 or last):
+                self.save_grid()
+            if log.fid_every and (step % log.fid_every == 0 or last):
+                self.measure_fid()
+        progress.close()
+        accelerator.end_training()
+
+    def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimiser step and the EMA update after it; returns (mean loss, grad norm, skipped files)."""
+        loss, grad_norm, skipped = self.optimizer_step(stream)
+        self.ema.update(self.accelerator.unwrap_model(self.model), step=self.state.step)
+        return loss, grad_norm, skipped
+
+    def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Accumulate gradients over micro-batches and step; returns (mean loss, grad norm, skipped files)."""
+        accelerator, train = self.accelerator, self.config.train
+        losses, skipped = [], 0
+        for _ in range(train.grad_accum_steps):
+            x, y, batch_skipped = next(stream)
+            self.state.examples_seen += self.batches.loader.batch_size * accelerator.num_processes
+            if len(y) == 0:
+                raise CorruptImageError(f"every image of a micro-batch was corrupt (step {self.state.step + 1}); "
+                                        f"check data.images")
+            x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
+            if self.vae is not None:
+                with accelerator.autocast():
+                    x = sample_latents(self.vae, x, self.config.vae.scale)          # (B, 4, h, w)
+            with accelerator.accumulate(self.model):
+                loss = self.objective.training_losses(self.model, x, y)["loss"].mean()
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), train.max_grad_norm or math.inf)
+                self.optimizer.step()
+                if accelerator.sync_gradients:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            skipped += batch_skipped
+        self.state.step += 1
+        return torch.stack(losses).mean(), grad_norm.detach().float(), skipped
+
+    def epoch(self) -> float:
+        return self.state.stream_position / self.batches.batches_per_epoch
+
+    def stop_if_non_finite(self, metrics: TrainingMetrics) -> None:
+        bad_step = metrics.first_non_finite_step()
+        if bad_step is not None:
+            kept = f"the last checkpoint, {self.last_checkpoint}, is intact" if self.last_checkpoint \
+                else "no checkpoint was written"
+            raise NonFiniteLossError(f"the loss is not finite at step {bad_step}; training stopped and {kept} "
+                                     f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=no)")
+
+    def save_checkpoint(self) -> None:
+        path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, asdict(self.state),
+                               self.export, config_to_yaml(self.config), self.config.log.keep_checkpoints)
+        self.last_checkpoint = str(path)
+        self.accelerator.print(f"saved checkpoint {path}")
+
+    def save_grid(self) -> None:
+        if self.accelerator.is_main_process:
+            self.run.samples.mkdir(parents=True, exist_ok=True)
+            with self.accelerator.autocast():
+                self.sampler.save_grid(self.ema.module, self.run.samples / f"{checkpoint_name(self.state.step)}.png")
+        self.accelerator.wait_for_everyone()
+
+    def measure_fid(self) -> None:
+        with self.accelerator.autocast():
+            fid = self.sampler.fid(self.ema.module, self.fid_extractor, self.config.log.fid_reference,
+                                   self.accelerator.process_index, self.accelerator.num_processes,
+                                   self.batches.loader.batch_size)
+        if self.accelerator.is_main_process:
+            self.fid_log.append({"step": self.state.step, "fid": fid, "samples": self.config.log.fid_samples})
+            self.accelerator.log({"eval/fid": fid}, step=self.state.step)
+        self.accelerator.print(f"step {self.state.step}: FID of {self.config.log.fid_samples} EMA samples {fid:.3f}")

@@ -1,0 +1,102 @@
+"""Training metrics: per-process sums on the device, reduced over processes only when a line is written.
+
+Each line of metrics.jsonl (written by the main process alone) holds the loss averaged over the steps since
+the previous line and over processes, each process's own mean, the gradient norm, the learning rate and the
+throughput. The first step whose loss is not finite is tracked without a host sync per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+
+NO_BAD_STEP = math.inf
+
+
+class JsonLines:
+    """An append-only log of one JSON object per line, keyed by "step" (written by the main process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, line: dict[str, Any]) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps(line) + "\n")
+
+    def drop_after(self, step: int) -> None:
+        """On resume, forget lines a killed run wrote after its last checkpoint (they are written again)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        temporary.replace(self.path)
+
+
+class TrainingMetrics:
+    """Accumulates loss and gradient norm between log lines; see the module docstring."""
+
+    def __init__(self, accelerator: Accelerator, path: Path, images_per_step: int, start_step: int) -> None:
+        self.accelerator = accelerator
+        self.log = JsonLines(path)
+        self.images_per_step = images_per_step
+        device = accelerator.device
+        self.loss_sum = torch.zeros((), device=device)
+        self.grad_norm_sum = torch.zeros((), device=device)
+        self.first_bad_step = torch.full((), NO_BAD_STEP, device=device)
+        self.steps = 0
+        self.skipped_images = 0
+        self.clock, self.clock_step = time.perf_counter(), start_step
+        if accelerator.is_main_process:
+            self.log.drop_after(start_step)
+
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int) -> None:
+        """Add one optimiser step (loss and grad_norm are 0-d tensors on the device)."""
+        self.loss_sum += loss
+        self.grad_norm_sum += grad_norm
+        bad = torch.full_like(self.first_bad_step, step)
+        self.first_bad_step = torch.where(torch.isfinite(loss), self.first_bad_step,
+                                          torch.minimum(self.first_bad_step, bad))
+        self.steps += 1
+        self.skipped_images += skipped_images
+
+    def first_non_finite_step(self) -> Optional[int]:
+        """The earliest step (on any process) whose loss was not finite, or None."""
+        first = self.accelerator.gather(self.first_bad_step[None]).min()
+        return None if first.item() == NO_BAD_STEP else int(first.item())
+
+    def write(self, step: int, **extra: Any) -> dict[str, Any]:
+        """Reduce over processes, append one line to metrics.jsonl and the trackers, start a new window."""
+        local = torch.stack([self.loss_sum / self.steps, self.grad_norm_sum / self.steps,
+                             torch.tensor(float(self.skipped_images), device=self.loss_sum.device)])
+        gathered = self.accelerator.gather(local[None]).cpu()            # (processes, 3)
+        now = time.perf_counter()
+        steps_per_s = (step - self.clock_step) / (now - self.clock)
+        per_process = gathered[:, 0].tolist()
+        line = {"step": step, "loss": sum(per_process) / len(per_process), "loss_per_process": per_process,
+                "grad_norm": gathered[0, 1].item(),  # identical on every process once gradients are all-reduced
+                "steps_per_s": steps_per_s, "images_per_s": steps_per_s * self.images_per_step,
+                "skipped_images": int(gathered[:, 2].sum().item()), **extra}  # corrupt files skipped in the window
+        if self.accelerator.is_main_process:
+            self.log.append(line)
+            self.accelerator.log({f"train/{key}": value for key, value in line.items()
+                                  if isinstance(value, (int, float)) and key != "step"}, step=step)
+        self.loss_sum.zero_()
+        self.grad_norm_sum.zero_()
+        self.steps = self.skipped_images = 0
+        self.clock, self.clock_step = now, step
+        return line
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; a line torn by a kill counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf

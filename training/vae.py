@@ -1,0 +1,105 @@
+"""The Stable-Diffusion autoencoder (diffusers `AutoencoderKL`): loading, encoding and decoding.
+
+Latents seen by the model are `scale * z` with z drawn from the encoder's posterior; `scale` comes from the
+config (0.18215 for the SD VAEs), never from a constant here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from diffusers import AutoencoderKL
+
+# The SD 1.x autoencoder (also sd-vae-ft-ema / -mse): used to build a randomly initialised twin for
+# benchmarks, so throughput can be measured without downloading the weights.
+SD_VAE_ARCHITECTURE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+)
+
+
+class VAEUnavailableError(RuntimeError):
+    """The requested autoencoder cannot be loaded (missing folder, or offline without a cached copy)."""
+
+
+def load_vae(spec: str, device: torch.device | str | None = None) -> AutoencoderKL:
+    """A frozen AutoencoderKL from a local folder (written by `save_pretrained`) or a hub id.
+
+    A hub id is looked up in the local Hugging Face cache first; the network is only tried when the hub is
+    not marked offline (HF_HUB_OFFLINE=1), so offline runs fail at once instead of retrying.
+    """
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise VAEUnavailableError(f"VAE folder {folder} has no config.json; expected a folder written by "
+                                      f"AutoencoderKL.save_pretrained")
+        vae = AutoencoderKL.from_pretrained(folder)
+    elif _looks_like_path(spec):
+        raise VAEUnavailableError(f"VAE folder {folder} does not exist")
+    else:
+        vae = _load_from_hub(spec)
+    return vae.eval().requires_grad_(False).to(device)
+
+
+def latent_downsampling(vae_config: Mapping) -> int:
+    """Pixels per latent cell along each side (8 for the SD VAEs), from `vae.config` or an architecture dict."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+@torch.no_grad()
+def encode_posterior(vae: AutoencoderKL, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation of q(z | image) for images in [-1, 1]: (B, 3, H, W) -> 2 x (B, 4, H/8, W/8)."""
+    posterior = vae.encode(images).latent_dist
+    return posterior.mean, posterior.std
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKL, latents: torch.Tensor, scale: float) -> torch.Tensor:
+    """Images in [-1, 1] from model-space latents (B, 4, h, w) -> (B, 3, 8h, 8w)."""
+    return vae.decode(latents / scale).sample.clamp(-1, 1)
+
+
+def _looks_like_path(spec: str) -> bool:
+    # Hub ids are "name" or "owner/name"; anything else that is not an existing folder is a missing path.
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return flag or bool(constants.HF_HUB_OFFLINE)
+
+
+def _load_from_hub(repo_id: str) -> AutoencoderKL:
+    try:
+        return AutoencoderKL.from_pretrained(repo_id, local_files_only=True)
+    except OSError:
+        pass  # not cached: download below, unless offline
+    how_to = (f"To provide it, on a machine with internet run\n"
+              f"  python -c \"from diffusers import AutoencoderKL; "
+              f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('vae/{repo_id.split('/')[-1]}')\"\n"
+              f"copy the folder here and set vae.name=vae/{repo_id.split('/')[-1]} "
+              f"(or copy the Hugging Face cache into $HF_HOME).")
+    if _hub_offline():
+        raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and the hub is "
+                                  f"offline (HF_HUB_OFFLINE=1). {how_to}")
+    try:
+        return AutoencoderKL.from_pretrained(repo_id)
+    except OSError as error:
+        raise VAEUnavailableError(f"VAE '{repo_id}' could not be downloaded ({error}). {how_to}") from error
+
+
+@torch.no_grad()
+def sample_latents(vae: AutoencoderKL, images: torch.Tensor, scale: float) -> torch.Tensor:
+    """Model-space latents scale * z, z ~ q(z | image), for online encoding: (B, 3, H, W) -> (B, 4, H/8, W/8)."""
+    return scale * vae.encode(images).latent_dist.sample().float()
