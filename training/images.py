@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from torchvision.utils import make_grid
+
+from fid.atomic import atomic_output
 
 MIN_TILE_PIXELS = 64  # tiles smaller than this (8x8 digits) are enlarged with nearest-neighbour
 
@@ -33,6 +34,5 @@ def save_grid(images: np.ndarray, path: str | Path) -> None:
     factor = max(1, math.ceil(MIN_TILE_PIXELS / tiles.shape[-1]))
     tiles = tiles.repeat_interleave(factor, dim=2).repeat_interleave(factor, dim=3)
     grid = make_grid(tiles, nrow=math.ceil(math.sqrt(len(tiles))), padding=2, pad_value=255)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(temporary, format="PNG")
-    os.replace(temporary, path)
+    with atomic_output(path) as temporary:
+        Image.fromarray(grid.permute(1, 2, 0).numpy()).save(temporary, format="PNG")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -23,6 +22,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from fid.atomic import atomic_output
 from training.config import Config, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
 from training.vae import encode_posterior, latent_downsampling, load_vae
@@ -123,12 +123,8 @@ def _chunks(indices: range, size: int) -> Iterator[list[int]]:
 
 
 def _save_shard_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
+    with atomic_output(path) as temporary:
         save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: Config) -> None:
@@ -146,9 +142,8 @@ def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: 
 
 
 def _write_json_atomic(path: Path, value: dict) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(value, indent=2))
-    os.replace(temporary, path)
+    with atomic_output(path) as temporary:
+        temporary.write_text(json.dumps(value, indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from fid.atomic import atomic_output
 from training.checkpoint import keep_plain_model_keys
 from training.config import Config
 
@@ -79,6 +79,6 @@ def micro_batch_size(config: Config, num_processes: int) -> int:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+    """Replace `path` by `text` in one step: readers never see half a file."""
+    with atomic_output(path) as temporary:
+        temporary.write_text(text)
