@@ -32,6 +32,7 @@ import os
 import pickle
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -39,7 +40,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from fid.atomic import atomic_output
 from training.images import save_grid, to_uint8
+from training.run import write_text_atomic
 
 LABEL_MODES = ("balanced", "uniform")
 RUN_RECORD = "run.json"  # settings of the run whose shards a shard folder holds
@@ -215,19 +218,9 @@ def shard_folder(out: Path) -> Path:
 
 
 def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
-    """Write an .npz under a temporary name and rename it: a kill leaves the old file or the new one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as file:
+    """Write an .npz under a temporary name and rename it: a kill leaves no file or the whole file."""
+    with atomic_output(path) as temporary, open(temporary, "wb") as file:
         np.savez(file, **arrays)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-
-
-def save_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(temporary, path)
 
 
 def load_shard(folder: Path, shard: Shard, labels: np.ndarray) -> np.ndarray:
@@ -250,12 +243,9 @@ def merge_shards(folder: Path, shards: Sequence[Shard], labels: np.ndarray, out:
     np.savez needs the whole array in memory (39 GB for 50 000 images at 512 px), so the .npz
     (a zip of .npy files) is written member by member, one shard at a time.
     """
-    import zipfile
-
     first = load_shard(folder, shards[0], labels)
     shape = (len(labels), *first.shape[1:])
-    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    with zipfile.ZipFile(temporary, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with atomic_output(out) as temporary, zipfile.ZipFile(temporary, "w", allowZip64=True) as archive:
         with archive.open("arr_0.npy", "w", force_zip64=True) as member:
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
                       "fortran_order": False, "shape": shape}
@@ -269,9 +259,6 @@ def merge_shards(folder: Path, shards: Sequence[Shard], labels: np.ndarray, out:
                 member.write(images.tobytes())
         with archive.open("arr_1.npy", "w") as member:
             np.lib.format.write_array(member, labels)
-    with open(temporary, "rb+") as file:
-        os.fsync(file.fileno())
-    os.replace(temporary, out)
 
 
 def leading_images(folder: Path, shards: Sequence[Shard], labels: np.ndarray, count: int) -> np.ndarray:
@@ -317,7 +304,7 @@ def claim_pending_shards(accelerator, folder: Path, shards: Sequence[Shard],
             record_path = folder / RUN_RECORD
             pending = [shard for shard in shards if not (folder / shard.file_name).exists()]
             if len(pending) == len(shards):  # nothing finished yet, so nothing to protect
-                save_json_atomic(record_path, record)
+                write_text_atomic(record_path, json.dumps(record, indent=2))
             elif not record_path.exists():
                 raise SystemExit(f"{folder} holds shards but no {RUN_RECORD} naming their run: remove it")
             else:
@@ -532,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_args_against(spec, args)
 
     from accelerate import Accelerator
+    from accelerate.utils import gather_object
 
     accelerator = Accelerator(cpu=args.cpu)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -549,13 +537,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     generator = load_generator(spec, args, accelerator.device)
     started = time.perf_counter()
     nfes = sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
+    per_process = gather_object([sum(shard.stop - shard.start for shard in mine)])  # also a barrier
     seconds = time.perf_counter() - started
     if not accelerator.is_main_process:
         return
 
-    new_images = sum(shard.stop - shard.start for shard in pending)
+    new_images = sum(per_process)
     summary = {"settings": record, "processes": accelerator.num_processes, "new_images": new_images,
+               "images_per_process": per_process,
                "seconds": round(seconds, 3), "images_per_second": round(new_images / seconds, 3),
                "main_process_mean_nfe_per_batch": float(np.mean(nfes)) if nfes else None,
                "model": generator.model.config}
@@ -568,7 +557,7 @@ def finish(out: Path, folder: Path, shards: Sequence[Shard], labels: np.ndarray,
            grid_size: int) -> None:
     """Write the summary, the preview grid and the merged .npz (last, so that it implies the other two),
     then drop the shards."""
-    save_json_atomic(summary_path(out), summary)
+    write_text_atomic(summary_path(out), json.dumps(summary, indent=2))
     if grid_size:
         save_grid(leading_images(folder, shards, labels, grid_size), out.with_suffix(".png"))
     merge_shards(folder, shards, labels, out)

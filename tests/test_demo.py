@@ -38,12 +38,13 @@ def test_report_lists_every_set_against_its_goal():
         "model": "DiT-S/2 (vca, hidden 128, depth 4, 4 heads)",
         "num_samples": 1000, "num_real": 1797, "sampler": "DDIM, 50 steps",
         "classifier": {"kind": "SVC", "held_out_accuracy": 0.9889, "train_size": 1347, "test_size": 450},
-        "inception_weights": "bundled",
+        "inception_weights": "bundled", "fid_real_halves": {"fid": 3.21, "sizes": [899, 898]},
         "sets": [{"cfg_scale": 1.0, "fid": 12.345, "accuracy": 0.962, "goal": 0.95, "grid": "samples-cfg1.png"},
                  {"cfg_scale": 2.0, "fid": 20.0, "accuracy": 0.985, "goal": 0.99, "grid": "samples-cfg2.png"}],
-        "seconds": 600.0,
+        "seconds": {"train": 300.0, "sample": 120.0, "score": 240.0, "total": 660.0},
     }
     markdown = demo.render_markdown(results)
     assert "| 1 | 12.35 | 96.2 % | ≥ 95 % (met) | ![](samples-cfg1.png) |" in markdown
     assert "| 2 | 20.00 | 98.5 % | ≥ 99 % (missed) | ![](samples-cfg2.png) |" in markdown
     assert "trained 3000 steps (final loss 0.0812" in markdown and "98.9 % on the 450 held out" in markdown
+    assert "(899 vs. 898) are 3.21 apart" in markdown and "11.0 min in all (training 5.0" in markdown

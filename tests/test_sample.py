@@ -116,7 +116,7 @@ def test_merge_shards_writes_a_standard_npz(tmp_path):
         np.testing.assert_array_equal(merged["arr_0"], images)
         np.testing.assert_array_equal(merged["arr_1"], labels)
     np.testing.assert_array_equal(sample.leading_images(tmp_path, shards, labels, 12), images[:12])
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".*tmp*"))
 
 
 def test_merge_shards_rejects_a_shard_of_other_samples(tmp_path):
@@ -139,6 +139,7 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 4
 # 16 samples in 4 shards of 4, batches of 2 (a shard holds 2 batches); DDPM with fresh noise at every
 # step and classifier-free guidance, so both the per-sample noise streams and guidance are exercised.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 SAMPLING = ["--sampler", "ddpm", "--steps", "12", "--cfg-scale", "2", "--seed", "7"]
 RUN = ["--num-samples", "16", "--shard-size", "4", "--per-proc-batch-size", "2", "--grid-size", "9", *SAMPLING]
 
@@ -202,12 +203,13 @@ def test_output_layout(reference):
     np.testing.assert_array_equal(images[..., 0], images[..., 2])  # one channel repeated
     assert len({image.tobytes() for image in images}) == 16  # every sample has its own noise
     assert images.std() > 10  # real pictures, not a constant
-    assert not sample.shard_folder(out).exists() and not list(out.parent.glob(".*.tmp"))
+    assert not sample.shard_folder(out).exists() and not list(out.parent.glob(".*tmp*"))
     from PIL import Image
 
     assert Image.open(out.with_suffix(".png")).size == (3 * 66 + 2, 3 * 66 + 2)  # 3x3 tiles of 64 + padding
     summary = json.loads(out.with_suffix(".json").read_text())
-    assert summary["new_images"] == 16 and summary["settings"]["cfg_scale"] == 2.0
+    assert summary["new_images"] == 16 and summary["images_per_process"] == [16]
+    assert summary["settings"]["cfg_scale"] == 2.0
 
 
 def test_samples_do_not_depend_on_the_batch_split(export, tmp_path):
@@ -225,9 +227,9 @@ def test_samples_do_not_depend_on_the_batch_split(export, tmp_path):
 
 def test_two_processes_give_the_same_file(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = run([*torchrun, *sample_command(export, out, "--cpu")[1:]])
-    assert "on 2 process(es)" in result.stdout
+    run([*TORCHRUN, *sample_command(export, out, "--cpu")[1:]])
+    summary = json.loads(sample.summary_path(out).read_text())
+    assert summary["images_per_process"] == [8, 8]  # 4 shards of 4, taken in turn: the work was split
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])
         np.testing.assert_array_equal(data["arr_1"], reference["arr_1"])
@@ -235,9 +237,8 @@ def test_two_processes_give_the_same_file(export, reference, tmp_path):
 
 def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(export, tmp_path):
     out = tmp_path / "samples.npz"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cpu_only = {**environment(), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([*torchrun, *sample_command(export, out)[1:]], env=cpu_only,
+    result = subprocess.run([*TORCHRUN, *sample_command(export, out)[1:]], env=cpu_only,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs pass --cpu" in result.stderr
     assert list(tmp_path.iterdir()) == []
@@ -256,16 +257,19 @@ def test_killed_run_resumes_without_redoing_finished_shards(export, reference, t
     finished = sorted(folder.glob("shard-*.npz"))
     assert 1 <= len(finished) < 4 and not out.exists(), "the kill must land after the first shard"
 
-    # Mark the finished shards (invert their pixels): the rerun must keep them, not sample them again.
+    # The finished shards hold what the uninterrupted run made; mark them (invert their pixels): the
+    # rerun must keep them, not sample them again, and add the rest exactly as the uninterrupted run.
     expected = reference["arr_0"].copy()
     for path in finished:
         with np.load(path) as data:
             shard = dict(data)
+        np.testing.assert_array_equal(shard["arr_0"], reference["arr_0"][shard["index"]])
         shard["arr_0"] = 255 - shard["arr_0"]
         np.savez(path, **shard)
         expected[shard["index"]] = 255 - expected[shard["index"]]
     result = run(sample_command(export, out))
     assert f"resuming, {len(finished)} of 4 shards" in result.stdout
+    assert json.loads(sample.summary_path(out).read_text())["new_images"] == 16 - 4 * len(finished)
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], expected)
         np.testing.assert_array_equal(data["arr_1"], reference["arr_1"])
