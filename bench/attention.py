@@ -17,7 +17,6 @@ Usage: python bench/attention.py [--quick] [--device cpu|cuda] [--out bench/resu
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention  # noqa: E402
-from _results import plt, save_results  # noqa: E402
+from _harness import bf16_skip_reason, describe_device, plt, save_results  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
@@ -116,14 +115,6 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, min_time: f
     return rates
 
 
-def describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return f"{model}, {torch.get_num_threads()} threads"
-
-
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     token_counts = [256, 1024] if args.quick else [256, 1024, 4096] + ([16384] if device.type == "cuda" else [])
@@ -131,14 +122,11 @@ def run(args: argparse.Namespace) -> dict:
     min_time = 0.0 if args.quick else 0.5  # quick: warm-up + 3 calls
     tokens_per_batch = args.tokens_per_batch or (1024 if args.quick else 4096 if device.type == "cpu" else 16384)
     matmul_size = 512 if args.quick else 2048 if device.type == "cpu" else 8192
-    probe = {name: matmul_peak(device, dtype, 512, 0.3)["peak"] for name, dtype in DTYPES.items()}
     dtypes, notes = dict(DTYPES), []
-    if probe["bf16"] < 0.5 * probe["fp32"]:
-        # Without native bf16 instructions (e.g. an AVX2-only CPU) bf16 GEMMs fall back to slow reference code:
-        # timing attention there measures that fallback, and would take hours at large N.
+    skip_bf16 = bf16_skip_reason(device)
+    if skip_bf16:
         del dtypes["bf16"]
-        notes.append(f"bf16 rows skipped: a 512³ bf16 matmul runs at {probe['bf16']:.1f} GFLOP/s here against "
-                     f"{probe['fp32']:.1f} in fp32 (no native bf16 GEMM on this device)")
+        notes.append(skip_bf16)
     peak = {name: matmul_peak(device, dtype, matmul_size, min_time) for name, dtype in dtypes.items()}
     print(f"matmul GFLOP/s: {json.dumps(peak)}", flush=True)
 
@@ -167,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
                         print(f"N={tokens:5d} C={width:4d} {dtype_name} {row['mode']:7s} {method:9s} "
                               f"{row['ms']:9.2f} ms  {100 * row['peak_fraction']:5.1f}% of peak", flush=True)
                         del layer, x
-    return dict(device=describe(device), device_type=device.type, torch=torch.__version__, quick=args.quick,
+    return dict(device=describe_device(device), device_type=device.type, torch=torch.__version__, quick=args.quick,
                 allocator={name: os.environ.get(name) for name in ALLOCATOR_ENV},
                 tokens_per_batch=tokens_per_batch, matmul_gflops=peak, notes=notes, rows=rows)
 

@@ -179,6 +179,7 @@ def plot(results: dict) -> Figure:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, table and plot")
     args = parser.parse_args()
 
     setting = SETTINGS["quick" if args.quick else "full"]
@@ -193,9 +194,9 @@ def main() -> None:
         "memory": memory,
     }
     stem = f"fid-{device_label(devices[-1])}" + ("-quick" if args.quick else "")
-    save_results(RESULTS, stem, results, markdown(results), plot)
+    save_results(args.out, stem, results, markdown(results), plot)
     print(markdown(results))
-    print(f"written: {RESULTS / stem}.json, .md, .png")
+    print(f"written: {args.out / stem}.json, .md, .png")
 
 
 if __name__ == "__main__":

@@ -6,17 +6,18 @@ noise first, otherwise the network is the zero function and an adaptive solver w
 number of steps. dopri5's NFE therefore describes this random field, not a trained model (SiT reports ~100-250
 NFE for trained SiT-XL). bf16 runs the model under autocast; the sampler state stays fp32. No guidance (a
 guided run doubles each batch). Each configuration is warmed up with a 2-step run and then timed once, whole.
+Where bf16 GEMMs are not native (an AVX2-only CPU runs them at ~1 % of fp32) the bf16 rows are skipped and the
+reason is recorded. --batch-size trades the batch for time on a CPU (the table states the batch used).
 
 Writes bench/results/samplers-<device>[-quick].{json,md,png}. On the CPU run it as `make bench` does, with
 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (REFERENCE.md: glibc's default allocator skews CPU
 timings by up to 2x). --quick is a smoke run (2-block models on a 16x16 latent, batch 4, a tenth of the steps).
 
-Usage: python bench/samplers.py [--quick] [--device cpu|cuda] [--out bench/results] [--threads N]
+Usage: python bench/samplers.py [--quick] [--device cpu|cuda] [--batch-size B] [--out bench/results] [--threads N]
 """
 
 import argparse
 import os
-import platform
 import sys
 import time
 from contextlib import nullcontext
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import dit_vca  # noqa: E402
 import sit_vca  # noqa: E402
 from samplers import SampleResult  # noqa: E402
-from _results import plt, save_results  # noqa: E402
+from _harness import bf16_skip_reason, describe_device, plt, save_results  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 # (model, sampler, steps); steps None = adaptive.
@@ -88,15 +89,16 @@ def time_sampler(model: nn.Module, objective, sampler: str, steps: int | None, b
     return time.perf_counter() - start, result
 
 
-def describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-
-
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    if args.batch_size:
+        settings["batch"] = args.batch_size
+    precisions, notes = dict(PRECISIONS), []
+    skip_bf16 = bf16_skip_reason(device)
+    if skip_bf16:
+        del precisions["bf16"]
+        notes.append(skip_bf16)
     rows, models = [], {}
     for name, sampler, steps in RUNS:
         if name not in models:
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         model, objective = models[name]
         steps = None if steps is None else max(2, steps // settings["step_divisor"])
         label = SAMPLER_LABELS[sampler] + ("" if steps is None else f"-{steps}")
-        for precision in PRECISIONS:
+        for precision in precisions:
             seconds, result = time_sampler(model, objective, sampler, steps, settings["batch"], precision, device)
             if not torch.isfinite(result.samples).all():
                 raise RuntimeError(f"{name} {sampler} {precision}: non-finite samples")
@@ -114,12 +116,13 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{name} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
                   f"{settings['batch'] / seconds:8.3f} images/s", flush=True)
     return {
-        "device": describe(device),
+        "device": describe_device(device),
         "device_type": device.type,
         "torch": torch.__version__,
         "quick": args.quick,
         "settings": settings,
         "allocator": {key: os.environ.get(key) for key in ALLOCATOR_ENV},
+        "notes": notes,
         "rows": rows,
     }
 
@@ -138,18 +141,20 @@ def markdown(results: dict) -> str:
     for row in results["rows"]:
         lines.append(f"| {row['model']} | {row['label']} | {row['precision']} | {row['nfe']} | {row['seconds']:.2f} "
                      f"| {row['images_per_s']:.3f} | {row['ms_per_nfe']:.1f} |")
-    lines += ["", "dopri5's NFE is that of a random network's field; a trained model's differs."]
+    lines += ["", "dopri5's NFE is that of a random network's field; a trained model's differs.",
+              *(f"{note}." for note in results["notes"])]
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict) -> Figure:
     labels = list(dict.fromkeys(row["label"] for row in results["rows"]))
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(PRECISIONS)
-    for i, precision in enumerate(PRECISIONS):
+    precisions = list(dict.fromkeys(row["precision"] for row in results["rows"]))
+    width = 0.8 / len(precisions)
+    for i, precision in enumerate(precisions):
         rate = {row["label"]: row["images_per_s"] for row in results["rows"] if row["precision"] == precision}
         ax.bar([j + i * width for j in range(len(labels))], [rate[label] for label in labels], width, label=precision)
-    ax.set_xticks([j + width * (len(PRECISIONS) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set_xticks([j + width * (len(precisions) - 1) / 2 for j in range(len(labels))], labels)
     ax.set_ylabel("images / s")
     ax.set_title(f"Sampler throughput, {results['device']}, batch {results['settings']['batch']}")
     ax.legend()
@@ -162,6 +167,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, batch 4, 1/10 of the steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--batch-size", type=int, help="images per batch (default 32; 4 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     args = parser.parse_args()
     if args.threads is not None:

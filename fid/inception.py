@@ -45,6 +45,9 @@ class InceptionFeatures(nn.Module):
             raise RuntimeError(
                 f"{weights.description}: not a torch-fidelity Inception-v3 weights file ({error})"
             ) from error
+        # channels_last: oneDNN's convolutions run 1.65x faster on a 2-core AVX2 CPU (8.7 vs 5.3 images/s, batch
+        # 100); features change by <= 1e-5 (summation order).
+        self.network.to(memory_format=torch.channels_last)
         # In the TF graph this is mixed_6/conv (after batch norm and ReLU), the 3rd 17x17 block's 1x1 branch.
         self.network.Mixed_6d.branch1x1.register_forward_hook(self._keep_spatial)
         self._spatial: torch.Tensor | None = None

@@ -1,0 +1,72 @@
+"""Shared benchmark plumbing: what machine a result came from, whether bf16 is worth timing there, and
+saving a result as JSON, a Markdown table and a PNG plot (each replaced atomically)."""
+
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")  # headless: benchmarks run on servers without a display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from fid.atomic import atomic_output  # noqa: E402
+
+PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback
+
+
+def describe_device(device: torch.device) -> str:
+    """"NVIDIA H200" or "AMD EPYC, 2 threads": the name that goes into every result file."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = PROBE_SIZE, repeats: int = 5) -> float:
+    """GFLOP/s of the fastest of `repeats` size³ matmuls after one warm-up."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def bf16_skip_reason(device: torch.device) -> str | None:
+    """Why bf16 rows should be skipped on `device`, or None when bf16 GEMMs are at least half as fast as fp32.
+
+    Without native bf16 instructions (an AVX2-only CPU) bf16 GEMMs fall back to reference code at ~1 % of the
+    fp32 speed: timing a model there measures the fallback, and a full benchmark would take hours."""
+    fp32, bf16 = matmul_gflops(device, torch.float32), matmul_gflops(device, torch.bfloat16)
+    if bf16 >= 0.5 * fp32:
+        return None
+    return (f"bf16 rows skipped: a {PROBE_SIZE}³ bf16 matmul runs at {bf16:.1f} GFLOP/s here against {fp32:.1f} "
+            f"in fp32 (no native bf16 GEMM on this device)")
+
+
+def save_results(out_dir: Path, stem: str, results: dict, table: str, plot: Callable[[dict], Figure]) -> None:
+    """Write `<stem>.json`, `<stem>.md` (the table) and `<stem>.png` (the figure `plot` draws) into out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_output(out_dir / f"{stem}.json") as path:
+        path.write_text(json.dumps(results, indent=1) + "\n")
+    with atomic_output(out_dir / f"{stem}.md") as path:
+        path.write_text(table)
+    figure = plot(results)
+    with atomic_output(out_dir / f"{stem}.png") as path:
+        figure.savefig(path, format="png", dpi=110)
+    plt.close(figure)

@@ -1,0 +1,39 @@
+"""The benchmark scripts still run: each one's --quick mode end to end, into a temporary folder.
+
+Their numbers are not checked (timings belong in bench/results, never in assertions); what is checked is that
+every script finishes, writes its JSON, table and plot, and measures something finite and positive.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# script -> (stem of its quick result files, path to the list of measured rows, the positive figure in each row)
+SCRIPTS = {
+    "attention": ("attention-cpu-quick", "rows", "ms"),
+    "samplers": ("samplers-cpu-quick", "rows", "images_per_s"),
+    "train": ("train-cpu-quick", "results", "images_per_s"),
+    "fid": ("fid-cpu-quick", "inception", "images_per_s"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None:
+    stem, rows_key, figure = SCRIPTS[script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for suffix in (".json", ".md", ".png"):
+        assert (tmp_path / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix} missing or empty"
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())[rows_key]
+    assert rows, f"{stem}.json has no {rows_key}"
+    for row in rows:
+        assert math.isfinite(row[figure]) and row[figure] > 0, row
