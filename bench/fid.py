@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from fid import FeatureMoments, Gaussian, frechet_distance, load_inception  # noqa: E402
 from fid.weights import POOL_DIM  # noqa: E402
-from _results import plt, save_results  # noqa: E402
+from _harness import plt, save_results  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
