@@ -3,7 +3,6 @@
 
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 

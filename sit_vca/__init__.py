@@ -2,3 +2,5 @@
 
 from .models import create_model
 from .transport import Transport, create_transport
+
+__all__ = ["Transport", "create_model", "create_transport"]
