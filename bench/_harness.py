@@ -30,6 +30,12 @@ def describe_device(device: torch.device) -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued GPU work, so a timer measures the work and not its launch; a no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = PROBE_SIZE, repeats: int = 5) -> float:
     """GFLOP/s of the fastest of `repeats` size³ matmuls after one warm-up."""
     a = torch.randn(size, size, device=device).to(dtype)
@@ -37,12 +43,10 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = PROBE_SI
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention  # noqa: E402
-from _harness import bf16_skip_reason, describe_device, plt, save_results  # noqa: E402
+from _harness import bf16_skip_reason, describe_device, plt, save_results, synchronize  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
@@ -56,11 +56,6 @@ def build_layer(method: str, width: int, heads: int, tokens: int) -> nn.Module:
         return MatmulSelfAttention(width, heads)
     contrast_grid = 8 if method == "vca-64" else None  # None: H/2, n = N/4
     return VisualContrastAttention(width, heads, grid, block_index=0, options=VCAOptions(contrast_grid=contrast_grid))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_seconds(step, device: torch.device, min_time: float, max_repeats: int) -> float:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from fid import FeatureMoments, Gaussian, frechet_distance, load_inception  # noqa: E402
 from fid.weights import POOL_DIM  # noqa: E402
-from _harness import plt, save_results  # noqa: E402
+from _harness import plt, save_results, synchronize  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -42,20 +42,15 @@ def bench_inception(device: str, num_images: int) -> dict:
     batch_size = min(BATCH_SIZE[torch.device(device).type], num_images)
     images = np.random.default_rng(0).integers(0, 256, (batch_size, 256, 256, 3), dtype=np.uint8)
     extractor(images)  # warm-up: allocations, cuDNN algorithm choice
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(num_images // batch_size):
         extractor(images)
-    _synchronize(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     count = batch_size * (num_images // batch_size)
     return {"device": device, "images": count, "batch_size": batch_size, "input_size": 256,
             "seconds": seconds, "images_per_s": count / seconds}
-
-
-def _synchronize(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _from_trace_sqrt(a: Gaussian, b: Gaussian, trace_sqrt: float) -> float:

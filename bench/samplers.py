@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import dit_vca  # noqa: E402
 import sit_vca  # noqa: E402
 from samplers import SampleResult  # noqa: E402
-from _harness import bf16_skip_reason, describe_device, plt, save_results  # noqa: E402
+from _harness import bf16_skip_reason, describe_device, plt, save_results, synchronize  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 # (model, sampler, steps); steps None = adaptive.
@@ -64,11 +64,6 @@ def build(name: str, settings: dict, device: torch.device) -> tuple[nn.Module, o
                 parameter.copy_(0.02 * torch.randn(parameter.shape, generator=generator))
     objective = dit_vca.create_diffusion() if family is dit_vca else sit_vca.create_transport()
     return model.to(device).eval(), objective
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_sampler(model: nn.Module, objective, sampler: str, steps: int | None, batch: int, precision: str,

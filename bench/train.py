@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _harness import bf16_skip_reason, describe_device, plt, save_results  # noqa: E402  (bench/ is on sys.path)
+from _harness import bf16_skip_reason, describe_device, plt, save_results, synchronize  # noqa: E402  (bench/ is on sys.path)
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from diffusers import AutoencoderKL  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
@@ -151,11 +151,6 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
     GradientState._reset_state()
     return {**asdict(case), "label": case.label, "batch_size": batch_size, "steps_per_s": 1 / seconds,
             "images_per_s": batch_size / seconds, "peak_memory_gib": peak}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def vca_speedups(results: list[dict]) -> list[dict]:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from fid.atomic import atomic_output
 from training.config import Config, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
+from training.run import write_text_atomic
 from training.vae import encode_posterior, latent_downsampling, load_vae
 
 SETTINGS_FILE = "extraction.json"
@@ -78,7 +79,7 @@ def _claim_folder(out: Path, settings: dict, state: PartialState) -> None:
     path = out / SETTINGS_FILE
     if state.is_main_process and not path.exists():
         out.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(path, settings)
+        write_text_atomic(path, json.dumps(settings, indent=2))
     state.wait_for_everyone()
     previous = json.loads(path.read_text())
     if previous != settings:
@@ -138,12 +139,7 @@ def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: 
                 "latent_channels": shape[2], "latent_size": shape[3], "dtype": config.extract.dtype,
                 "classes": list(classes), "num_images": sum(s["count"] for s in shards),
                 "num_skipped": sum(s["skipped"] for s in shards), "shards": shards}
-    _write_json_atomic(out / LATENT_MANIFEST, manifest)
-
-
-def _write_json_atomic(path: Path, value: dict) -> None:
-    with atomic_output(path) as temporary:
-        temporary.write_text(json.dumps(value, indent=2))
+    write_text_atomic(out / LATENT_MANIFEST, json.dumps(manifest, indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
