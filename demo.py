@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     training = train(out / "train", args.overrides)
     trained = time.perf_counter()
 
-    from fid.atomic import atomic_output
+    from atomic_files import atomic_output
     from training.checkpoint import find_export
 
     export = find_export(out / "train")
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "seconds": {"train": round(trained - started, 1), "sample": round(sampled - trained, 1),
                     "score": round(scored - sampled, 1), "total": round(scored - started, 1)},
     }
-    from training.run import write_text_atomic
+    from atomic_files import write_text_atomic
 
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
     markdown = render_markdown(results)

@@ -40,9 +40,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from fid.atomic import atomic_output
+from atomic_files import atomic_output, save_npz_atomic, write_text_atomic
 from training.images import save_grid, to_uint8
-from training.run import write_text_atomic
 
 LABEL_MODES = ("balanced", "uniform")
 RUN_RECORD = "run.json"  # settings of the run whose shards a shard folder holds
@@ -215,12 +214,6 @@ def plan_shards(num_samples: int, shard_size: int) -> list[Shard]:
 
 def shard_folder(out: Path) -> Path:
     return out.with_name(out.name + ".shards")
-
-
-def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
-    """Write an .npz under a temporary name and rename it: a kill leaves no file or the whole file."""
-    with atomic_output(path) as temporary, open(temporary, "wb") as file:
-        np.savez(file, **arrays)
 
 
 def load_shard(folder: Path, shard: Shard, labels: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from accelerate.utils import set_seed
 
+from atomic_files import write_text_atomic
 from training.build import (create_objective, build_model, export_description, model_input_shape, needs_vae,
                             objective_spec, pixel_decoder)
 from training.checkpoint import load_checkpoint, resolve_resume
@@ -25,7 +26,7 @@ from training.data import ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.loop import Trainer, TrainerState, create_optimizer
 from training.preview import EMASampler, load_fid_extractor
-from training.run import RunDirectory, create_accelerator, micro_batch_size, write_text_atomic
+from training.run import RunDirectory, create_accelerator, micro_batch_size
 from training.vae import load_vae
 
 

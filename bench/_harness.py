@@ -14,7 +14,7 @@ matplotlib.use("Agg")  # headless: benchmarks run on servers without a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from fid.atomic import atomic_output  # noqa: E402
+from atomic_files import atomic_output  # noqa: E402
 
 PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback
 

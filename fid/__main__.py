@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from .atomic import atomic_output
+from atomic_files import atomic_output
 from .evaluation import BINARY_METRICS, DEFAULT_BATCH_SIZE, METRICS, evaluate
 from .weights import BUNDLED, WEIGHTS_FILENAME
 

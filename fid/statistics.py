@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .atomic import atomic_output
+from atomic_files import atomic_output
 
 # ADM reference-batch keys: pool_3 statistics and sFID (spatial) statistics.
 STAT_KEYS = {"pool": ("mu", "sigma"), "spatial": ("mu_s", "sigma_s")}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import sample
+from atomic_files import save_npz_atomic
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def test_plan_shards_covers_every_index_once():
 
 def write_shards(folder, images, labels, shards):
     for shard in shards:
-        sample.save_npz_atomic(folder / shard.file_name, arr_0=images[shard.start:shard.stop],
+        save_npz_atomic(folder / shard.file_name, arr_0=images[shard.start:shard.stop],
                                arr_1=labels[shard.start:shard.stop], index=np.arange(shard.start, shard.stop))
 
 
@@ -125,7 +126,7 @@ def test_merge_shards_rejects_a_shard_of_other_samples(tmp_path):
     shards = sample.plan_shards(8, 4)
     write_shards(tmp_path, images, labels, shards)
     wrong = shards[1]
-    sample.save_npz_atomic(tmp_path / wrong.file_name, arr_0=images[:4], arr_1=labels[:4], index=np.arange(4))
+    save_npz_atomic(tmp_path / wrong.file_name, arr_0=images[:4], arr_1=labels[:4], index=np.arange(4))
     with pytest.raises(RuntimeError, match=wrong.file_name):
         sample.merge_shards(tmp_path, shards, labels, tmp_path / "out.npz")
     assert not (tmp_path / "out.npz").exists()

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torchvision.utils import make_grid
 
-from fid.atomic import atomic_output
+from atomic_files import atomic_output
 
 MIN_TILE_PIXELS = 64  # tiles smaller than this (8x8 digits) are enlarged with nearest-neighbour
 

@@ -22,10 +22,9 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from fid.atomic import atomic_output
+from atomic_files import atomic_output, write_text_atomic
 from training.config import Config, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
-from training.run import write_text_atomic
 from training.vae import encode_posterior, latent_downsampling, load_vae
 
 SETTINGS_FILE = "extraction.json"

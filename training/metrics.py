@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 from accelerate import Accelerator
 
+from atomic_files import write_text_atomic
+
 NO_BAD_STEP = math.inf
 
 
@@ -34,9 +36,7 @@ class JsonLines:
         if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        temporary.write_text("".join(line + "\n" for line in kept))
-        temporary.replace(self.path)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
 
 class TrainingMetrics:

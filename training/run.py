@@ -18,7 +18,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from fid.atomic import atomic_output
 from training.checkpoint import keep_plain_model_keys
 from training.config import Config
 
@@ -76,9 +75,3 @@ def micro_batch_size(config: Config, num_processes: int) -> int:
         raise ValueError(f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
                          f"processes x {train.grad_accum_steps} accumulation steps")
     return train.global_batch_size // parts
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` by `text` in one step: readers never see half a file."""
-    with atomic_output(path) as temporary:
-        temporary.write_text(text)
