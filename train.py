@@ -15,19 +15,12 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from accelerate.utils import set_seed
-
 from atomic_files import write_text_atomic
-from training.build import (create_objective, build_model, export_description, model_input_shape, needs_vae,
-                            objective_spec, pixel_decoder)
+from training.build import build_training
 from training.checkpoint import load_checkpoint, resolve_resume
 from training.config import config_to_dict, config_to_yaml, load_config
-from training.data import ShardedBatches, build_dataset
-from training.ema import create_ema
-from training.loop import Trainer, TrainerState, create_optimizer
-from training.preview import EMASampler, load_fid_extractor
-from training.run import RunDirectory, create_accelerator, micro_batch_size
-from training.vae import load_vae
+from training.loop import Trainer, TrainerState
+from training.run import RunDirectory, create_accelerator
 
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -45,32 +38,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     run = RunDirectory(Path(config.run.dir))
     resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint
     accelerator = create_accelerator(config, run)
-    micro_batch = micro_batch_size(config, accelerator.num_processes)
+    parts = build_training(config, accelerator)
 
-    # Data, VAE and FID reference before the model: a missing file or an unavailable VAE fails early.
-    dataset = build_dataset(config)
-    vae = load_vae(config.vae.name, accelerator.device) if needs_vae(config) else None
-    fid_extractor = load_fid_extractor(config.log, accelerator.device)
-    in_channels, input_size = model_input_shape(config, dataset, vae)
-    batches = ShardedBatches(dataset, micro_batch, accelerator.process_index, accelerator.num_processes,
-                             config.train.seed, config.data.num_workers, pin_memory=accelerator.device.type == "cuda")
-
-    # Identical initial weights on every process, then one RNG stream per process.
-    set_seed(config.train.seed)
-    model = build_model(config, in_channels, input_size)
-    ema = create_ema(model, config.train).to(accelerator.device)
-    objective = create_objective(objective_spec(config))
-    export = export_description(config, model)
-    if config.train.compile:
-        model.compile()
-    optimizer, scheduler = create_optimizer(model, config)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)
-
-    state = TrainerState(num_processes=accelerator.num_processes, micro_batch_size=micro_batch,
+    state = TrainerState(num_processes=accelerator.num_processes, micro_batch_size=parts.batches.loader.batch_size,
                          grad_accum_steps=config.train.grad_accum_steps)
     if resume_from is not None:
-        saved = load_checkpoint(accelerator, resume_from, ema)    # also restores every process's RNG
+        saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
         if not state.same_geometry(saved):
             accelerator.print(f"warning: {resume_from} was written with another batch geometry ({saved}); "
                               f"the data position is approximate")
@@ -82,12 +55,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         write_text_atomic(run.config, config_to_yaml(config))
     accelerator.init_trackers("tensorboard", config=_scalars(config_to_dict(config)),
                               init_kwargs={"tensorboard": {"purge_step": state.step + 1}})
-
-    sampler = EMASampler(objective, (in_channels, input_size, input_size), config.data.num_classes, config.log,
-                         pixel_decoder(config, vae))
-    Trainer(accelerator, config, run, model, ema, objective, optimizer, scheduler, batches,
-            vae if config.data.source == "images" else None, sampler, export, state,
-            last_checkpoint=None if resume_from is None else str(resume_from), fid_extractor=fid_extractor).fit()
+    Trainer(accelerator, config, run, parts, state,
+            last_checkpoint=None if resume_from is None else str(resume_from)).fit()
 
 
 def _scalars(tree: dict, prefix: str = "") -> dict:

@@ -1,9 +1,10 @@
-"""Atomic file output: a reader sees the old file or the whole new one, never half of it.
+"""Files written safely: a reader sees the old file or the whole new one, never half of it.
 
 Every file a command of this project writes goes through `atomic_output`: the bytes go to a hidden
 temporary file beside the target (`.<name>.tmp-<pid>`), which is renamed over the target only once it
 is complete. A process killed mid-write leaves at most such a temporary file; the next run of the same
-command removes it with `remove_stale_temporaries` before writing again.
+command removes it with `remove_stale_temporaries` before writing again. `atomic_files.shards` builds a
+resumable folder of shards on top (sample.py, latent extraction).
 """
 
 from __future__ import annotations

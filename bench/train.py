@@ -42,7 +42,7 @@ from training.data import ShardedBatches  # noqa: E402
 from training.ema import create_ema  # noqa: E402
 from training.loop import Trainer, TrainerState, create_optimizer  # noqa: E402
 from training.run import RunDirectory, create_accelerator  # noqa: E402
-from training.vae import SD_VAE_ARCHITECTURE, latent_downsampling  # noqa: E402
+from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LATENT_CHANNELS = SD_VAE_ARCHITECTURE["latent_channels"]

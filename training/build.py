@@ -1,107 +1,137 @@
-"""The parts a config names: model, objective, and the description exported with every checkpoint.
+"""The parts a config names, built in one place: data, VAE, model, EMA, objective, optimiser, previews, export.
 
-DiT models ("DiT-...") train with the DDPM objective of `dit_vca`, SiT models ("SiT-...") with the
-transport objective of `sit_vca`; the family prefix of model.name decides, so the two cannot be mismatched.
+`build_training(config, accelerator)` is what train.py calls. DiT models ("DiT-...") train with the DDPM objective
+of `dit_vca`, SiT models ("SiT-...") with the transport objective of `sit_vca` (the family table
+`dit_vca.models.MODEL_FAMILIES` decides), so model and objective cannot be mismatched.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 from diffusers import AutoencoderKL
+from timm.utils import ModelEmaV3
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from dit_vca import GaussianDiffusion, create_diffusion
-from dit_vca.models import DiT, build_model_from_config
-from sit_vca import Transport, create_transport
+from dit_vca.models import DiT, MODEL_FAMILIES, build_model_from_config, model_family
+from generation.export import ExportDescription
+from generation.generator import Generator, pixel_decoder
+from generation.objective import Objective, create_objective
+from generation.vae import latent_downsampling, load_vae
 from training.config import Config
-from training.data import DIGITS_SIZE, LatentShardDataset
-from training.vae import decode_latents, latent_downsampling
-
-Objective = Union[GaussianDiffusion, Transport]
-OBJECTIVE_OF_FAMILY = {"DiT": "diffusion", "SiT": "transport"}
+from training.data import DIGITS_SIZE, LatentShardDataset, ShardedBatches, build_dataset
+from training.ema import create_ema
+from training.run import micro_batch_size
 
 
-def model_family(config: Config) -> str:
-    """"DiT" or "SiT"."""
-    return config.model.name.split("-", 1)[0]
+@dataclass
+class TrainingParts:
+    """Everything the training loop needs, prepared for `accelerator` (model, optimiser and scheduler wrapped)."""
+
+    model: torch.nn.Module
+    ema: ModelEmaV3
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    batches: ShardedBatches
+    encoder: Optional[AutoencoderKL]  # encodes images online (data.source=images); None otherwise
+    preview: Generator                # the EMA model, its objective and decoder: grids and FID
+    export: ExportDescription         # written with every checkpoint
+    fid_extractor: Any                # Inception features for FID monitoring, or None
 
 
 def needs_vae(config: Config) -> bool:
-    """Images are encoded online; latents are decoded for grids and FID; digits live in pixel space."""
+    """Images are encoded online; latents are decoded for grids and FID; pixel-space data needs none."""
     decodes = bool(config.log.sample_every or config.log.fid_every)
-    return config.data.source == "images" or (config.data.source == "latents" and decodes)
+    return config.data.source == "images" or (not config.data.in_pixel_space and decodes)
 
 
 def model_input_shape(config: Config, dataset: Dataset, vae: Optional[AutoencoderKL]) -> tuple[int, int]:
     """(channels, side) of what the model sees: pixels for digits, latents otherwise."""
-    if config.data.source == "digits":
+    if config.data.in_pixel_space:
         return 1, DIGITS_SIZE
     if isinstance(dataset, LatentShardDataset):
         return dataset.manifest["latent_channels"], dataset.manifest["latent_size"]
     return vae.config.latent_channels, config.data.image_size // latent_downsampling(vae.config)
 
 
-def pixel_decoder(config: Config, vae: Optional[AutoencoderKL]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Model space (B, C, h, w) -> pixels in [-1, 1]."""
-    if config.data.source == "digits":
-        return lambda x: x.clamp(-1, 1)
-    return lambda z: decode_latents(vae, z, config.vae.scale)
-
-
-def model_arguments(config: Config, in_channels: int, input_size: int) -> dict[str, Any]:
-    """Keyword arguments of `create_model` (the same dict `model.config` holds once built)."""
+def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
+    """The network of `config` for inputs (B, in_channels, input_size, input_size)."""
     model = config.model
+    family = model_family(model.name)
     arguments: dict[str, Any] = dict(
         name=model.name, attention=model.attention, input_size=input_size, in_channels=in_channels,
         num_classes=config.data.num_classes, class_dropout_prob=model.class_dropout_prob,
-        learn_sigma=config.diffusion.learn_sigma if model_family(config) == "DiT" else False,
+        learn_sigma=config.diffusion.learn_sigma if MODEL_FAMILIES[family].objective == "diffusion" else False,
         gradient_checkpointing=model.gradient_checkpointing)
     if model.attention == "vca":
-        arguments.update(contrast_grid=model.contrast_grid, joint_softmax=model.joint_softmax,
-                         stage1_differential=model.stage1_differential,
-                         stage2_differential=model.stage2_differential, pooled_content=model.pooled_content)
+        arguments["vca"] = model.vca
     for size_override in ("depth", "hidden_size", "num_heads", "mlp_ratio"):
         if getattr(model, size_override) is not None:
             arguments[size_override] = getattr(model, size_override)
-    return arguments
-
-
-def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
-    """The network of `config` for inputs (B, in_channels, input_size, input_size)."""
-    return build_model_from_config(model_arguments(config, in_channels, input_size))
+    return build_model_from_config(arguments)
 
 
 def objective_spec(config: Config) -> dict[str, Any]:
     """{"kind": "diffusion" | "transport", **keyword arguments of its factory} (JSON-serialisable)."""
-    kind = OBJECTIVE_OF_FAMILY[model_family(config)]
+    kind = MODEL_FAMILIES[model_family(config.model.name)].objective
     if kind == "diffusion":
-        return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma}
+        return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma,
+                "decoder_nll": config.diffusion.decoder_nll}
     transport = config.transport
     return {"kind": kind, "path": transport.path, "prediction": transport.prediction,
             "loss_weight": transport.loss_weight, "train_eps": transport.train_eps,
             "sample_eps": transport.sample_eps}
 
 
-def create_objective(spec: dict[str, Any]) -> Objective:
-    """The training loss and samplers described by `objective_spec` (or an export's "objective")."""
-    arguments = dict(spec)
-    kind = arguments.pop("kind", None)
-    if kind == "diffusion":
-        return create_diffusion(**arguments)
-    if kind == "transport":
-        return create_transport(**arguments)
-    raise ValueError(f"objective kind must be one of {sorted(OBJECTIVE_OF_FAMILY.values())}, got {kind!r}")
+def export_description(config: Config, model: DiT) -> ExportDescription:
+    """What sampling needs to rebuild the model and turn its outputs into images."""
+    pixels = config.data.in_pixel_space
+    return ExportDescription(
+        model=dict(model.config), objective=objective_spec(config), space="pixels" if pixels else "latents",
+        image_size=config.data.image_size, num_classes=config.data.num_classes,
+        vae=None if pixels else config.vae.name, latent_scale=None if pixels else config.vae.scale)
 
 
-def export_description(config: Config, model: DiT) -> dict[str, Any]:
-    """What sampling needs to rebuild the model and turn its outputs into images (the export's config.json)."""
-    pixels = config.data.source == "digits"
-    return {
-        "model": dict(model.config),
-        "objective": objective_spec(config),
-        "data": {"kind": "pixels" if pixels else "latents", "image_size": config.data.image_size,
-                 "channels": model.in_channels, "num_classes": config.data.num_classes,
-                 "latent_scale": None if pixels else config.vae.scale, "vae": None if pixels else config.vae.name},
-    }
+def create_optimizer(model: torch.nn.Module, config: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the trainable parameters, with a linear warm-up to a constant learning rate."""
+    train = config.train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.lr,
+                                  betas=tuple(train.betas), weight_decay=train.weight_decay)
+    warmup = train.warmup_steps
+    scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
+    return optimizer, scheduler
+
+
+def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
+    """Build and prepare every part. Data, VAE and FID reference come first, so that a missing file or an
+    unavailable VAE fails before the model is built; every process starts from identical weights."""
+    from training.preview import load_fid_extractor
+
+    dataset = build_dataset(config)
+    vae = load_vae(config.vae.name, accelerator.device) if needs_vae(config) else None
+    fid_extractor = load_fid_extractor(config.log, accelerator.device)
+    in_channels, input_size = model_input_shape(config, dataset, vae)
+    batches = ShardedBatches(dataset, micro_batch_size(config, accelerator.num_processes), accelerator.process_index,
+                             accelerator.num_processes, config.train.seed, config.data.num_workers,
+                             pin_memory=accelerator.device.type == "cuda")
+
+    set_seed(config.train.seed)  # identical initial weights on every process ...
+    model = build_model(config, in_channels, input_size)
+    ema = create_ema(model, config.train).to(accelerator.device)
+    objective = create_objective(objective_spec(config))
+    export = export_description(config, model)
+    if config.train.compile:
+        model.compile()
+    optimizer, scheduler = create_optimizer(model, config)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
+
+    preview = Generator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
+    return TrainingParts(model, ema, objective, optimizer, scheduler, batches,
+                         vae if config.data.source == "images" else None, preview, export, fid_extractor)

@@ -6,8 +6,7 @@
         random_states_<rank>.pkl     every process's RNG states (Accelerate)
         trainer_state.json           step and data position
         config.yaml                  the resolved training config
-        export/ema.safetensors       EMA weights, float32      } `load_export` needs only these two files
-        export/config.json           model, objective, data    }
+        export/                      EMA weights and their description (generation.export): what sampling needs
 
 Nothing here unpickles arbitrary objects: weights are safetensors and Accelerate reads its .bin/.pkl files
 with torch.load(weights_only=True) (tensors, numbers and NumPy RNG arrays only). Accelerate's
@@ -19,25 +18,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from dit_vca.models import build_model_from_config
-from training.build import Objective, create_objective
+from generation.export import CHECKPOINT_PATTERN, EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, write_export
 from training.ema import ema_state_dict, load_ema_state_dict
 
-CHECKPOINT_PATTERN = re.compile(r"^step-(\d{7,})$")
-EXPORT_DIR = "export"
-EXPORT_WEIGHTS = "ema.safetensors"
-EXPORT_CONFIG = "config.json"
 TRAINER_STATE = "trainer_state.json"
 TRAIN_CONFIG = "config.yaml"
 MODEL_WEIGHTS = "model.safetensors"  # Accelerate's file name for the first prepared model
@@ -93,7 +86,7 @@ def keep_plain_model_keys(accelerator: Accelerator) -> None:
 
 
 def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: ModelEmaV3,
-                    trainer_state: dict[str, Any], export: dict[str, Any], config_yaml: str, keep: int) -> Path:
+                    trainer_state: dict[str, Any], export: ExportDescription, config_yaml: str, keep: int) -> Path:
     """Write checkpoint `step` under root (called on every process), then keep only the newest `keep`."""
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -105,7 +98,7 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: 
     accelerator.save_state(str(temporary))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_export(temporary / EXPORT_DIR, ema_state_dict(ema), {**export, "train_step": step})
+        write_export(temporary / EXPORT_DIR, ema_state_dict(ema), replace(export, train_step=step))
         (temporary / TRAIN_CONFIG).write_text(config_yaml)
         (temporary / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
         _replace_folder(temporary, final)
@@ -121,38 +114,6 @@ def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3)
     accelerator.load_state(str(path))
     load_ema_state_dict(ema, load_file(path / EXPORT_DIR / EXPORT_WEIGHTS))  # copied onto the EMA's device
     return json.loads((path / TRAINER_STATE).read_text())
-
-
-def write_export(folder: str | Path, ema_weights: dict[str, torch.Tensor], description: dict[str, Any]) -> None:
-    """EMA weights (float32 safetensors) and the JSON description that rebuilds model and objective."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({key: value.float().cpu() for key, value in ema_weights.items()}, folder / EXPORT_WEIGHTS)
-    (folder / EXPORT_CONFIG).write_text(json.dumps(description, indent=2))
-
-
-def find_export(path: str | Path) -> Path:
-    """The export folder for an export folder, a checkpoint folder, or a run directory (newest checkpoint)."""
-    path = Path(path)
-    candidates = [path, path / EXPORT_DIR]
-    checkpoints = list_checkpoints(path / "checkpoints")
-    if checkpoints:
-        candidates.append(checkpoints[-1] / EXPORT_DIR)
-    for candidate in candidates:
-        if (candidate / EXPORT_CONFIG).is_file() and (candidate / EXPORT_WEIGHTS).is_file():
-            return candidate
-    raise FileNotFoundError(f"no export found at {path}: expected {EXPORT_WEIGHTS} and {EXPORT_CONFIG} in it, in "
-                            f"its {EXPORT_DIR}/ folder, or in the newest checkpoint of a run directory")
-
-
-def load_export(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, Objective, dict[str, Any]]:
-    """(EMA model in eval mode, objective, description) from an export, checkpoint or run directory."""
-    folder = find_export(path)
-    description = json.loads((folder / EXPORT_CONFIG).read_text())
-    model = build_model_from_config(description["model"])
-    model.load_state_dict(load_file(folder / EXPORT_WEIGHTS), strict=True)
-    model = model.to(device).eval().requires_grad_(False)
-    return model, create_objective(description["objective"]), description
 
 
 def _replace_folder(source: Path, target: Path) -> None:

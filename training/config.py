@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dit_vca.attention import VCAOptions
+
 BASE_KEY = "base"
 DEFAULT_RESULTS_DIR = "results"
 
@@ -43,11 +45,7 @@ class ModelConfig:
     name: str = MISSING                          # "DiT-S/2" ... "SiT-XL/8"
     attention: str = _choice("vca", "vca", "mhsa")
     class_dropout_prob: float = 0.1
-    contrast_grid: Optional[int] = None          # VCA pooled grid side p; None: half the token grid
-    joint_softmax: bool = True                   # VCA ablation switches (see docs/VCA.md)
-    stage1_differential: bool = True
-    stage2_differential: bool = True
-    pooled_content: bool = True
+    vca: VCAOptions = field(default_factory=VCAOptions)  # contrast grid and ablation switches (docs/VCA.md)
     gradient_checkpointing: bool = False
     depth: Optional[int] = None                  # size overrides for small models (tests, digits)
     hidden_size: Optional[int] = None
@@ -82,6 +80,11 @@ class DataConfig:
     random_flip: bool = True
     on_corrupt: str = _choice("error", "error", "skip")
     num_workers: int = 4
+
+    @property
+    def in_pixel_space(self) -> bool:
+        """The model works on the images themselves (the digits); every other source is encoded to latents."""
+        return self.source == "digits"
 
 
 @dataclass
@@ -179,7 +182,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     config: Config = OmegaConf.to_object(merged)
     _check_choices(config, prefix="")
     _check_model_name(config.model.name)
-    if config.data.source != "digits" and (config.vae.name is None or config.vae.scale is None):
+    if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
                           f"and vae.scale")
     if config.run.dir is None:
@@ -280,8 +283,7 @@ def _check_choices(node: Any, prefix: str) -> None:
 
 
 def _check_model_name(name: str) -> None:
-    from dit_vca.models import LEARN_SIGMA_DEFAULT, model_names  # the size table lives with the backbone
+    from dit_vca.models import all_model_names  # the size table lives with the backbone
 
-    valid = [valid_name for family in LEARN_SIGMA_DEFAULT for valid_name in model_names(family)]
-    if name not in valid:
-        raise ConfigError(f"'model.name' is {name!r}; valid choices: {', '.join(valid)}")
+    if name not in all_model_names():
+        raise ConfigError(f"'model.name' is {name!r}; valid choices: {', '.join(all_model_names())}")

@@ -22,12 +22,12 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from atomic_files import atomic_output, write_text_atomic
+from atomic_files import write_text_atomic
+from atomic_files.shards import ShardFolder
 from training.config import Config, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
-from training.vae import encode_posterior, latent_downsampling, load_vae
+from generation.vae import encode_posterior, latent_downsampling, load_vae
 
-SETTINGS_FILE = "extraction.json"
 FORMAT_VERSION = 1
 
 
@@ -40,55 +40,33 @@ def plan_shards(num_images: int, shard_size: int) -> list[range]:
     return [range(start, min(start + shard_size, num_images)) for start in range(0, num_images, shard_size)]
 
 
-def shards_of_process(num_shards: int, process_index: int, num_processes: int) -> list[int]:
-    """Round-robin assignment: every shard belongs to exactly one process."""
-    return list(range(process_index, num_shards, num_processes))
-
-
 def extract_latents(config: Config, state: PartialState | None = None) -> Path:
-    """Write the missing shards of this process, then (main process) the manifest. Returns the folder."""
+    """Write the missing shards (spread over the processes), then (main process) the manifest. Returns the folder."""
     state = state or PartialState(cpu=config.train.cpu)
     data = config.data
     if data.images is None or data.latents is None:
         raise ValueError("latent extraction needs data.images=<image folder> and data.latents=<output folder>")
     dataset = ImageFolderDataset(data.images, data.image_size, random_flip=False, on_corrupt=data.on_corrupt)
-    out = Path(data.latents)
-    _claim_folder(out, _settings(config, len(dataset)), state)
     shards = plan_shards(len(dataset), config.extract.shard_size)
-    todo = [k for k in shards_of_process(len(shards), state.process_index, state.num_processes)
-            if not (out / shard_name(k)).exists()]
+    folder = ShardFolder(data.latents, [shard_name(k) for k in range(len(shards))], _settings(config, len(dataset)))
+    todo = folder.claim(state)[state.process_index::state.num_processes]
     if todo:
         vae = load_vae(config.vae.name, device=state.device)
-        _encode_shards(vae, dataset, shards, todo, out, config, state)
+        _encode_shards(vae, dataset, shards, todo, folder, config, state)
     state.wait_for_everyone()
     if state.is_main_process:
-        _write_manifest(out, dataset.classes, len(shards), config)
+        _write_manifest(folder.folder, dataset.classes, len(shards), config)
     state.wait_for_everyone()
-    return out
+    return folder.folder
 
 
 def _settings(config: Config, num_images: int) -> dict:
-    return {"images": str(Path(config.data.images).resolve()), "num_images": num_images,
+    return {"format": FORMAT_VERSION, "images": str(Path(config.data.images).resolve()), "num_images": num_images,
             "image_size": config.data.image_size, "vae": config.vae.name,
             "shard_size": config.extract.shard_size, "dtype": config.extract.dtype}
 
 
-def _claim_folder(out: Path, settings: dict, state: PartialState) -> None:
-    """Record the settings in a new folder, or check that an existing one was started with the same ones."""
-    path = out / SETTINGS_FILE
-    if state.is_main_process and not path.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(settings, indent=2))
-    state.wait_for_everyone()
-    previous = json.loads(path.read_text())
-    if previous != settings:
-        changed = sorted(key for key in settings if previous.get(key) != settings[key])
-        raise ValueError(f"{out} holds latents extracted with other settings ({', '.join(changed)}: "
-                         f"{[previous.get(k) for k in changed]} vs {[settings[k] for k in changed]}); "
-                         f"choose another data.latents folder")
-
-
-def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: list[int], out: Path,
+def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: list[int], folder: ShardFolder,
                    config: Config, state: PartialState) -> None:
     batch_size = config.extract.batch_size
     batches = [(shard, indices) for shard in todo for indices in _chunks(shards[shard], batch_size)]
@@ -111,7 +89,7 @@ def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: 
         progress.update()
         if indices[-1] == shards[shard][-1]:  # last batch of this shard
             tensors = {key: torch.cat(values) for key, values in pending.items()}
-            _save_shard_atomic(out / shard_name(shard), tensors, {"skipped": str(skipped)})
+            folder.write(shard, lambda path: save_file(tensors, path, metadata={"skipped": str(skipped)}))
             progress.write(f"wrote {shard_name(shard)} ({len(tensors['labels'])} images, {skipped} skipped)")
             pending, skipped = {key: values[:1] for key, values in pending.items()}, 0
     progress.close()
@@ -120,11 +98,6 @@ def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: 
 def _chunks(indices: range, size: int) -> Iterator[list[int]]:
     for start in range(0, len(indices), size):
         yield list(indices[start:start + size])
-
-
-def _save_shard_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    with atomic_output(path) as temporary:
-        save_file(tensors, temporary, metadata=metadata)
 
 
 def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: Config) -> None:

@@ -13,20 +13,16 @@ from typing import Any, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
-from diffusers import AutoencoderKL
-from timm.utils import ModelEmaV3
-from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from training.build import Objective
+from generation.vae import sample_latents
+from training.build import TrainingParts
 from training.checkpoint import checkpoint_name, save_checkpoint
 from training.config import Config, config_to_yaml
-from training.data import CorruptImageError, ShardedBatches
+from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
-from training.preview import EMASampler
+from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
-from training.vae import sample_latents
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -56,39 +52,19 @@ class TrainerState:
         return self.examples_seen // (self.num_processes * self.micro_batch_size)
 
 
-def create_optimizer(model: nn.Module, config: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over the trainable parameters, with a linear warm-up to a constant learning rate."""
-    train = config.train
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.lr,
-                                  betas=tuple(train.betas), weight_decay=train.weight_decay)
-    warmup = train.warmup_steps
-    scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
-    return optimizer, scheduler
-
-
 class Trainer:
     """Runs `config.train.max_steps` optimiser steps from `state` (see the module docstring)."""
 
-    def __init__(self, accelerator: Accelerator, config: Config, run: RunDirectory, model: nn.Module,
-                 ema: ModelEmaV3, objective: Objective, optimizer: torch.optim.Optimizer,
-                 scheduler: LambdaLR, batches: ShardedBatches,
-                 vae: Optional[AutoencoderKL], sampler: EMASampler, export: dict[str, Any], state: TrainerState,
-                 last_checkpoint: Optional[str] = None, fid_extractor=None) -> None:
+    def __init__(self, accelerator: Accelerator, config: Config, run: RunDirectory, parts: TrainingParts,
+                 state: TrainerState, last_checkpoint: Optional[str] = None) -> None:
         self.accelerator = accelerator
         self.config = config
         self.run = run
-        self.model = model
-        self.ema = ema
-        self.objective = objective
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.batches = batches
-        self.vae = vae
-        self.sampler = sampler
-        self.export = export
+        self.parts = parts
+        self.model, self.ema, self.objective = parts.model, parts.ema, parts.objective
+        self.optimizer, self.scheduler, self.batches = parts.optimizer, parts.scheduler, parts.batches
         self.state = state
         self.last_checkpoint = last_checkpoint
-        self.fid_extractor = fid_extractor
         self.fid_log = JsonLines(run.fid)
 
     def fit(self) -> None:
@@ -137,9 +113,9 @@ class Trainer:
                 raise CorruptImageError(f"every image of a micro-batch was corrupt (step {self.state.step + 1}); "
                                         f"check data.images")
             x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
-            if self.vae is not None:
+            if self.parts.encoder is not None:
                 with accelerator.autocast():
-                    x = sample_latents(self.vae, x, self.config.vae.scale)          # (B, 4, h, w)
+                    x = sample_latents(self.parts.encoder, x, self.config.vae.scale)  # (B, 4, h, w)
             with accelerator.accumulate(self.model):
                 loss = self.objective.training_losses(self.model, x, y)["loss"].mean()
                 accelerator.backward(loss)
@@ -167,7 +143,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, asdict(self.state),
-                               self.export, config_to_yaml(self.config), self.config.log.keep_checkpoints)
+                               self.parts.export, config_to_yaml(self.config), self.config.log.keep_checkpoints)
         self.last_checkpoint = str(path)
         self.accelerator.print(f"saved checkpoint {path}")
 
@@ -175,14 +151,15 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.run.samples.mkdir(parents=True, exist_ok=True)
             with self.accelerator.autocast():
-                self.sampler.save_grid(self.ema.module, self.run.samples / f"{checkpoint_name(self.state.step)}.png")
+                save_preview_grid(self.parts.preview, self.config.log,
+                                  self.run.samples / f"{checkpoint_name(self.state.step)}.png")
         self.accelerator.wait_for_everyone()
 
     def measure_fid(self) -> None:
         with self.accelerator.autocast():
-            fid = self.sampler.fid(self.ema.module, self.fid_extractor, self.config.log.fid_reference,
-                                   self.accelerator.process_index, self.accelerator.num_processes,
-                                   self.batches.loader.batch_size)
+            fid = preview_fid(self.parts.preview, self.config.log, self.parts.fid_extractor,
+                              self.accelerator.process_index, self.accelerator.num_processes,
+                              self.batches.loader.batch_size)
         if self.accelerator.is_main_process:
             self.fid_log.append({"step": self.state.step, "fid": fid, "samples": self.config.log.fid_samples})
             self.accelerator.log({"eval/fid": fid}, step=self.state.step)

@@ -1,27 +1,26 @@
 """What the EMA model generates during training: a sample grid and, optionally, FID against reference statistics.
 
-Both use fixed (label, noise seed) pairs, so successive grids and FID values differ only by the weights.
-Sampling uses per-sample noise streams, never the global RNG, so it does not perturb training.
+Both use fixed (label, noise seed) pairs (sample i: label i % classes, seed of index i), so successive grids and
+FID values differ only by the weights. Generation draws from per-sample noise streams, never from the global
+RNG, so it does not perturb training. Images are made by `generation.Generator`, the same path as sample.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
-import torch
-from torch import nn
 
-from samplers import PerSampleNoise, classifier_free_guidance
-from training.build import Objective
+from generation.generator import Generator
+from generation.images import save_grid
+from generation.sample_plan import sample_seeds
 from training.config import LogConfig
-from training.images import save_grid, to_uint8
 
-Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1]
+PREVIEW_SEED = 0
 
 
-def load_fid_extractor(log: LogConfig, device: torch.device):
+def load_fid_extractor(log: LogConfig, device):
     """The Inception feature extractor for FID monitoring (None when log.fid_every is 0); the reference
     statistics file is checked here, before training starts."""
     if not log.fid_every:
@@ -34,47 +33,34 @@ def load_fid_extractor(log: LogConfig, device: torch.device):
     return load_inception(log.fid_inception, device=device)
 
 
-class EMASampler:
-    """Generates images of a model for given labels and seeds with the sampler chosen in the log config."""
+def generation_options(log: LogConfig) -> dict:
+    return dict(guidance=log.sample_guidance, sampler=log.sample_sampler, steps=log.sample_steps)
 
-    def __init__(self, objective: Objective, shape: tuple[int, int, int], num_classes: int, log: LogConfig,
-                 decode: Decoder) -> None:
-        self.objective = objective
-        self.shape = shape
-        self.num_classes = num_classes
-        self.log = log
-        self.decode = decode
 
-    @torch.no_grad()
-    def images(self, model: nn.Module, labels: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
-        """(B, 3 or 1, H, W) pixels in [-1, 1] for labels (B,) and one noise seed per sample."""
-        device = next(model.parameters()).device
-        noise = PerSampleNoise(seeds, device)
-        x_T = noise(self.shape)                                                   # (B, C, h, w)
-        model_fn = classifier_free_guidance(model, self.log.sample_guidance, null_label=self.num_classes)
-        result = self.objective.sample(model_fn, x_T, labels.to(device),
-                                       sampler=self.log.sample_sampler or self.objective.default_sampler,
-                                       steps=self.log.sample_steps, noise=noise)
-        return self.decode(result.samples)
+def save_preview_grid(generator: Generator, log: LogConfig, path: Path) -> None:
+    """A grid of `log.sample_count` samples, labels cycling through the classes."""
+    indices = np.arange(log.sample_count)
+    images = generator.generate(indices % generator.num_classes, sample_seeds(PREVIEW_SEED, indices),
+                                **generation_options(log))
+    save_grid(images, path)
 
-    def save_grid(self, model: nn.Module, path: Path) -> None:
-        """A grid of `sample_count` samples, labels cycling through the classes, seeds 0, 1, ..."""
-        count = self.log.sample_count
-        labels = torch.arange(count) % self.num_classes
-        save_grid(to_uint8(self.images(model, labels, range(count))), path)
 
-    def fid(self, model: nn.Module, extractor, reference: str, process_index: int, num_processes: int,
-            batch_size: int) -> float:
-        """FID of `fid_samples` class-balanced samples (label = index % classes, seed = index) against the
-        reference statistics; processes share the indices and all return the same value."""
-        from fid import fid_from_batches
+def preview_fid(generator: Generator, log: LogConfig, extractor, process_index: int, num_processes: int,
+                batch_size: int) -> float:
+    """FID of `log.fid_samples` class-balanced samples against `log.fid_reference`.
 
-        indices = np.arange(process_index, self.log.fid_samples, num_processes)
+    The processes share the sample indices; their feature statistics are summed across processes before the
+    Fréchet distance, so every process returns the FID of all `fid_samples` images (the same value as one
+    process generating them all).
+    """
+    from fid import fid_from_batches
 
-        def batches() -> Iterator[np.ndarray]:
-            for start in range(0, len(indices), batch_size):
-                chunk = indices[start:start + batch_size]
-                labels = torch.from_numpy(chunk % self.num_classes)
-                yield to_uint8(self.images(model, labels, chunk.tolist()))
+    indices = np.arange(process_index, log.fid_samples, num_processes)
 
-        return fid_from_batches(batches(), reference, extractor)
+    def batches() -> Iterator[np.ndarray]:
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start:start + batch_size]
+            yield generator.generate(chunk % generator.num_classes, sample_seeds(PREVIEW_SEED, chunk),
+                                     **generation_options(log))
+
+    return fid_from_batches(batches(), log.fid_reference, extractor, across_processes=num_processes > 1)

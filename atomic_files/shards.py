@@ -1,0 +1,94 @@
+"""A resumable output folder of shard files: each shard written atomically, the owning run's settings recorded.
+
+Used by `sample.py` (image shards merged into one .npz at the end) and by latent extraction (the shards are the
+output). A killed job is simply rerun: finished shards are kept, the others are written again. The folder's
+settings record (`settings.json`) makes sure that shards of different runs are never mixed: a rerun with other
+settings is refused, naming the first setting that differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from atomic_files import atomic_output, remove_stale_temporaries, write_json_atomic
+
+SETTINGS_FILE = "settings.json"
+
+
+class ShardFolderError(ValueError):
+    """The folder belongs to another run, or cannot be used (the message names it)."""
+
+
+def first_difference(stored: dict[str, Any], settings: dict[str, Any]) -> str | None:
+    """The first key whose value differs between two settings records, or None."""
+    for key in [*settings, *(stored.keys() - settings.keys())]:
+        if stored.get(key) != settings.get(key):
+            return key
+    return None
+
+
+class ShardFolder:
+    """`folder`/<shard_names[i]> for i = 0..K-1, plus `folder`/settings.json."""
+
+    def __init__(self, folder: str | Path, shard_names: Sequence[str], settings: dict[str, Any]) -> None:
+        self.folder = Path(folder)
+        self.shard_names = list(shard_names)
+        self.settings = settings
+
+    def path(self, index: int) -> Path:
+        return self.folder / self.shard_names[index]
+
+    def pending_here(self) -> list[int]:
+        """Shards without a file, as this process sees the folder now (after `claim`, on any process)."""
+        return [index for index in range(len(self.shard_names)) if not self.path(index).exists()]
+
+    def claim(self, state: Any = None) -> list[int]:
+        """Check or record the settings and list the unfinished shards, identically on every process.
+
+        `state` is an Accelerate `Accelerator` or `PartialState` (None: a single process). The main process
+        creates the folder, removes temporary files of killed writers, checks (or writes) the settings record
+        and lists the shards still to write before any process writes one; the list is then broadcast.
+        """
+        message: list[Any] = [None, None]  # (pending shards, error)
+        if state is None or state.is_main_process:
+            try:
+                message[0] = self._claim_on_main_process()
+            except (OSError, ShardFolderError) as error:
+                message[1] = str(error)
+        if state is not None and state.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(message)
+        pending, error = message
+        if error is not None:
+            raise ShardFolderError(error)
+        return pending
+
+    def _claim_on_main_process(self) -> list[int]:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for name in self.shard_names:
+            remove_stale_temporaries(self.folder / name)
+        record = self.folder / SETTINGS_FILE
+        pending = self.pending_here()
+        if len(pending) == len(self.shard_names) and not record.exists():  # nothing finished: nothing to protect
+            write_json_atomic(record, self.settings)
+            return pending
+        if not record.exists():
+            raise ShardFolderError(f"{self.folder} holds shards but no {SETTINGS_FILE} naming their run: remove it "
+                                   f"or choose another output")
+        try:
+            stored = json.loads(record.read_text())
+        except json.JSONDecodeError as error:
+            raise ShardFolderError(f"{record} is not valid JSON ({error}): remove {self.folder}") from None
+        key = first_difference(stored, self.settings)
+        if key is not None:
+            raise ShardFolderError(f"{self.folder} belongs to a run with {key}={stored.get(key)!r}, not "
+                                   f"{self.settings.get(key)!r}: remove it or choose another output")
+        return pending
+
+    def write(self, index: int, write: Callable[[Path], None]) -> None:
+        """Write shard `index` atomically: `write(temporary_path)` fills a temporary file that is then renamed."""
+        with atomic_output(self.path(index)) as temporary:
+            write(temporary)

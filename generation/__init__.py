@@ -1,0 +1,40 @@
+"""Generation: from a trained model to images.
+
+Owns the export format (`ExportDescription`, `Export`: a folder of EMA weights and a JSON description, also on the
+Hugging Face Hub), the conversion of official DiT/SiT checkpoints into exports, the VAE between pixels and
+latents, and `Generator.generate`, the one path from labels and seeds to uint8 images. `sample.py`, training's
+previews and the demo all go through it. It depends on the model packages and the samplers, never on training.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from generation.export import Export, ExportDescription, ExportError, find_export, read_export, write_export
+from generation.generator import Generator
+from generation.official import OfficialCheckpointError, is_official_reference, official_export
+
+__all__ = ["Export", "ExportDescription", "ExportError", "Generator", "OfficialCheckpointError", "find_export",
+           "load_export", "read_export", "write_export"]
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name"
+
+
+def load_export(source: str | Path, model: Optional[str] = None, image_size: Optional[int] = None) -> Export:
+    """The export `source` names: an export / checkpoint / run folder, an official `.pt` file or released
+    checkpoint name (converted on the fly; `model` and `image_size` as in `generation.official`), or a
+    Hugging Face Hub id ("owner/name") of an export pushed with `Export.push_to_hub`."""
+    text = str(source)
+    if is_official_reference(text):
+        return official_export(text, model, image_size)
+    if model is not None or image_size is not None:
+        raise ExportError(f"{text}: --model and --image-size are only for official .pt checkpoints; an export "
+                          f"names its own model")
+    if Path(text).exists():
+        return read_export(text)
+    if HUB_ID.match(text) and not text.startswith("."):
+        return Export.from_pretrained(text)
+    raise ExportError(f"{text}: no such file or folder (expected an export folder, a run directory, an official "
+                      f".pt checkpoint or a Hugging Face Hub id owner/name)")

@@ -1,0 +1,168 @@
+"""The export: everything generation needs from a trained model, in a folder of two files.
+
+    export/
+        ema.safetensors   EMA weights, float32
+        config.json       the ExportDescription below, as JSON
+
+Training writes one into every checkpoint (`<run>/checkpoints/step-XXXXXXX/export/`); official DiT/SiT
+`.pt` files become one through `generation.official`; `Export` moves one to and from the Hugging Face Hub.
+Nothing here unpickles: weights are safetensors, the description is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from huggingface_hub import ModelHubMixin
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from atomic_files import atomic_output, write_json_atomic
+
+EXPORT_DIR = "export"
+EXPORT_WEIGHTS = "ema.safetensors"
+EXPORT_CONFIG = "config.json"
+CHECKPOINT_PATTERN = re.compile(r"^step-(\d{7,})$")  # the checkpoint folders of a run (see training.checkpoint)
+FORMAT_VERSION = 2
+SPACES = ("pixels", "latents")
+
+
+class ExportError(ValueError):
+    """An export folder or file that is missing, incomplete or unreadable (the message names the file)."""
+
+
+@dataclass(frozen=True)
+class ExportDescription:
+    """What rebuilds the network and turns its outputs into images.
+
+    `space` says where the model works: "pixels" (its outputs are images in [-1, 1]) or "latents" (its
+    outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`, a hub id or a local folder).
+    """
+
+    model: dict[str, Any]                # model.config: rebuilds the network (dit_vca.build_model_from_config)
+    objective: dict[str, Any]            # {"kind": "diffusion" | "transport", **keyword arguments of its factory}
+    space: str                           # "pixels" | "latents"
+    image_size: int                      # side of the generated images in pixels
+    num_classes: int
+    vae: Optional[str] = None            # latents only
+    latent_scale: Optional[float] = None  # latents only
+    train_step: Optional[int] = None     # optimiser steps behind the weights, when known
+    source: Optional[str] = None         # where the weights came from, for an export not written by training
+
+    def __post_init__(self) -> None:
+        if self.space not in SPACES:
+            raise ValueError(f"export space must be one of {SPACES}, got {self.space!r}")
+        if self.space == "latents" and (self.vae is None or self.latent_scale is None):
+            raise ValueError("an export in latent space needs vae and latent_scale")
+
+    @property
+    def in_pixel_space(self) -> bool:
+        return self.space == "pixels"
+
+    @property
+    def channels(self) -> int:
+        """Channels of what the model generates (model.in_channels)."""
+        return int(self.model["in_channels"])
+
+    @property
+    def has_null_class(self) -> bool:
+        """Trained with label dropout, so classifier-free guidance is possible."""
+        return float(self.model.get("class_dropout_prob", 0.0)) > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> "ExportDescription":
+        """Read the current layout, or the first one (a "data" section with "kind"), which earlier code wrote."""
+        values = dict(values)
+        version = values.pop("format", 1)
+        if version == 1:
+            data = values.pop("data")
+            values.update(space=data["kind"], image_size=data["image_size"], num_classes=data["num_classes"],
+                          vae=data.get("vae"), latent_scale=data.get("latent_scale"))
+        elif version != FORMAT_VERSION:
+            raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
+        return cls(**values)
+
+
+@dataclass
+class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "visual-contrast-attention"]):
+    """An export in memory: its description and EMA weights. `save_pretrained`, `from_pretrained` (a local
+    folder or a hub id) and `push_to_hub` come from huggingface_hub's ModelHubMixin."""
+
+    description: ExportDescription
+    weights: dict[str, torch.Tensor] = field(repr=False)
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        write_export(save_directory, self.weights, self.description)
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision: Optional[str], cache_dir: Optional[str | Path],
+                         force_download: bool, local_files_only: bool, token: Optional[str | bool],
+                         **unused: Any) -> "Export":
+        if Path(model_id).is_dir():
+            return read_export(model_id)
+        from huggingface_hub import hf_hub_download
+
+        files = [hf_hub_download(repo_id=model_id, filename=name, revision=revision, cache_dir=cache_dir,
+                                 force_download=force_download, local_files_only=local_files_only, token=token)
+                 for name in (EXPORT_CONFIG, EXPORT_WEIGHTS)]
+        return read_export(Path(files[0]).parent)
+
+
+def write_export(folder: str | Path, weights: dict[str, torch.Tensor], description: ExportDescription) -> None:
+    """Write the weights (as float32) and the description into `folder`, each file atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_output(folder / EXPORT_WEIGHTS) as temporary:
+        save_file({key: value.detach().float().cpu().contiguous() for key, value in weights.items()}, temporary)
+    write_json_atomic(folder / EXPORT_CONFIG, description.to_json())
+
+
+def find_export(path: str | Path) -> Path:
+    """The export folder of an export folder, a checkpoint folder, or a run directory (its newest checkpoint)."""
+    path = Path(path)
+    candidates = [path, path / EXPORT_DIR]
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir():
+        steps = sorted((int(match.group(1)), child) for child in checkpoints.iterdir()
+                       if (match := CHECKPOINT_PATTERN.match(child.name)))
+        if steps:
+            candidates.append(steps[-1][1] / EXPORT_DIR)
+    for candidate in candidates:
+        if (candidate / EXPORT_CONFIG).is_file() and (candidate / EXPORT_WEIGHTS).is_file():
+            return candidate
+    raise ExportError(f"no export at {path}: expected {EXPORT_WEIGHTS} and {EXPORT_CONFIG} in it, in its "
+                      f"{EXPORT_DIR}/ folder, or in the newest checkpoint of a run directory")
+
+
+def read_description(folder: str | Path) -> ExportDescription:
+    """The description of an export folder (cheap: no weights are read)."""
+    path = Path(folder) / EXPORT_CONFIG
+    try:
+        return ExportDescription.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ExportError(f"{path} is not valid JSON ({error}); the export is damaged") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise ExportError(f"{path} is not an export description ({type(error).__name__}: {error})") from None
+
+
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The EMA weights of an export folder."""
+    path = Path(folder) / EXPORT_WEIGHTS
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ExportError(f"{path} cannot be read as safetensors ({error}); the export is damaged") from None
+
+
+def read_export(path: str | Path) -> Export:
+    """The export at `path` (an export folder, a checkpoint folder or a run directory)."""
+    folder = find_export(path)
+    return Export(read_description(folder), read_weights(folder))

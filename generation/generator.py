@@ -1,0 +1,127 @@
+"""Turning a trained model into images: `Generator.generate(labels, seeds, ...) -> uint8 images`.
+
+One home for the path from noise to pixels, used by `sample.py`, the previews and FID during training,
+and the demo: per-sample noise -> x_T -> classifier-free guidance -> the objective's sampler -> decoder
+(the VAE for latent models) -> uint8 (DiT's rounding, `generation.images.to_uint8`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from dit_vca.models import DiT, build_model_from_config
+from generation.export import Export, ExportDescription
+from generation.images import to_uint8
+from generation.objective import Objective, create_objective
+from samplers import PerSampleNoise, classifier_free_guidance
+
+Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1] (B, 1 or 3, H, W)
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def default_precision(device: torch.device, mixed_precision: Optional[str] = None) -> str:
+    """bf16 when Accelerate was launched with --mixed_precision bf16; else TF32 on CUDA, fp32 elsewhere."""
+    if mixed_precision == "bf16":
+        return "bf16"
+    return "tf32" if device.type == "cuda" else "fp32"
+
+
+def set_matmul_precision(precision: str) -> None:
+    """TF32 matmuls and convolutions on for "tf32", off otherwise (a process-wide switch of PyTorch)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+
+
+def pixel_decoder(description: ExportDescription, vae: Optional[nn.Module]) -> Decoder:
+    """Model space to pixels: the identity (clamped) in pixel space, the VAE decoder in latent space."""
+    if description.in_pixel_space:
+        return lambda x: x.clamp(-1, 1)
+    if vae is None:
+        raise ValueError("a model in latent space needs its VAE to be decoded")
+    from generation.vae import decode_latents
+
+    return lambda z: decode_latents(vae, z, description.latent_scale)
+
+
+class Generator:
+    """A class-conditional model, its objective and its decoder.
+
+    `precision` "bf16" runs the model and decoder under bf16 autocast ("tf32" is a process-wide switch, see
+    `set_matmul_precision`). `model_evaluations` counts the sampler's calls of the (guided) model, summed over
+    `generate` calls.
+    """
+
+    def __init__(self, model: DiT, objective: Objective, decode: Decoder, num_classes: int,
+                 precision: str = "fp32") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+        self.model = model
+        self.objective = objective
+        self.decode = decode
+        self.num_classes = num_classes
+        self.precision = precision
+        self.model_evaluations = 0
+
+    @classmethod
+    def from_export(cls, export: Export, device: torch.device | str = "cpu", vae: Optional[str] = None,
+                    precision: str = "fp32", compile: bool = False) -> "Generator":
+        """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
+        `compile` wraps the model in torch.compile (compiled on the first batch)."""
+        description = export.description
+        autoencoder = None
+        if not description.in_pixel_space:
+            from generation.vae import load_vae  # diffusers is slow to import: only for latent models
+
+            autoencoder = load_vae(vae or description.vae, device)  # before the model: fails fast offline
+        model = build_model_from_config(description.model)
+        model.load_state_dict(export.weights, strict=True)
+        model = model.to(device).eval().requires_grad_(False)
+        if compile:
+            model = torch.compile(model)
+        return cls(model, create_objective(description.objective), pixel_decoder(description, autoencoder),
+                   description.num_classes, precision)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """(C, h, w) of what the model generates."""
+        return (self.model.in_channels, self.model.input_size, self.model.input_size)
+
+    @torch.no_grad()
+    def generate(self, labels: Sequence[int] | np.ndarray | torch.Tensor, seeds: Sequence[int], *,
+                 guidance: float = 1.0, sampler: Optional[str] = None, steps: Optional[int] = None,
+                 guidance_channels: Optional[int] = None, guidance_interval: Optional[tuple[float, float]] = None,
+                 progress: bool = False, **options: Any) -> np.ndarray:
+        """(B, H, W, 3) uint8 images for class `labels` (B,), sample i drawing all its noise from `seeds[i]`.
+
+        guidance: classifier-free guidance scale (1: none); guidance_channels / guidance_interval as in
+        `samplers.classifier_free_guidance`. sampler / steps: the objective's sampler (None: its default);
+        options: that sampler's options (eta, atol, diffusion_form, ...).
+        """
+        device = self.device
+        noise = PerSampleNoise(list(seeds), device)
+        x_T = noise(self.sample_shape)  # (B, C, h, w): the first draw of every sample's stream
+        guided = classifier_free_guidance(self.model, guidance, null_label=self.num_classes,
+                                          guided_channels=guidance_channels, interval=guidance_interval)
+
+        def model_fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            self.model_evaluations += 1
+            return guided(x, t, y)
+
+        labels = torch.as_tensor(np.asarray(labels), dtype=torch.long, device=device)  # (B,)
+        # An autocast(enabled=False) would switch off an enclosing one (training's mixed precision): enter none.
+        bf16 = torch.autocast(device.type, dtype=torch.bfloat16) if self.precision == "bf16" else nullcontext()
+        with bf16:
+            result = self.objective.sample(model_fn, x_T, labels, sampler=sampler or self.objective.default_sampler,
+                                           steps=steps, noise=noise, progress=progress, **options)
+            return to_uint8(self.decode(result.samples))  # (B, H, W, 3)
