@@ -14,10 +14,11 @@ import dit_vca
 import sit_vca
 from dit_vca.models import build_model_from_config, model_names, sincos_pos_embed_2d, timestep_embedding
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
+REFERENCE = Path(__file__).resolve().parent / "data"  # official state-dict shapes, see tests/data/README.md
 TINY = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=3, num_classes=10)
 
-# Official DiT parameter counts (32×32×4 latent, 1000 classes, learn_sigma), pos_embed included (REFERENCE.md).
+# Official DiT parameter counts (32×32×4 latent, 1000 classes, learn_sigma), pos_embed included (counted from the
+# official code).
 OFFICIAL_PARAMETERS = {"DiT-S/2": 32_963_360, "DiT-B/4": 130_475_648, "DiT-XL/2": 675_129_632}
 
 
