@@ -66,7 +66,7 @@ def test_vca_model_overhead_matches_formula():
         vca = dit_vca.create_model("DiT-S/2", attention="vca")
         mhsa = dit_vca.create_model("DiT-S/2", attention="mhsa")
     C, d, n = 384, 64, 64  # 16×16 tokens, default grid H/2 = 8
-    per_layer = 2 * n * C + 10 * C + 8 * d + 2 * d  # VCA.md
+    per_layer = 2 * n * C + 10 * C + 8 * d + 2 * d  # docs/VCA.md, "Parameters"
     assert parameter_count(vca) - parameter_count(mhsa) == 12 * per_layer
     # Outside the attention the two models share every key and shape.
     mhsa_shapes = {k: v.shape for k, v in mhsa.state_dict().items()}
