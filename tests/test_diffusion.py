@@ -220,7 +220,7 @@ def test_decoder_nll_far_tails_stop_at_the_official_floor():
     log_scale = torch.full_like(x, math.log(0.01))
     official = discretized_gaussian_log_likelihood(x, mean, log_scale)
     assert official.tolist() == pytest.approx([LOG_FLOOR] * 3, abs=1e-12)
-    # The exact CDF is not floored on the end bins: log Φ(-199.6) ≈ -19922 nats.
+    # The exact CDF is not floored on the end bins: log Φ(-199.6) ≈ -19928 nats.
     exact = discretized_gaussian_log_likelihood(x, mean, log_scale, cdf="exact")
     assert exact[0].item() == pytest.approx(stats.norm.logcdf((-1 + 1 / 255 - 1) / 0.01), rel=1e-9)
     assert exact[0].item() < -19_000
