@@ -1,4 +1,4 @@
-"""DiT with Visual-Contrast Attention: backbone, attention and DDPM objective."""
+"""DiT with Visual-Contrast Attention: backbone, attention and DDPM objective. The method: docs/VCA.md."""
 
 from .attention import MultiHeadSelfAttention, VisualContrastAttention
 from .models import DiT, build_model_from_config, create_model

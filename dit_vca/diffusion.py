@@ -17,6 +17,8 @@ NUM_TIMESTEPS = 1000
 BETA_START = 1e-4  # for 1000 steps; scaled by 1000 / num_timesteps otherwise, as in improved DDPM
 BETA_END = 0.02
 PIXEL_BIN_HALF_WIDTH = 1.0 / 255.0  # decoder NLL: data in [-1, 1] discretised to 256 levels
+PROBABILITY_FLOOR = 1e-12  # decoder NLL: bin probabilities below this count as this, as in ADM/DiT
+DECODER_CDFS = ("tanh", "exact")  # the official tanh approximation (default) or the exact normal CDF
 
 SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta")}
 DEFAULT_STEPS = {"ddpm": 250, "ddim": 50}
@@ -77,17 +79,34 @@ def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) ->
     return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
 
 
-def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tensor) -> Tensor:
+def approximate_normal_cdf(z: Tensor) -> Tensor:
+    """The standard normal CDF by the tanh approximation 0.5·(1 + tanh(√(2/π)·(z + 0.044715·z³))) of ADM/DiT."""
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+
+
+def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tensor, cdf: str = "tanh") -> Tensor:
     """log P(x) per element for x on the 256-level grid of [-1, 1] under N(mean, e^(2 log_scale)) integrated over
-    x's bin; the end bins extend to -inf and +inf. Uses the exact normal CDF (ADM/DiT use a tanh approximation of
-    it, which differs by < 1e-3 in the CDF); probabilities are floored at 1e-12 as there."""
+    x's bin of half-width 1/255; the end bins (x = -1, x = +1) extend to -inf and +inf.
+
+    cdf="tanh" (default) is the official ADM/DiT decoder: the tanh approximation of the normal CDF and every
+    probability floored at 1e-12, so log P ≥ log(1e-12) = -27.63 on all three branches (training parity with the
+    published models, bounded loss). cdf="exact" uses the exact normal CDF: the end bins by log Φ (unbounded in
+    the far tails), the middle bins floored at 1e-12. See docs/VCA.md, "Conventions".
+    """
     inv_scale = torch.exp(-log_scale)
-    upper = (x - mean + PIXEL_BIN_HALF_WIDTH) * inv_scale
+    upper = (x - mean + PIXEL_BIN_HALF_WIDTH) * inv_scale  # standardised bin edges
     lower = (x - mean - PIXEL_BIN_HALF_WIDTH) * inv_scale
-    log_cdf_upper = torch.special.log_ndtr(upper)  # bin (-inf, x + 1/255] at x = -1
-    log_sf_lower = torch.special.log_ndtr(-lower)  # bin [x - 1/255, inf) at x = +1
-    log_bin = torch.log((torch.special.ndtr(upper) - torch.special.ndtr(lower)).clamp(min=1e-12))
-    return torch.where(x < -0.999, log_cdf_upper, torch.where(x > 0.999, log_sf_lower, log_bin))
+    if cdf == "tanh":
+        cdf_upper, cdf_lower = approximate_normal_cdf(upper), approximate_normal_cdf(lower)
+        log_left = torch.log(cdf_upper.clamp(min=PROBABILITY_FLOOR))  # bin (-inf, x + 1/255] at x = -1
+        log_right = torch.log((1.0 - cdf_lower).clamp(min=PROBABILITY_FLOOR))  # bin [x - 1/255, inf) at x = +1
+    elif cdf == "exact":
+        cdf_upper, cdf_lower = torch.special.ndtr(upper), torch.special.ndtr(lower)
+        log_left, log_right = torch.special.log_ndtr(upper), torch.special.log_ndtr(-lower)
+    else:
+        raise ValueError(f"decoder cdf {cdf!r} is not one of {DECODER_CDFS}")
+    log_middle = torch.log((cdf_upper - cdf_lower).clamp(min=PROBABILITY_FLOOR))
+    return torch.where(x < -0.999, log_left, torch.where(x > 0.999, log_right, log_middle))
 
 
 def mean_flat(x: Tensor) -> Tensor:
@@ -104,13 +123,20 @@ class GaussianDiffusion:
 
     Step k of the process corresponds to timestep_map[k] of the original training process; the model is always
     called with those original indices, so one trained model serves every respacing.
+
+    decoder_cdf chooses the normal CDF of the decoder NLL at step 0 (see discretized_gaussian_log_likelihood):
+    "tanh", the official ADM/DiT form (default), or "exact".
     """
 
-    def __init__(self, betas: np.ndarray, learn_sigma: bool = True, timestep_map: list[int] | None = None):
+    def __init__(self, betas: np.ndarray, learn_sigma: bool = True, timestep_map: list[int] | None = None,
+                 decoder_cdf: str = "tanh"):
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array with values in (0, 1]")
+        if decoder_cdf not in DECODER_CDFS:
+            raise ValueError(f"decoder_cdf={decoder_cdf!r}; expected one of {DECODER_CDFS}")
         self.learn_sigma = learn_sigma
+        self.decoder_cdf = decoder_cdf
         self.num_timesteps = len(betas)
         timestep_map = list(range(len(betas))) if timestep_map is None else list(timestep_map)
         if len(timestep_map) != len(betas):
@@ -149,7 +175,7 @@ class GaussianDiffusion:
         kept = space_timesteps(self.num_timesteps, spec)
         alphas_cumprod = self.alphas_cumprod.numpy()[kept]
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[kept].tolist())
+        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[kept].tolist(), self.decoder_cdf)
 
     def model_timesteps(self, t: Tensor) -> Tensor:
         """Original timestep indices (what the model was trained on) for process steps t (B,)."""
@@ -210,7 +236,7 @@ class GaussianDiffusion:
         for t > 0, the discretised decoder NLL -log p(x_0|x_1) at t = 0."""
         true_mean, _, true_log_variance = self.q_posterior_mean_variance(x_start, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, step.mean, step.log_variance)) / math.log(2.0)
-        nll = -discretized_gaussian_log_likelihood(x_start, step.mean, 0.5 * step.log_variance)
+        nll = -discretized_gaussian_log_likelihood(x_start, step.mean, 0.5 * step.log_variance, self.decoder_cdf)
         return torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)  # (B,)
 
     def training_losses(self, model: ModelFn, x: Tensor, y: Tensor, t: Tensor | None = None,
@@ -253,10 +279,11 @@ class GaussianDiffusion:
 
 
 def create_diffusion(timestep_respacing: str = "", learn_sigma: bool = True,
-                     diffusion_steps: int = NUM_TIMESTEPS) -> GaussianDiffusion:
+                     diffusion_steps: int = NUM_TIMESTEPS, decoder_cdf: str = "tanh") -> GaussianDiffusion:
     """DiT's diffusion: `diffusion_steps` linear-beta steps, respaced by `timestep_respacing` ("" = all steps).
 
     As in DiT, even the full process is built through respacing, so its betas are recomputed from alphas_cumprod.
+    decoder_cdf: "tanh" (the official decoder NLL at step 0, default) or "exact" (the exact normal CDF).
     """
-    base = GaussianDiffusion(linear_betas(diffusion_steps), learn_sigma=learn_sigma)
+    base = GaussianDiffusion(linear_betas(diffusion_steps), learn_sigma=learn_sigma, decoder_cdf=decoder_cdf)
     return base.respaced(timestep_respacing)

@@ -1,7 +1,8 @@
 """The DiT backbone (Peebles & Xie, 2023), shared by DiT and SiT, with MHSA or Visual-Contrast Attention.
 
 With attention="mhsa" the parameter layout is the official one (key for key, shape for shape), so official
-DiT and SiT checkpoints load with `load_state_dict`.
+DiT checkpoints load with `load_state_dict`, and official SiT checkpoints into a SiT built with learn_sigma=True
+(they carry the unused variance half). The method and the conventions: docs/VCA.md.
 """
 
 import math

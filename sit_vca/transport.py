@@ -239,7 +239,8 @@ class Transport:
         """Integrate from noise x_T (t = 0) to data. Samplers: "euler"/"heun" (fixed ODE steps, default 50),
         adaptive torchdiffeq methods such as "dopri5" (options atol 1e-6, rtol 1e-3; no `steps`), and
         "sde-euler"/"sde-heun" (default 250 steps counting the last step; options diffusion_form "sigma",
-        diffusion_norm 1.0, last_step "Mean" | "Tweedie" | "Euler" | None, last_step_size 0.04)."""
+        diffusion_norm 1.0, last_step "Mean" | "Tweedie" | "Euler" | None, last_step_size 0.04). How these step
+        counts relate to official SiT's `num_steps`: docs/VCA.md, "Conventions"."""
         check_sampler_request(sampler, options, SAMPLER_OPTIONS)
         if sampler in ode.ADAPTIVE_METHODS:
             if steps is not None:
@@ -315,7 +316,8 @@ class Transport:
                        atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, divergence: str = "hutchinson",
                        noise: PerSampleNoise | None = None, progress: bool = False) -> ode.LogLikelihood:
         """log p(x1) in nats per sample under the probability-flow ODE (prior N(0, I) at the interval start);
-        divide by x1[0].numel() for nats per dimension."""
+        divide by x1[0].numel() for nats per dimension. The interval is the sampling one, integrated backwards
+        (on VP it differs from official SiT's by sample_eps: docs/VCA.md, "Conventions")."""
         t0, t1 = self.interval(self.sample_eps)
         return ode.log_likelihood(self.velocity_fn(model_fn), x1, labels, t0=t0, t1=t1, method=method, atol=atol,
                                   rtol=rtol, divergence=divergence, noise=noise, progress=progress)

@@ -1,5 +1,6 @@
 """Closed-form optimal predictors for Gaussian data x_1 ~ N(MU, diag(STD^2)), written independently of the code
-under test (alphas from the reference betas or from REFERENCE.md's path formulas, derivatives by autograd).
+under test (alphas from the reference betas in tests/data/ or from SiT's published path formulas, derivatives by
+autograd).
 
 Every marginal is Gaussian: x_t ~ N(alpha_t MU, V_t) with V_t = alpha_t^2 STD^2 + sigma_t^2 per dimension, so
 E[noise | x_t] = sigma_t (x - alpha_t MU) / V_t, score = -(x - alpha_t MU) / V_t and
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ddpm_reference.json"
+# The official DiT diffusion's training betas and respaced timesteps/betas (float64), see tests/data/README.md.
+REFERENCE = Path(__file__).resolve().parent / "data" / "ddpm_reference.json"
 
 # Data shaped like a 4-channel 1x1 latent; stds below 1 so that the optimal DDPM reverse variance lies inside
 # the learned range [beta~_t, beta_t].

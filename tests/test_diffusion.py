@@ -10,7 +10,7 @@ from scipy import integrate, stats
 
 from _gaussian import load_reference
 from dit_vca import GaussianDiffusion, create_diffusion
-from dit_vca.diffusion import space_timesteps
+from dit_vca.diffusion import discretized_gaussian_log_likelihood, space_timesteps
 
 # The reference numbers are float64 results of the same arithmetic; 1e-12 leaves room only for a different
 # order of float64 operations (values are O(1)-O(10), float64 eps 2.2e-16).
@@ -160,25 +160,103 @@ def test_vb_term_is_the_gaussian_kl_in_bits(diffusion, reference):
     assert kl_closed[0, 0, 0] == pytest.approx(kl_quad, rel=1e-6)  # quadrature accuracy
 
 
-def test_decoder_nll_at_step_zero(diffusion):
-    # Pixels on the 256-level grid of [-1, 1], including both end bins (which extend to -inf / +inf).
-    levels = torch.tensor([0, 37, 200, 255], dtype=torch.float64)
-    x_start = (levels / 127.5 - 1).view(1, 4, 1, 1)
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder NLL at t = 0: pixels on the 256-level grid of [-1, 1], level 0 and level 255 being the open end bins
+# ----------------------------------------------------------------------------------------------------------------
+
+LOG_FLOOR = math.log(1e-12)  # -27.631..., the official code's floor on each of its three branches
+# Hand-derived values for a bin centred on the mean with std 1/255 (standardised bin edges ±1). The tanh CDF is
+# odd around 1/2, so the centre bin is tanh(a) and an end bin 0.5·(1 + tanh(a)) with a = √(2/π)·(1 + 0.044715).
+# log(tanh(a)) = -0.38216275726..., log(0.5·(1 + tanh(a))) = -0.17293535658... (the exact normal CDF gives
+# log(2Φ(1) − 1) = -0.38171514... and log Φ(1) = -0.17275378...: the two forms differ in the fourth digit).
+HAND_CENTRE_BIN = -0.38216275726460813
+HAND_END_BIN = -0.17293535658708467
+
+
+def official_log_likelihood(level: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """ADM/DiT's discretised Gaussian log-likelihood re-derived in float64 NumPy from its definition: the tanh
+    approximation of the normal CDF, bins of half-width 1/255 around each pixel level, level 0 open to -inf and
+    level 255 to +inf, every log-probability floored at log(1e-12). Branches are chosen by level index."""
+    def cdf(z):
+        return 0.5 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+
+    x = level / 127.5 - 1
+    upper, lower = cdf((x + 1 / 255 - mean) / scale), cdf((x - 1 / 255 - mean) / scale)
+    probability = np.select([level == 0, level == 255], [upper, 1.0 - lower], upper - lower)
+    return np.log(np.maximum(probability, 1e-12))
+
+
+def decoder_cases() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every pixel level × means 0, ±0.5, ±3, ±10 and ±40 stds away × four stds (1/255 to 1): broadcast arrays."""
+    level = np.arange(256, dtype=np.float64).reshape(256, 1, 1)
+    offset = np.array([0.0, 0.5, -0.5, 3.0, -3.0, 10.0, -10.0, 40.0, -40.0]).reshape(1, 9, 1)
+    scale = np.array([1 / 255, 0.01, 0.1, 1.0]).reshape(1, 1, 4)
+    x = level / 127.5 - 1
+    return np.broadcast_arrays(level, x + offset * scale, scale)
+
+
+def test_decoder_log_likelihood_is_the_official_form_on_the_pixel_grid():
+    level, mean, scale = decoder_cases()
+    as_t = torch.from_numpy
+    ours = discretized_gaussian_log_likelihood(as_t(level / 127.5 - 1), as_t(mean), as_t(np.log(scale))).numpy()
+    expected = official_log_likelihood(level, mean, scale)
+    assert (expected >= LOG_FLOOR).all() and (expected == LOG_FLOOR).any()  # the floor is reached and bounds it
+    # Both float64: differences come from last-ulp rounding of tanh in torch vs NumPy (~1e-16), amplified by the
+    # cancellation in CDF(upper) − CDF(lower); every probability here is either floored or ≥ 3e-5, so log p moves
+    # by ≤ 1e-16 / 3e-5 ≈ 3e-12 (1.7e-12 seen). 1e-9 is far below any difference between the two CDF forms.
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-9)
+    # And exactly where the checks by hand apply: mean on the bin centre, std 1/255.
+    centred = (mean == level / 127.5 - 1) & (scale == 1 / 255)
+    assert ours[centred & (level == 0)] == pytest.approx(HAND_END_BIN, abs=1e-12)
+    assert ours[centred & (level == 255)] == pytest.approx(HAND_END_BIN, abs=1e-12)
+    assert ours[centred & (level > 0) & (level < 255)] == pytest.approx(np.full(254, HAND_CENTRE_BIN), abs=1e-12)
+
+
+def test_decoder_nll_far_tails_stop_at_the_official_floor():
+    # Data at -1 and +1 (the end bins) and at level 128 (a middle bin) under a mean 2 (or 1) away with std 0.01,
+    # i.e. 100-200 stds: the tanh CDF saturates to 0 or 1, so every branch returns the floor log(1e-12).
+    x = torch.tensor([-1.0, 1.0, 128 / 127.5 - 1], dtype=torch.float64)
+    mean = torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64)
+    log_scale = torch.full_like(x, math.log(0.01))
+    official = discretized_gaussian_log_likelihood(x, mean, log_scale)
+    assert official.tolist() == pytest.approx([LOG_FLOOR] * 3, abs=1e-12)
+    # The exact CDF is not floored on the end bins: log Φ(-199.6) ≈ -19928 nats.
+    exact = discretized_gaussian_log_likelihood(x, mean, log_scale, cdf="exact")
+    assert exact[0].item() == pytest.approx(stats.norm.logcdf((-1 + 1 / 255 - 1) / 0.01), rel=1e-9)
+    assert exact[0].item() < -19_000
+
+
+def step_zero_vb(diffusion, levels):
+    """vb_terms_bits at t = 0 for pixels at `levels`, with a model output that moves the mean off the data."""
+    x_start = torch.tensor(levels, dtype=torch.float64).view(1, -1, 1, 1) / 127.5 - 1
     x_t = x_start + 0.01
     eps = torch.full_like(x_start, 0.2)
     v = torch.full_like(x_start, 0.4)
     t = torch.zeros(1, dtype=torch.long)
     step = diffusion.p_mean_variance(torch.cat([eps, v], dim=1), x_t, t)
-    nll_bits = diffusion.vb_terms_bits(x_start, x_t, t, step).item()
-
     mean = step.mean.flatten().numpy()
     scale = np.exp(0.5 * step.log_variance.flatten().numpy())
+    return diffusion.vb_terms_bits(x_start, x_t, t, step).item(), np.array(levels, dtype=np.float64), mean, scale
+
+
+def test_step_zero_vb_term_is_the_official_decoder_nll_by_default(diffusion):
+    # Pixels on the 256-level grid, both end bins included; the default diffusion uses the official form.
+    nll_bits, level, mean, scale = step_zero_vb(diffusion, [0, 1, 37, 128, 200, 254, 255])
+    expected = -official_log_likelihood(level, mean, scale).mean() / math.log(2)
+    assert nll_bits == pytest.approx(expected, rel=1e-9)  # float64 on both sides, same formula
+
+
+def test_step_zero_vb_term_with_the_exact_cdf_option():
+    # decoder_cdf="exact": the exact normal CDF (scipy as the reference), end bins open to ±inf.
+    diffusion = create_diffusion(decoder_cdf="exact")
+    assert diffusion.respaced("50").decoder_cdf == "exact"  # respacing keeps the option
+    nll_bits, level, mean, scale = step_zero_vb(diffusion, [0, 37, 200, 255])
     expected = []
-    for x, m, s in zip(x_start.flatten().numpy(), mean, scale):
-        dist = stats.norm(m, s)
-        if x < -0.999:
+    for lv, m, s in zip(level, mean, scale):
+        x, dist = lv / 127.5 - 1, stats.norm(m, s)
+        if lv == 0:
             log_p = dist.logcdf(x + 1 / 255)
-        elif x > 0.999:
+        elif lv == 255:
             log_p = dist.logsf(x - 1 / 255)
         else:
             log_p = math.log(dist.cdf(x + 1 / 255) - dist.cdf(x - 1 / 255))
@@ -186,6 +264,13 @@ def test_decoder_nll_at_step_zero(diffusion):
     # scipy's normal CDF vs torch's ndtr, both float64: agreement to ~1e-12 relative; 1e-9 allows for log of
     # differences of CDFs (cancellation over a bin of width 2/255 at scale ~1e-2).
     assert nll_bits == pytest.approx(np.mean(expected), rel=1e-9)
+    official_bits, *_ = step_zero_vb(create_diffusion(), [0, 37, 200, 255])
+    assert official_bits != pytest.approx(nll_bits, rel=1e-6)  # the option changes the loss
+
+
+def test_unknown_decoder_cdf_is_rejected():
+    with pytest.raises(ValueError, match="'erf'.*tanh.*exact"):
+        create_diffusion(decoder_cdf="erf")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ import dit_vca
 import sit_vca
 from dit_vca.models import build_model_from_config, model_names, sincos_pos_embed_2d, timestep_embedding
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
+REFERENCE = Path(__file__).resolve().parent / "data"  # official state-dict shapes, see tests/data/README.md
 TINY = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=3, num_classes=10)
 
-# Official DiT parameter counts (32×32×4 latent, 1000 classes, learn_sigma), pos_embed included (REFERENCE.md).
+# Official DiT parameter counts (32×32×4 latent, 1000 classes, learn_sigma), pos_embed included (counted from the
+# official code).
 OFFICIAL_PARAMETERS = {"DiT-S/2": 32_963_360, "DiT-B/4": 130_475_648, "DiT-XL/2": 675_129_632}
 
 
@@ -65,7 +66,7 @@ def test_vca_model_overhead_matches_formula():
         vca = dit_vca.create_model("DiT-S/2", attention="vca")
         mhsa = dit_vca.create_model("DiT-S/2", attention="mhsa")
     C, d, n = 384, 64, 64  # 16×16 tokens, default grid H/2 = 8
-    per_layer = 2 * n * C + 10 * C + 8 * d + 2 * d  # VCA.md
+    per_layer = 2 * n * C + 10 * C + 8 * d + 2 * d  # docs/VCA.md, "Parameters"
     assert parameter_count(vca) - parameter_count(mhsa) == 12 * per_layer
     # Outside the attention the two models share every key and shape.
     mhsa_shapes = {k: v.shape for k, v in mhsa.state_dict().items()}
