@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # glibc hands large blocks back to the OS on free by default, so every Inception batch re-faults its activations:
-# with these settings Inception runs 1.5x faster on the CPU (REFERENCE.md: up to 2x on benchmarks).
+# with these settings Inception runs 1.5x faster on the CPU (up to 2x on benchmarks: first-touch page faults).
 CPU_ALLOCATOR := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000
 
 .PHONY: demo test bench clean

@@ -10,8 +10,8 @@ Where bf16 GEMMs are not native (an AVX2-only CPU runs them at ~1 % of fp32) the
 reason is recorded. --batch-size trades the batch for time on a CPU (the table states the batch used).
 
 Writes bench/results/samplers-<device>[-quick].{json,md,png}. On the CPU run it as `make bench` does, with
-MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (REFERENCE.md: glibc's default allocator skews CPU
-timings by up to 2x). --quick is a smoke run (2-block models on a 16x16 latent, batch 4, a tenth of the steps).
+MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (glibc's default allocator returns large blocks
+to the OS, and the first-touch page faults skew CPU timings by up to 2x). --quick is a smoke run (2-block models on a 16x16 latent, batch 4, a tenth of the steps).
 
 Usage: python bench/samplers.py [--quick] [--device cpu|cuda] [--batch-size B] [--out bench/results] [--threads N]
 """

@@ -341,8 +341,15 @@ def create_model(name: str, *args, **kwargs) -> DiT:
 
 def build_model_from_config(config: dict) -> DiT:
     """Rebuild a DiT or SiT model from its `model.config` dict (dispatch on the "DiT-"/"SiT-" name prefix)."""
-    config = dict(config)
-    legacy = {key: config.pop(key) for key in LEGACY_VCA_KEYS if key in config}  # exports of the first format
-    if legacy and config.get("attention", "vca") == "vca":
-        config["vca"] = legacy
+    config = current_model_config(config)
     return create_backbone(model_family(config.get("name")), **config)
+
+
+def current_model_config(config: dict) -> dict:
+    """A model config in today's layout: configs written before VCAOptions became one section ("vca") held its
+    fields at the top level (exports of the first format)."""
+    config = dict(config)
+    legacy = {key: config.pop(key) for key in LEGACY_VCA_KEYS if key in config}
+    if legacy:
+        config["vca"] = legacy if config.get("attention", "vca") == "vca" else None
+    return config

@@ -35,6 +35,10 @@ def load_export(source: str | Path, model: Optional[str] = None, image_size: Opt
     if Path(text).exists():
         return read_export(text)
     if HUB_ID.match(text) and not text.startswith("."):
-        return Export.from_pretrained(text)
+        try:
+            return Export.from_pretrained(text)
+        except (OSError, ValueError) as error:  # offline, unknown repository, or not an export
+            raise ExportError(f"{text}: cannot fetch this Hugging Face Hub export ({type(error).__name__}: {error}); "
+                              f"offline, copy a folder written by Export.save_pretrained here and pass its path") from None
     raise ExportError(f"{text}: no such file or folder (expected an export folder, a run directory, an official "
                       f".pt checkpoint or a Hugging Face Hub id owner/name)")

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from atomic_files import atomic_output, write_json_atomic
+from dit_vca.models import current_model_config
 
 EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
@@ -85,7 +86,8 @@ class ExportDescription:
         if version == 1:
             data = values.pop("data")
             values.update(space=data["kind"], image_size=data["image_size"], num_classes=data["num_classes"],
-                          vae=data.get("vae"), latent_scale=data.get("latent_scale"))
+                          vae=data.get("vae"), latent_scale=data.get("latent_scale"),
+                          model=current_model_config(values["model"]))
         elif version != FORMAT_VERSION:
             raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)

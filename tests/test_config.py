@@ -31,7 +31,7 @@ def test_experiment_configs_share_the_paper_recipe(path):
     family, size_patch, attention = path.stem.split("-")
     assert config.model.name.lower().replace("/", "").replace("-", "") == family + size_patch
     assert config.model.attention == attention
-    # The paper's recipe (REFERENCE.md / VCA.md), written once in imagenet256.yaml.
+    # The paper's recipe (docs/VCA.md), written once in imagenet256.yaml.
     train = config.train
     assert (train.global_batch_size, train.lr, train.weight_decay, train.ema_decay, train.max_steps) == \
         (256, 1e-4, 0.0, 0.9999, 400_000)

@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import dit_vca
+from dit_vca.attention import VCAOptions
 import sit_vca
 from dit_vca.models import build_model_from_config, model_names, sincos_pos_embed_2d, timestep_embedding
 
@@ -105,9 +106,9 @@ def test_invalid_options_name_the_value():
     with pytest.raises(ValueError, match="'flash'"):
         dit_vca.create_model("DiT-S/2", attention="flash", **TINY)
     with pytest.raises(ValueError, match="contrast_grid=3"):
-        dit_vca.create_model("DiT-S/2", contrast_grid=3, **TINY)  # 4×4 token grid
+        dit_vca.create_model("DiT-S/2", vca=VCAOptions(contrast_grid=3), **TINY)  # 4×4 token grid
     with pytest.raises(ValueError, match="mhsa"):
-        dit_vca.create_model("DiT-S/2", attention="mhsa", contrast_grid=2, **TINY)
+        dit_vca.create_model("DiT-S/2", attention="mhsa", vca=VCAOptions(contrast_grid=2), **TINY)
     with pytest.raises(ValueError, match="'VCA-S/2'"):
         build_model_from_config({"name": "VCA-S/2"})
 
@@ -115,7 +116,7 @@ def test_invalid_options_name_the_value():
 @pytest.mark.parametrize("create", [dit_vca.create_model, sit_vca.create_model])
 def test_config_rebuilds_the_model(create):
     family = "DiT" if create is dit_vca.create_model else "SiT"
-    model = create(f"{family}-S/4", contrast_grid=1, stage2_differential=False, **TINY)
+    model = create(f"{family}-S/4", vca=VCAOptions(contrast_grid=1, stage2_differential=False), **TINY)
     config = json.loads(json.dumps(model.config))  # plain JSON values
     rebuilt = build_model_from_config(config)
     rebuilt.load_state_dict(model.state_dict())  # same keys and shapes
@@ -137,9 +138,9 @@ def test_adaln_zero_initial_output_is_exactly_zero(attention):
 VARIANTS = [
     dict(attention="mhsa"),
     dict(attention="vca"),
-    dict(attention="vca", joint_softmax=False, pooled_content=False),
-    dict(attention="vca", stage1_differential=False),
-    dict(attention="vca", stage2_differential=False),
+    dict(attention="vca", vca=VCAOptions(joint_softmax=False, pooled_content=False)),
+    dict(attention="vca", vca=VCAOptions(stage1_differential=False)),
+    dict(attention="vca", vca=VCAOptions(stage2_differential=False)),
 ]
 
 

@@ -1,7 +1,7 @@
 """train.py end to end on the digits: two CPU processes, kill -9 and resume, NaN guard, bad inputs, loss level.
 
 Multi-process runs use torchrun with Accelerator(cpu=True) (train.cpu=true): two gloo processes on the CPU
-(`accelerate launch --cpu` starts a single process on this machine, REFERENCE.md). Models are tiny so the
+(`accelerate launch --cpu` starts a single process on this machine). Models are tiny so the
 whole file stays within a few minutes on two cores.
 """
 
@@ -49,13 +49,46 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+FID_SAMPLES = 6  # 3 per process
+
+
+def fid_monitoring(folder: Path) -> list[str]:
+    """FID of the EMA samples at the last step against a stand-in reference (mu = 0, sigma = I) with the bundled
+    Inception weights: enough to compare the value logged by 2 processes with the one of all samples."""
+    import numpy as np
+
+    reference = folder / "reference.npz"
+    np.savez(reference, mu=np.zeros(2048), sigma=np.eye(2048))
+    return ["log.fid_every=20", f"log.fid_samples={FID_SAMPLES}", f"log.fid_reference={reference}",
+            "log.fid_inception=bundled"]
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("two") / "run"
-    done = subprocess.run(torchrun(run_dir), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=600)
+    folder = tmp_path_factory.mktemp("two")
+    run_dir = folder / "run"
+    done = subprocess.run(torchrun(run_dir, *fid_monitoring(folder)), cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout
+
+
+def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run):
+    from fid import fid_from_batches, load_inception
+    from generation.sample_plan import sample_seeds
+
+    run_dir, _ = two_process_run
+    [logged] = [json.loads(line) for line in (run_dir / "fid.jsonl").read_text().splitlines()]
+    assert logged["step"] == 20 and logged["samples"] == FID_SAMPLES
+    # One process, all samples, the same (label, seed) per index and the preview's sampler (digits.yaml: DDIM;
+    # log.sample_steps=5 in TINY).
+    generator = Generator.from_export(read_export(run_dir))
+    indices = list(range(FID_SAMPLES))
+    images = generator.generate([i % 10 for i in indices], sample_seeds(0, indices), sampler="ddim", steps=5)
+    expected = fid_from_batches([images], run_dir.parent / "reference.npz", load_inception("bundled", device="cpu"))
+    # Per-sample noise makes the images independent of the split; Inception's float32 kernels round differently
+    # per batch size (~1e-6 relative). Half of the samples alone gives a FID several percent away.
+    assert logged["fid"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
@@ -91,7 +124,8 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
 def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     run_dir, _ = two_process_run
     exported = read_export(run_dir)  # a run directory resolves to its newest export
-    model, description = Generator.from_export(exported).model, exported.description
+    generator = Generator.from_export(exported)
+    model, objective, description = generator.model, generator.objective, exported.description
     export = run_dir / "checkpoints" / "step-0000020" / "export"
     ema = load_file(export / "ema.safetensors")
     assert all(ema[key].dtype == torch.float32 and torch.equal(ema[key], value)
@@ -100,7 +134,7 @@ def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     assert trained.keys() == ema.keys()  # plain model keys, no DDP "module." prefix
     assert any(not torch.equal(trained[key], ema[key]) for key in ema)  # the EMA is not the raw weights
     assert description.model == model.config and description.model["hidden_size"] == 32
-    assert description.objective == {"kind": "diffusion", "learn_sigma": False}
+    assert description.objective == {"kind": "diffusion", "learn_sigma": False, "decoder_cdf": "tanh"}
     assert (description.space, description.image_size, description.channels, description.num_classes,
             description.latent_scale, description.vae) == ("pixels", 8, 1, 10, None, None)
     assert description.train_step == 20

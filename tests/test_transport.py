@@ -1,5 +1,5 @@
 """SiT's transport objective: paths, conversions between predictions, epsilons and losses against closed forms
-(REFERENCE.md's path formulas with autograd derivatives, and the optimal predictors for Gaussian data)."""
+(SiT's published path formulas with autograd derivatives, and the optimal predictors for Gaussian data)."""
 
 import math
 

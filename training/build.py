@@ -81,8 +81,7 @@ def objective_spec(config: Config) -> dict[str, Any]:
     """{"kind": "diffusion" | "transport", **keyword arguments of its factory} (JSON-serialisable)."""
     kind = MODEL_FAMILIES[model_family(config.model.name)].objective
     if kind == "diffusion":
-        return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma,
-                "decoder_nll": config.diffusion.decoder_nll}
+        return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma, "decoder_cdf": config.diffusion.decoder_cdf}
     transport = config.transport
     return {"kind": kind, "path": transport.path, "prediction": transport.prediction,
             "loss_weight": transport.loss_weight, "train_eps": transport.train_eps,

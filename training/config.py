@@ -57,6 +57,7 @@ class ModelConfig:
 class DiffusionConfig:
     """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
     learn_sigma: bool = True                     # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
+    decoder_cdf: str = _choice("tanh", "tanh", "exact")  # normal CDF of the t = 0 decoder NLL: official tanh form
 
 
 @dataclass
@@ -65,7 +66,7 @@ class TransportConfig:
     path: str = _choice("linear", "linear", "gvp", "vp")
     prediction: str = _choice("velocity", "velocity", "score", "noise")
     loss_weight: Optional[str] = _choice(None, None, "velocity", "likelihood")
-    train_eps: Optional[float] = None            # None: the path's default (REFERENCE.md)
+    train_eps: Optional[float] = None            # None: the path's default (sit_vca.transport.create_transport)
     sample_eps: Optional[float] = None
 
 

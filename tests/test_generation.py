@@ -1,0 +1,250 @@
+"""generation/: the export format (current and first layout), the Hub mixin, official checkpoints (learn_sigma from
+shapes, by-name download into the torch hub cache, offline messages, no code execution) and the converter command."""
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import generation.official as official
+from dit_vca import create_model
+from dit_vca.attention import VCAOptions
+from dit_vca.models import build_model_from_config
+from generation import Export, ExportDescription, ExportError, Generator, load_export, read_export, write_export
+from generation.objective import create_objective
+from generation.official import OfficialCheckpointError, official_export
+from sit_vca import create_model as create_sit
+
+DATA = Path(__file__).resolve().parent / "data"
+TINY = dict(depth=1, hidden_size=16, num_heads=2, input_size=4)  # 2x2 tokens at patch 2
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model.eval()
+
+
+def pixel_description(model, **changes) -> ExportDescription:
+    values = dict(model=model.config, objective={"kind": "diffusion", "learn_sigma": True}, space="pixels",
+                  image_size=model.input_size, num_classes=model.num_classes)
+    return ExportDescription(**{**values, **changes})
+
+
+# ----------------------------------------------------------------------------------------------
+# The export format
+# ----------------------------------------------------------------------------------------------
+
+def test_an_export_written_by_the_first_format_still_loads_and_computes_the_same():
+    # tests/data/legacy-export was written by the code before generation/ existed (config.json with a "data"
+    # section and the VCA switches at the top level of the model config); its output was recorded then.
+    export = read_export(DATA / "legacy-export")
+    assert export.description.space == "pixels" and export.description.train_step == 7
+    assert export.description.model["vca"] == {"contrast_grid": 1, "joint_softmax": True, "stage1_differential": True,
+                                               "stage2_differential": True, "pooled_content": True}
+    model = Generator.from_export(export).model
+    recorded = load_file(DATA / "legacy-export-output.safetensors")
+    out = model(recorded["x"], torch.tensor([3, 500]), torch.tensor([0, 3]))
+    torch.testing.assert_close(out, recorded["out"], rtol=0, atol=1e-6)  # same weights, same float32 kernels
+
+
+def test_description_round_trips_through_json(tmp_path):
+    model = create_model("DiT-S/2", vca=VCAOptions(contrast_grid=1), in_channels=3, num_classes=5, **TINY)
+    description = pixel_description(model, train_step=11)
+    write_export(tmp_path, model.state_dict(), description)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    assert stored["format"] == 2 and stored["space"] == "pixels"
+    assert read_export(tmp_path).description == description
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda folder: (folder / "config.json").write_text('{"model": {"name": "DiT-S/2"'), "config.json is not valid JSON"),
+    (lambda folder: (folder / "config.json").write_text('{"format": 2, "model": {}}'), "config.json is not an export"),
+    (lambda folder: (folder / "ema.safetensors").write_bytes((folder / "ema.safetensors").read_bytes()[:100]),
+     "ema.safetensors cannot be read as safetensors"),
+])
+def test_a_damaged_export_is_named(tmp_path, damage, message):
+    model = create_model("DiT-S/2", in_channels=1, num_classes=3, **TINY)
+    write_export(tmp_path, model.state_dict(), pixel_description(model))
+    damage(tmp_path)
+    with pytest.raises(ExportError, match=message):
+        read_export(tmp_path)
+
+
+def test_latent_exports_need_their_vae():
+    model = create_model("DiT-S/2", in_channels=4, num_classes=3, **TINY)
+    with pytest.raises(ValueError, match="needs vae and latent_scale"):
+        pixel_description(model, space="latents")
+
+
+def test_export_saves_and_loads_through_the_hub_mixin(tmp_path, monkeypatch):
+    model = perturbed(create_model("DiT-S/2", in_channels=1, num_classes=3, **TINY))
+    export = Export(pixel_description(model), model.state_dict())
+    export.save_pretrained(tmp_path / "local")
+    assert {"config.json", "ema.safetensors"} <= {p.name for p in (tmp_path / "local").iterdir()}
+    loaded = Export.from_pretrained(tmp_path / "local")
+    assert loaded.description == export.description
+    assert all(torch.equal(loaded.weights[key], value) for key, value in model.state_dict().items())
+
+    # A hub id resolves through hf_hub_download; offline here, so serve the two files from the local folder.
+    requested = []
+
+    def fake_download(repo_id, filename, **kwargs):
+        requested.append((repo_id, filename))
+        return str(tmp_path / "local" / filename)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", fake_download)
+    monkeypatch.setattr("huggingface_hub.hub_mixin.hf_hub_download", fake_download)  # the mixin reads config.json
+    from_hub = load_export("someone/dit-vca-digits")
+    assert ("someone/dit-vca-digits", "ema.safetensors") in requested
+    assert from_hub.description == export.description
+
+    def offline(repo_id, filename, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)
+    monkeypatch.setattr("huggingface_hub.hub_mixin.hf_hub_download", offline)
+    with pytest.raises(ExportError, match="someone/dit-vca-digits: cannot fetch .*save_pretrained"):
+        load_export("someone/dit-vca-digits")
+
+
+# ----------------------------------------------------------------------------------------------
+# Official checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def official_sit_state(learn_sigma: bool) -> dict[str, torch.Tensor]:
+    """A SiT-S/8 at 64 px in the official layout; learn_sigma=True as the released SiT-XL/2 (8 output channels)."""
+    return perturbed(create_sit("SiT-S/8", attention="mhsa", input_size=8, learn_sigma=learn_sigma)).state_dict()
+
+
+def test_official_sit_with_learned_sigma_channels_uses_the_velocity_half(tmp_path):
+    path = tmp_path / "SiT-S-8-64x64.pt"  # the architecture and image size come from the name
+    torch.save(official_sit_state(learn_sigma=True), path)
+    export = official_export(path)
+    description = export.description
+    assert description.model["learn_sigma"] is True and description.model["name"] == "SiT-S/8"
+    assert description.image_size == 64 and description.model["input_size"] == 8
+    assert description.objective == {"kind": "transport"}
+    assert (description.vae, description.latent_scale, description.num_classes) == ("stabilityai/sd-vae-ft-ema",
+                                                                                     0.18215, 1000)
+    model = build_model_from_config(description.model)
+    model.load_state_dict(export.weights)
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.9]), torch.tensor([1, 1000])
+    velocity = create_objective(description.objective).velocity_fn(model)(x, t, y)
+    torch.testing.assert_close(velocity, model(x, t, y)[:, :4])  # the first four of eight channels
+
+
+def test_official_dit_learn_sigma_follows_the_shapes(tmp_path):
+    for learn_sigma in (True, False):
+        path = tmp_path / f"dit-{learn_sigma}.pt"
+        torch.save(create_model("DiT-S/8", attention="mhsa", input_size=8, learn_sigma=learn_sigma).state_dict(), path)
+        description = official_export(path, model="DiT-S/8", image_size=64).description
+        assert description.model["learn_sigma"] is learn_sigma
+        assert description.objective == {"kind": "diffusion", "learn_sigma": learn_sigma}
+
+
+class CodeOnLoad:
+    """A pickle payload that would create a file when unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_with_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "DiT-S-8-64x64.pt"
+    with path.open("wb") as file:
+        pickle.dump({"x": CodeOnLoad(marker)}, file)
+    with pytest.raises(OfficialCheckpointError, match="not a plain state dict"):
+        official_export(path)
+    assert not marker.exists()
+
+
+def test_a_truncated_official_file_is_named(tmp_path):
+    path = tmp_path / "SiT-S-8-64x64.pt"
+    torch.save(official_sit_state(learn_sigma=False), path)
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(OfficialCheckpointError, match="SiT-S-8-64x64.pt cannot be read"):
+        official_export(path)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    return tmp_path / "hub" / "checkpoints"
+
+
+@pytest.fixture
+def small_release(monkeypatch) -> str:
+    """Make "SiT-XL-2-256x256.pt" a SiT-S/8 at 64 px, so the by-name path runs on a small file."""
+    name = "SiT-XL-2-256x256.pt"
+    monkeypatch.setitem(official.RELEASED, name, official.ReleasedCheckpoint("https://example.invalid/x.pt",
+                                                                             "SiT-S/8", 64))
+    return name
+
+
+def test_a_released_checkpoint_placed_in_the_cache_loads_by_name(hub_cache, small_release, monkeypatch):
+    hub_cache.mkdir(parents=True)
+    torch.save(official_sit_state(learn_sigma=True), hub_cache / small_release)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", lambda *a, **k: pytest.fail("must not download"))
+    export = load_export(small_release, model="SiT-S/8", image_size=64)
+    assert export.description.source == str(hub_cache / small_release)
+
+
+def test_a_released_checkpoint_downloads_through_a_checked_temporary_file(hub_cache, small_release, tmp_path,
+                                                                         monkeypatch):
+    good = tmp_path / "good.pt"
+    torch.save(official_sit_state(learn_sigma=True), good)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", lambda url, dst, **k: shutil.copy(good, dst))
+    path = official.resolve_released(small_release)
+    assert path == hub_cache / small_release and sorted(p.name for p in hub_cache.iterdir()) == [small_release]
+
+    path.unlink()  # a download of something else is rejected and leaves nothing behind
+    wrong = tmp_path / "wrong.pt"
+    torch.save(create_model("DiT-S/4", attention="mhsa", input_size=8).state_dict(), wrong)  # other patch size
+    monkeypatch.setattr(torch.hub, "download_url_to_file", lambda url, dst, **k: shutil.copy(wrong, dst))
+    with pytest.raises(OfficialCheckpointError, match="does not fit --model SiT-S/8"):
+        official.resolve_released(small_release)
+    assert list(hub_cache.iterdir()) == []
+
+
+def test_offline_the_error_says_where_to_put_the_file(hub_cache, small_release, monkeypatch):
+    def offline(url, dst, **kwargs):
+        raise OSError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    with pytest.raises(OfficialCheckpointError, match=f"put it at {hub_cache / small_release}"):
+        load_export(small_release)
+    assert not hub_cache.exists() or list(hub_cache.iterdir()) == []
+
+
+def test_the_converter_command_writes_an_export(tmp_path, capsys):
+    path = tmp_path / "DiT-S-8-64x64.pt"
+    torch.save(perturbed(create_model("DiT-S/8", attention="mhsa", input_size=8)).state_dict(), path)
+    official.main([str(path), "--out", str(tmp_path / "export")])
+    export = read_export(tmp_path / "export")
+    assert export.description.model["attention"] == "mhsa" and export.description.source == str(path)
+    with pytest.raises(SystemExit) as exit_info:
+        official.main([str(path), "--out", str(tmp_path / "export")])
+    assert exit_info.value.code == 2 and "exists" in capsys.readouterr().err
+
+
+def test_generate_is_reproducible_per_sample():
+    model = perturbed(create_model("DiT-S/2", in_channels=1, num_classes=3, **TINY))
+    generator = Generator.from_export(Export(pixel_description(model), model.state_dict()))
+    first = generator.generate([0, 1, 2], [5, 6, 7], sampler="ddim", steps=4, guidance=2.0)
+    again = generator.generate([2, 1], [7, 6], sampler="ddim", steps=4, guidance=2.0)
+    assert first.dtype == np.uint8 and first.shape == (3, 4, 4, 3)
+    np.testing.assert_array_equal(first[[2, 1]], again)
+    assert generator.model_evaluations == 8
