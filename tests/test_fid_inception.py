@@ -35,7 +35,7 @@ def bundled():
 @pytest.fixture(scope="module")
 def full_weights_file(tmp_path_factory):
     """A torch-fidelity-format weights file: the bundled convolutions plus a random 1008-class layer."""
-    state = torch.load(bundled_weights().source, weights_only=True)
+    state = dict(bundled_weights().state)
     generator = torch.Generator().manual_seed(0)
     state["fc.weight"] = torch.randn(state["fc.weight"].shape, generator=generator) * 0.05
     state["fc.bias"] = torch.randn(state["fc.bias"].shape, generator=generator)
