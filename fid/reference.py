@@ -16,7 +16,6 @@ import hashlib
 import os
 import re
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,14 +129,14 @@ def download_file(url: str, destination: Path) -> None:
     torch.hub.download_url_to_file(url, str(destination), progress=True)
 
 
-def fetch(batch: ReferenceBatch, download: Callable[[str, Path], None] = download_file) -> Path:
+def fetch(batch: ReferenceBatch) -> Path:
     """The cached batch, downloaded first when absent; checked (structure, recorded sha256) either way."""
     if batch.path.is_file():
         return verify(batch)
     remove_stale_temporaries(batch.path)
     try:
         with atomic_output(batch.path) as temporary:
-            download(batch.url, temporary)
+            download_file(batch.url, temporary)
             check_structure(temporary, batch)
             digest = sha256_of(temporary)
     except OSError as error:  # urllib's URLError is an OSError: offline, DNS, refused, HTTP errors

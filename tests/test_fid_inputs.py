@@ -6,30 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-import fid.evaluation
 import fid.weights
 from fid import Gaussian, StatisticsFile, evaluate, load_inception, load_statistics, save_statistics
 from fid.__main__ import main
 from fid.errors import InputError
 from fid.inputs import FolderImages, NpzImages, open_input
 
-
-def uint8_images(n: int, size: int = 8, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
-
-
-def pool_stats(dim: int = 2048) -> dict[str, np.ndarray]:
-    return {"mu": np.zeros(dim), "sigma": np.eye(dim)}
-
-
-@pytest.fixture
-def no_inception(monkeypatch):
-    """Fail the test if Inception is built: input errors must come before any heavy work."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("Inception was loaded before the input error was reported")
-
-    monkeypatch.setattr(fid.evaluation, "load_inception", forbidden)
+from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
 
 
 # ----------------------------------------------------------------------------------------------
