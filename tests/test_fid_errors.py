@@ -215,10 +215,14 @@ def test_small_sets_are_warned_about_before_inception_runs(tmp_path, no_inceptio
     assert "ref.npz: 20 images" in warnings_[1] and "rank <= 19" in warnings_[1]
 
 
-def test_no_small_set_warning_for_stored_statistics(tmp_path, recwarn):
-    np.savez(tmp_path / "samples.npz", **pool_stats())
-    np.savez(tmp_path / "ref.npz", **pool_stats())
-    assert evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz", ["fid"]).metrics["fid"] == 0
+def all_stats() -> dict[str, np.ndarray]:
+    """pool_3 and spatial statistics: with --save-stats such a file needs no Inception and no Fréchet distance."""
+    return {**pool_stats(), "mu_s": np.zeros(2023), "sigma_s": np.eye(2023)}
+
+
+def test_no_small_set_warning_for_stored_statistics(tmp_path, no_inception, recwarn):
+    np.savez(tmp_path / "samples.npz", **all_stats())
+    evaluate(tmp_path / "samples.npz", None, [], save_stats=tmp_path / "copy.npz")
     assert not recwarn.list
 
 
@@ -313,20 +317,19 @@ def test_hub_cache_file_that_runs_code_is_refused(malicious_weights, tmp_path, m
 # Provenance: the settings sample.py records beside its .npz go into the JSON report
 # ----------------------------------------------------------------------------------------------
 
-def test_json_report_carries_the_settings_of_the_samples(tmp_path):
-    np.savez(tmp_path / "samples.npz", **pool_stats())  # statistics only: no Inception needed
-    np.savez(tmp_path / "ref.npz", **pool_stats())
+def test_json_report_carries_the_settings_of_the_samples(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", **all_stats())
     settings = {"ckpt": "runs/x/exports/0001000", "cfg_scale": 1.5, "sampler": "ode", "steps": 50}
     (tmp_path / "samples.json").write_text(json.dumps({"settings": settings, "elapsed_s": 12.5}))
-    main([str(tmp_path / "samples.npz"), str(tmp_path / "ref.npz"), "--metrics", "fid",
+    main([str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz"),
           "--json", str(tmp_path / "metrics.json")])
     report = json.loads((tmp_path / "metrics.json").read_text())
-    assert report["samples_settings"] == settings and report["fid"] == 0
+    assert report["samples_settings"] == settings
 
 
-def test_json_report_without_or_with_an_unreadable_settings_file(tmp_path, capsys):
-    np.savez(tmp_path / "samples.npz", **pool_stats())
-    arguments = [str(tmp_path / "samples.npz"), str(tmp_path / "samples.npz"), "--metrics", "fid"]
+def test_json_report_without_or_with_an_unreadable_settings_file(tmp_path, no_inception, capsys):
+    np.savez(tmp_path / "samples.npz", **all_stats())
+    arguments = [str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz")]
     assert "samples_settings" not in main(arguments)
     (tmp_path / "samples.json").write_text("{ cut")
     assert "samples_settings" not in main(arguments)
