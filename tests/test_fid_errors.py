@@ -102,12 +102,14 @@ def missing_file(tmp: Path):
 
 def uncached_reference_batch(tmp: Path):
     np.savez(tmp / "samples.npz", **pool_stats())
-    return ["samples.npz", "imagenet256", "--metrics", "fid"], "imagenet256: the ADM reference batch is not in the cache"
+    return (["samples.npz", "imagenet256", "--metrics", "fid"],
+            "imagenet256: the ADM reference batch is not in the cache")
 
 
 def unpublished_resolution(tmp: Path):
     np.savez(tmp / "samples.npz", **pool_stats())
-    return ["samples.npz", "imagenet300", "--metrics", "fid"], "imagenet300: ADM published ImageNet reference batches at 64, 128"
+    return (["samples.npz", "imagenet300", "--metrics", "fid"],
+            "imagenet300: ADM published ImageNet reference batches at 64, 128")
 
 
 def center_crop_of_npz_only(tmp: Path):

@@ -18,7 +18,9 @@ from fid.weights import bundled_torchscript_path, bundled_weights
 
 from _fid_reference import numpy_inception_score, self_distance_tolerance
 
-pytestmark = pytest.mark.slow
+# Small image sets are the point here (Inception is slow on the CPU): the warning that FID of fewer than
+# 2048 images is biased is expected and tested in test_fid_errors.py.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*fewer than 2048 per set:UserWarning")]
 
 
 def blocky_images(n: int, seed: int, size: int = 32, brightness: int = 0) -> np.ndarray:

@@ -14,6 +14,9 @@ from fid.inputs import FolderImages, NpzImages, open_input
 
 from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
 
+# The tiny image sets here are expected to draw the small-set warning (tested in test_fid_errors.py).
+pytestmark = pytest.mark.filterwarnings("ignore:.*fewer than 2048 per set:UserWarning")
+
 
 # ----------------------------------------------------------------------------------------------
 # Image sources

@@ -4,6 +4,8 @@ copy of a small batch made here."""
 
 import hashlib
 import shutil
+import subprocess
+import sys
 import urllib.error
 from pathlib import Path
 
@@ -13,13 +15,14 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-import fid.reference
+import fid.reference.batches
 from fid import evaluate, extract_features, load_inception, load_statistics
 from fid.__main__ import main as fid_main
 from fid.errors import InputError
 from fid.inputs import FolderImages
 from fid.preprocess import center_crop_adm
-from fid.reference import ReferenceBatch, fetch, main, reference_batch, resolve_input
+from fid.reference import ReferenceBatch, fetch, reference_batch, resolve_input
+from fid.reference.__main__ import main
 
 from _fid_reference import no_inception, uint8_images  # noqa: F401 (no_inception is a fixture)
 
@@ -54,7 +57,7 @@ def served(monkeypatch) -> Downloads:
         downloads_.append(url)
         shutil.copyfile(downloads_.source, destination)
 
-    monkeypatch.setattr(fid.reference, "download_file", copy)
+    monkeypatch.setattr(fid.reference.batches, "download_file", copy)
     return downloads_
 
 
@@ -106,7 +109,7 @@ def test_offline_message_then_a_file_put_there_by_hand(cache, tmp_path, monkeypa
     def offline(url: str, destination: Path) -> None:
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(fid.reference, "download_file", offline)
+    monkeypatch.setattr(fid.reference.batches, "download_file", offline)
     batch = ReferenceBatch(128)
     with pytest.raises(SystemExit) as exit_:
         main(["imagenet128"])
@@ -192,3 +195,13 @@ def test_evaluate_reports_every_input_problem_before_inception(tmp_path, no_ince
     noise_image(10, 12, seed=0).save(tmp_path / "a.png")
     with pytest.raises(InputError, match="--center-crop must be a positive image side"):
         evaluate(tmp_path, None, [], save_stats=tmp_path / "s.npz", center_crop=0)
+
+
+def test_command_line_error_is_one_line_and_exit_2(tmp_path):
+    repository = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "fid.reference", "imagenet100"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(repository),
+                                                         "PATH": "/usr/bin:/bin", "TORCH_HOME": str(tmp_path)})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: imagenet100: ADM published ImageNet reference batches at 64, 128, "
+                                          "256, 512 pixels only"]  # and no runpy warning about a module run twice

@@ -1,8 +1,5 @@
 """ADM's ImageNet reference batches: download, check and cache `VIRTUAL_imagenet{N}_labeled.npz`.
 
-    python -m fid.reference imagenet256            # download into the cache, or check a file put there
-    python -m fid samples.npz imagenet256          # then name it by its short name
-
 Each batch holds `arr_0`, uint8 reference images (N, R, R, 3), and the statistics ADM's evaluator compares
 against: `mu` (2048,), `sigma` (2048, 2048) of pool_3 and `mu_s` (2023,), `sigma_s` (2023, 2023) of the sFID
 features. The cache is `<torch hub dir>/adm_reference_batches/` (torch.hub.get_dir(): $TORCH_HOME/hub, by
@@ -11,7 +8,6 @@ renamed only once its structure checks out; the file's sha256 is then recorded b
 and every later run of the command compares the file with it.
 """
 
-import argparse
 import hashlib
 import os
 import re
@@ -22,12 +18,11 @@ from pathlib import Path
 import torch
 
 from atomic_files import atomic_output, remove_stale_temporaries, write_text_atomic
-from .cli import command_line
-from .errors import InputError
-from .inception import SPATIAL_DIM
-from .inputs import IMAGE_KEY, NpzImages
-from .statistics import STAT_KEYS, load_statistics
-from .weights import POOL_DIM
+from ..errors import InputError
+from ..inception import SPATIAL_DIM
+from ..inputs import IMAGE_KEY, NpzImages
+from ..statistics import STAT_KEYS, load_statistics
+from ..weights import POOL_DIM
 
 BASE_URL = "https://openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet"
 RESOLUTIONS = (64, 128, 256, 512)
@@ -158,27 +153,3 @@ def verify(batch: ReferenceBatch) -> Path:
     else:
         write_text_atomic(batch.sha256_path, f"{digest}  {batch.filename}\n")
     return batch.path
-
-
-def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(prog="python -m fid.reference", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="+", metavar="NAME",
-                        help=f"imagenet{{{','.join(map(str, RESOLUTIONS))}}} (also written adm:imagenet256)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
-    args = parser.parse_args(argv)
-    paths = []
-    with command_line(args.debug):
-        batches = []
-        for name in args.names:
-            if (batch := reference_batch(name)) is None:
-                raise InputError(f"{name}: expected a name like imagenet256 ({', '.join(map(str, RESOLUTIONS))})")
-            batches.append(batch)
-        for batch in batches:
-            paths.append(fetch(batch))
-            print(f"{batch.name}: {batch.path} (sha256 in {batch.sha256_path.name})")
-    return paths
-
-
-if __name__ == "__main__":
-    main()
