@@ -1,8 +1,8 @@
 """What `python -m fid` can read: image .npz batches, image folders and statistics .npz files.
 
-Everything is validated from file headers before any feature is computed (an image file's data is
-only decoded then when its header promises more than the file holds), and images are streamed
-batch by batch: 50 000 samples at 512x512 are 39 GB, more than a machine's memory.
+Everything is validated from file headers before any feature is computed (image data is decoded up
+front only for a JPEG whose end marker is missing), and images are streamed batch by batch: 50 000
+samples at 512x512 are 39 GB, more than a machine's memory.
 """
 
 import os
