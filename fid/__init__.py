@@ -4,6 +4,7 @@ Knows nothing of models: it scores uint8 images (N, H, W, 3) from .npz files, fo
 iterators, against images or ADM-format statistics files.
 """
 
+from .errors import InputError
 from .evaluation import Evaluation, evaluate, extract_features, fid_from_batches
 from .frechet import frechet_distance
 from .inception import InceptionFeatures, load_inception
@@ -15,6 +16,7 @@ __all__ = [
     "Evaluation",
     "FeatureMoments",
     "Gaussian",
+    "InputError",
     "InceptionFeatures",
     "StatisticsFile",
     "evaluate",

@@ -6,6 +6,7 @@ Every input problem is reported before the first image goes through Inception.
 """
 
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -13,11 +14,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .errors import InputError
 from .frechet import frechet_distance
 from .inception import SPATIAL_DIM, InceptionFeatures, load_inception
 from .inception_score import IS_SPLIT_SIZE, inception_score
-from .inputs import IMAGE_KEY, EvaluationInput, ImageSource, open_input
-from .precision_recall import precision_recall
+from .inputs import IMAGE_KEY, EvaluationInput, FolderImages, ImageSource, open_input
+from .precision_recall import NEIGHBOURS, precision_recall
+from .reference import resolve_input
 from .statistics import STAT_KEYS, FeatureMoments, Gaussian, StatisticsFile, load_statistics, save_statistics
 from .weights import POOL_DIM
 
@@ -26,6 +29,9 @@ BINARY_METRICS = ("fid", "sfid", "prc")  # those that need a reference
 STATISTICS_OF = {"fid": "pool", "sfid": "spatial"}  # metric -> the Gaussian it compares
 FEATURE_DIMS = {"pool": POOL_DIM, "spatial": SPATIAL_DIM}
 DEFAULT_BATCH_SIZE = 64
+# Below this many images per set the 2048-d pool_3 covariance is rank-deficient and FID is biased upwards
+# (2 vs 20 images gave FID 149): such numbers compare only with others from the same set sizes.
+FULL_RANK_IMAGES = POOL_DIM
 
 
 @dataclass
@@ -84,7 +90,7 @@ def fid_from_batches(
     if not isinstance(reference, Gaussian):
         path, reference = reference, load_statistics(reference).pool
         if reference is None:
-            raise ValueError(f"{path}: no pool_3 statistics ('mu', 'sigma')")
+            raise InputError(f"{path}: no pool_3 statistics ('mu', 'sigma')")
     features = extract_features(batches, extractor, gaussians=("pool",), across_processes=across_processes)
     return frechet_distance(features.gaussians["pool"], reference)
 
@@ -123,18 +129,34 @@ def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistic
     for name in stat_names:
         stored, expected = source.stored(name), FEATURE_DIMS[name]
         if stored is not None and stored.mean.shape != (expected,):
-            raise ValueError(
+            raise InputError(
                 f"{role} {source.path}: '{STAT_KEYS[name][0]}' has shape {stored.mean.shape}; expected ({expected},)"
             )
     if source.images is None and plan.gaussians:
         mean_key, cov_key = STAT_KEYS[plan.gaussians[0]]
-        raise ValueError(f"{role} {source.path}: no '{mean_key}'/'{cov_key}' statistics and no images '{IMAGE_KEY}'")
+        raise InputError(f"{role} {source.path}: no '{mean_key}'/'{cov_key}' statistics and no images '{IMAGE_KEY}'")
     if source.images is None and (plan.keep_pool or plan.keep_logits):
         metric = "precision/recall" if plan.keep_pool else "the Inception Score"
-        raise ValueError(
+        raise InputError(
             f"{role} {source.path}: {metric} needs images ('{IMAGE_KEY}' or a folder); it holds statistics only"
         )
+    count = len(source.images) if source.images is not None else 0
+    if plan.gaussians and count < 2:
+        raise InputError(f"{role} {source.path}: {count} image(s); feature statistics (FID, sFID, --save-stats) "
+                         "need at least 2 for a covariance")
+    if plan.keep_pool and count <= NEIGHBOURS:
+        raise InputError(f"{role} {source.path}: {count} image(s); precision/recall with k={NEIGHBOURS} "
+                         f"needs at least {NEIGHBOURS + 1}")
+    if plan.gaussians and count < FULL_RANK_IMAGES:
+        warnings.warn(f"{role} {source.path}: {count} images; with fewer than {FULL_RANK_IMAGES} per set FID is "
+                      f"biased upwards and the covariance is rank-deficient (rank <= {count - 1}): compare only "
+                      "with scores from sets of the same sizes (published scores use 50 000 samples)", stacklevel=3)
     return plan
+
+
+def _is_reference_batch(source: EvaluationInput) -> bool:
+    """Images and stored pool_3 statistics in one file, like ADM's VIRTUAL_imagenet256_labeled.npz."""
+    return source.images is not None and source.stored("pool") is not None
 
 
 def evaluate(
@@ -147,26 +169,42 @@ def evaluate(
     save_stats: str | os.PathLike | None = None,
     is_split_size: int = IS_SPLIT_SIZE,
     progress: bool = False,
+    center_crop: int | None = None,
+    skip_corrupt: bool = False,
 ) -> Evaluation:
     """Metrics of SAMPLES against REF; see `python -m fid --help` for the inputs accepted.
 
     The metrics dict holds "fid", "sfid", "is", "precision", "recall" for the metrics asked.
     With `save_stats`, the samples' pool_3 and spatial statistics are written there (ADM format).
+    `center_crop` and `skip_corrupt` apply to image folders (fid.inputs.FolderImages). Every check of the
+    arguments and of the inputs' headers comes before Inception is loaded.
     """
     metrics = set(metrics)
     if unknown := metrics - set(METRICS):
-        raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
+        raise InputError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
     if ref is None and (binary := metrics & set(BINARY_METRICS)):
-        raise ValueError(f"{', '.join(sorted(binary))} need a reference (REF)")
+        raise InputError(f"{', '.join(sorted(binary))} need a reference (REF)")
     if not metrics and save_stats is None:
-        raise ValueError("nothing to do: no metrics asked and no --save-stats")
+        raise InputError("nothing to do: no metrics asked and no --save-stats")
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {batch_size}")
+    if center_crop is not None and center_crop < 1:
+        raise InputError(f"--center-crop must be a positive image side in pixels, got {center_crop}")
 
-    sample_input = open_input(samples)
+    sample_input = open_input(resolve_input(samples), center_crop, skip_corrupt)
     sample_plan = _plan(sample_input, "SAMPLES", metrics, wants_statistics=save_stats is not None)
-    ref_input = open_input(ref) if ref is not None else None
+    ref_input = open_input(resolve_input(ref), center_crop, skip_corrupt) if ref is not None else None
     ref_plan = _plan(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
+    if center_crop is not None and not any(isinstance(x.images, FolderImages) for x in (sample_input, ref_input)
+                                           if x is not None):
+        raise InputError(f"--center-crop {center_crop} applies to image folders; neither input is one")
+    if ref_input and _is_reference_batch(sample_input) and not _is_reference_batch(ref_input):
+        warnings.warn(f"SAMPLES {sample_input.path} looks like an ADM reference batch (images and stored "
+                      f"statistics) and REF {ref_input.path} does not: python -m fid takes SAMPLES first, while "
+                      "ADM's evaluator.py takes the reference first; IS and precision/recall depend on the order",
+                      stacklevel=2)
     if "is" in metrics and len(sample_input.images) < is_split_size:
-        raise ValueError(
+        raise InputError(
             f"SAMPLES {sample_input.path}: {len(sample_input.images)} images are fewer than one "
             f"Inception Score split of {is_split_size}"
         )

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from atomic_files import atomic_output
+from .errors import InputError
 
 # ADM reference-batch keys: pool_3 statistics and sFID (spatial) statistics.
 STAT_KEYS = {"pool": ("mu", "sigma"), "spatial": ("mu_s", "sigma_s")}
@@ -115,15 +116,15 @@ def load_statistics(path: str | os.PathLike) -> StatisticsFile:
             present = [key for key in (mean_key, cov_key) if key in npz.files]
             if len(present) == 1:
                 missing = cov_key if present == [mean_key] else mean_key
-                raise ValueError(f"{path}: has '{present[0]}' but no '{missing}'")
+                raise InputError(f"{path}: has '{present[0]}' but no '{missing}'")
             if present:
                 mean, cov = npz[mean_key].astype(np.float64), npz[cov_key].astype(np.float64)
                 if mean.ndim != 1 or cov.shape != (mean.shape[0], mean.shape[0]):
-                    raise ValueError(
+                    raise InputError(
                         f"{path}: '{mean_key}' {mean.shape} and '{cov_key}' {cov.shape}; expected (D,) and (D, D)"
                     )
                 if not (np.isfinite(mean).all() and np.isfinite(cov).all()):
-                    raise ValueError(f"{path}: '{mean_key}' or '{cov_key}' holds NaN or infinite values")
+                    raise InputError(f"{path}: '{mean_key}' or '{cov_key}' holds NaN or infinite values")
                 stats[name] = Gaussian(mean, cov)
     return StatisticsFile(**stats)
 

