@@ -11,7 +11,6 @@ objective otherwise).
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -25,26 +24,25 @@ from .interface import SampleResult
 SOLVER_ORDER = 2  # DPM-Solver++(2M) and UniPC-2 (bh2): the orders recommended for guided and unguided sampling
 
 
-def _dpm_solver_pp_2m(betas: np.ndarray) -> "SchedulerMixin":
+def _dpm_solver_pp_2m(**schedule) -> "SchedulerMixin":
     from diffusers import DPMSolverMultistepScheduler
 
-    return DPMSolverMultistepScheduler(num_train_timesteps=len(betas), trained_betas=betas,
-                                       prediction_type="epsilon", algorithm_type="dpmsolver++",
+    return DPMSolverMultistepScheduler(**schedule, prediction_type="epsilon", algorithm_type="dpmsolver++",
                                        solver_order=SOLVER_ORDER, solver_type="midpoint", lower_order_final=True,
                                        final_sigmas_type="zero", timestep_spacing="linspace")
 
 
-def _unipc(betas: np.ndarray) -> "SchedulerMixin":
+def _unipc(**schedule) -> "SchedulerMixin":
     from diffusers import UniPCMultistepScheduler
 
-    return UniPCMultistepScheduler(num_train_timesteps=len(betas), trained_betas=betas,
-                                   prediction_type="epsilon", predict_x0=True, solver_type="bh2",
+    return UniPCMultistepScheduler(**schedule, prediction_type="epsilon", predict_x0=True, solver_type="bh2",
                                    solver_order=SOLVER_ORDER, lower_order_final=True, final_sigmas_type="zero",
                                    timestep_spacing="linspace")
 
 
-# Sampler name -> the diffusers scheduler it runs, built from the process's betas (K,) float64.
-SCHEDULERS: dict[str, Callable[[np.ndarray], "SchedulerMixin"]] = {"dpm++2m": _dpm_solver_pp_2m, "unipc": _unipc}
+# Sampler name -> the diffusers scheduler it runs, given the noise schedule as diffusers' keyword arguments
+# (num_train_timesteps and trained_betas, or beta_start, beta_end and beta_schedule).
+SCHEDULERS: dict[str, Callable[..., "SchedulerMixin"]] = {"dpm++2m": _dpm_solver_pp_2m, "unipc": _unipc}
 
 
 def multistep_solver(
@@ -66,7 +64,7 @@ def multistep_solver(
         raise ValueError(f"unknown multistep solver {solver!r}; expected one of {sorted(SCHEDULERS)}")
     if not 1 <= steps < process.num_timesteps:  # diffusers' schedulers return NaN at steps == num_timesteps
         raise ValueError(f"{solver} needs 1 <= steps < {process.num_timesteps}, got {steps}")
-    scheduler = SCHEDULERS[solver](process.betas.numpy())
+    scheduler = SCHEDULERS[solver](num_train_timesteps=process.num_timesteps, trained_betas=process.betas.numpy())
     scheduler.set_timesteps(steps, device=x.device)
     channels = x.shape[1]
     for t in tqdm(scheduler.timesteps, desc=solver, disable=not progress):
