@@ -65,8 +65,9 @@ def load_model(args: argparse.Namespace) -> tuple[nn.Module, object, str]:
     try:
         find_export(args.ckpt)
     except FileNotFoundError:
-        raise CheckpointError(f"--ckpt {args.ckpt}: no trained digits export there; run `make demo` (or python train.py "
-                         f"--config configs/digits.yaml run.dir={DEFAULT_CKPT.relative_to(REPO)}) first") from None
+        raise CheckpointError(f"--ckpt {args.ckpt}: no trained digits export there; run `make demo` (or python "
+                              f"train.py --config configs/digits.yaml run.dir={DEFAULT_CKPT.relative_to(REPO)}) "
+                              f"first") from None
     model, objective, description = load_export(args.ckpt)
     if description["data"].get("kind") != "pixels" or description["model"].get("input_size") != 8:
         raise CheckpointError(f"--ckpt {args.ckpt}: not a digits model (8x8 pixels); got data {description['data']}")
