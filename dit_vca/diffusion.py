@@ -1,5 +1,6 @@
 """DiT's DDPM objective: the 1000-step linear-beta schedule (float64), epsilon prediction with a learned-range
-variance, the hybrid loss of improved DDPM, respacing to fewer steps, and dispatch into the DDPM/DDIM samplers."""
+variance, the hybrid loss of improved DDPM, respacing to fewer steps, and dispatch into the samplers (ancestral
+DDPM, DDIM, and the DPM-Solver++(2M) / UniPC multistep solvers)."""
 
 import math
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
 from samplers.ddpm import ReverseStep
 from samplers.interface import check_sampler_request
+from samplers.multistep import SCHEDULERS, multistep_solver
 
 NUM_TIMESTEPS = 1000
 BETA_START = 1e-4  # for 1000 steps; scaled by 1000 / num_timesteps otherwise, as in improved DDPM
@@ -20,8 +22,8 @@ PIXEL_BIN_HALF_WIDTH = 1.0 / 255.0  # decoder NLL: data in [-1, 1] discretised t
 PROBABILITY_FLOOR = 1e-12  # decoder NLL: bin probabilities below this count as this, as in ADM/DiT
 DECODER_CDFS = ("tanh", "exact")  # the official tanh approximation (default) or the exact normal CDF
 
-SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta")}
-DEFAULT_STEPS = {"ddpm": 250, "ddim": 50}
+SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta"), **{name: () for name in SCHEDULERS}}
+DEFAULT_STEPS = {"ddpm": 250, "ddim": 50, **{name: 20 for name in SCHEDULERS}}
 
 ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -268,13 +270,17 @@ class GaussianDiffusion:
     def sample(self, model_fn: ModelFn, x_T: Tensor, labels: Tensor, *, sampler: str = "ddpm",
                steps: int | None = None, noise: PerSampleNoise | None = None, progress: bool = False,
                **options) -> SampleResult:
-        """Sample with "ddpm" (ancestral, respaced to `steps`, default 250) or "ddim" (spacing "ddimK", default
-        50; option eta, default 0). Option clip_denoised clamps predicted x_0 to [-1, 1] (pixel data only)."""
+        """Sample with "ddpm" (ancestral, respaced to `steps`, default 250), "ddim" (spacing "ddimK", default 50;
+        option eta, default 0) or the deterministic multistep solvers "dpm++2m" and "unipc" (default 20 steps,
+        spread over this process by diffusers' schedulers). Option clip_denoised (DDPM/DDIM) clamps predicted x_0
+        to [-1, 1] (pixel data only)."""
         check_sampler_request(sampler, options, SAMPLER_OPTIONS)
         steps = DEFAULT_STEPS[sampler] if steps is None else steps
-        process = self.respaced(f"ddim{steps}" if sampler == "ddim" else str(steps))
-        run = ddpm_samplers.ddim if sampler == "ddim" else ddpm_samplers.ddpm
         with torch.no_grad():
+            if sampler in SCHEDULERS:
+                return multistep_solver(model_fn, x_T, labels, self, solver=sampler, steps=steps, progress=progress)
+            process = self.respaced(f"ddim{steps}" if sampler == "ddim" else str(steps))
+            run = ddpm_samplers.ddim if sampler == "ddim" else ddpm_samplers.ddpm
             return run(model_fn, x_T, labels, process, noise=noise, progress=progress, **options)
 
 

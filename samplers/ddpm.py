@@ -26,6 +26,7 @@ class DiscreteProcess(Protocol):
     """The part of a respaced diffusion process (dit_vca.GaussianDiffusion) that the samplers use."""
 
     num_timesteps: int
+    betas: Tensor  # (K,) float64
     alphas_cumprod: Tensor  # (K,) float64
     alphas_cumprod_prev: Tensor  # (K,) float64
 
