@@ -21,6 +21,7 @@ SCRIPTS = {
     "samplers": ("samplers-cpu-quick", "rows", "images_per_s"),
     "train": ("train-cpu-quick", "results", "images_per_s"),
     "fid": ("fid-cpu-quick", "inception", "images_per_s"),
+    "solvers": ("solvers-cpu-quick", "rows", "images_per_s"),
 }
 
 

@@ -325,5 +325,5 @@ def test_sampler_request_is_checked_before_sampling(diffusion):
         diffusion.sample(model, x, y, sampler="euler")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['eta'\]"):
         diffusion.sample(model, x, y, sampler="ddpm", eta=1.0)
-    assert diffusion.default_sampler == "ddpm" and set(diffusion.sampler_names) == {"ddpm", "ddim"}
+    assert diffusion.default_sampler == "ddpm" and set(diffusion.sampler_names) == {"ddpm", "ddim", "dpm++2m", "unipc"}
     assert isinstance(diffusion, GaussianDiffusion)

@@ -138,7 +138,7 @@ def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     assert (description.space, description.image_size, description.channels, description.num_classes,
             description.latent_scale, description.vae) == ("pixels", 8, 1, 10, None, None)
     assert description.train_step == 20
-    assert objective.sampler_names == ("ddpm", "ddim") and not model.training
+    assert objective.sampler_names == ("ddpm", "ddim", "dpm++2m", "unipc") and not model.training
 
 
 def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_run, tmp_path):

@@ -19,6 +19,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
+# The evaluator's preprocessing: training images are cut exactly as the ADM reference batches were.
+from fid.preprocess import center_crop_adm
 from training.config import Config
 
 LATENT_MANIFEST = "manifest.json"
@@ -56,18 +58,6 @@ class _EpochSeeded(Dataset):
 # --------------------------------------------------------------------------------------------------
 #                                          Image folder
 # --------------------------------------------------------------------------------------------------
-
-def center_crop_adm(image: Image.Image, size: int) -> np.ndarray:
-    """ADM's preprocessing: halve with a box filter while possible, bicubic-resize the short side to
-    `size`, then crop the centre. Returns (size, size, 3) uint8."""
-    while min(image.size) >= 2 * size:
-        image = image.resize(tuple(side // 2 for side in image.size), resample=Image.BOX)
-    scale = size / min(image.size)
-    image = image.resize(tuple(round(side * scale) for side in image.size), resample=Image.BICUBIC)
-    pixels = np.asarray(image)
-    top, left = (pixels.shape[0] - size) // 2, (pixels.shape[1] - size) // 2
-    return pixels[top:top + size, left:left + size]
-
 
 class ImageFolderDataset(_EpochSeeded):
     """root/<class name>/<image>; classes sorted by name get labels 0..K-1.
