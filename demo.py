@@ -110,7 +110,7 @@ def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: floa
     and replaces a set of an earlier demo run made with others (both are demo output, not user data).
     """
     from atomic_files import save_npz_atomic, write_json_atomic
-    from generation import Generator, read_export
+    from generation import ImageGenerator, read_export
     from generation.images import save_grid
     from generation.sample_plan import assign_labels, sample_seeds
 
@@ -120,7 +120,7 @@ def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: floa
     record = out.with_suffix(".json")
     if out.exists() and record.exists() and json.loads(record.read_text()) == settings:
         return
-    generator = Generator.from_export(export)
+    generator = ImageGenerator.from_export(export)
     labels = assign_labels(num_samples, export.description.num_classes, "balanced", SEED)
     batches = [range(start, min(start + SAMPLE_BATCH, num_samples)) for start in range(0, num_samples, SAMPLE_BATCH)]
     images = np.concatenate([generator.generate(labels[batch.start:batch.stop], sample_seeds(SEED, batch),

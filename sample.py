@@ -111,7 +111,7 @@ def check_against(description, args: argparse.Namespace) -> None:
 
 
 def generation_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments of `Generator.generate` beyond labels and seeds."""
+    """Keyword arguments of `ImageGenerator.generate` beyond labels and seeds."""
     options = {name: getattr(args, name) for name in SAMPLER_OPTIONS if getattr(args, name) is not None}
     interval = None if args.guidance_interval is None else tuple(args.guidance_interval)
     return dict(guidance=args.cfg_scale, sampler=args.sampler, steps=args.steps,
@@ -172,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     export = load_checkpoint(args)  # nothing is written before the checkpoint has loaded
     check_against(export.description, args)
     accelerator = create_accelerator(args)
-    from generation import Generator
+    from generation import ImageGenerator
     from generation.generator import default_precision, set_matmul_precision
 
     precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process and len(pending) < len(shards):
         print(f"sample.py: resuming, {len(shards) - len(pending)} of {len(shards)} shards already in {folder.folder}")
 
-    generator = Generator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
+    generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
                                       compile=args.compile)
     mine = pending[accelerator.process_index::accelerator.num_processes]
     started = time.perf_counter()

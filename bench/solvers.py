@@ -22,14 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from _harness import describe_device, plt, save_results, synchronize  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from samplers import PerSampleNoise  # noqa: E402
+from generation import ExportError, ImageGenerator, read_export  # noqa: E402
 
 # (sampler, steps): the baselines first, then the fast solvers.
 FULL_RUNS = (("ddpm", 250), ("ddim", 50), *((solver, steps) for solver in ("dpm++2m", "unipc")
@@ -46,8 +45,8 @@ class CheckpointError(ValueError):
     """--ckpt does not hold a trained digits DDPM export."""
 
 
-def load_model(args: argparse.Namespace) -> tuple[nn.Module, object, str]:
-    """(model, objective, description) of the trained export, or a random tiny digits model with --quick."""
+def load_generator(args: argparse.Namespace, device: torch.device) -> tuple[ImageGenerator, str]:
+    """The trained digits export as an ImageGenerator, or a random tiny digits model with --quick."""
     if args.quick:
         import dit_vca
 
@@ -59,41 +58,38 @@ def load_model(args: argparse.Namespace) -> tuple[nn.Module, object, str]:
             for parameter in model.parameters():
                 if parameter.requires_grad:  # adaLN-Zero: the untrained network would be the zero function
                     parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-        return model.eval(), dit_vca.create_diffusion(learn_sigma=False), "random 1-block DiT-S/2 (quick)"
-    from training.checkpoint import find_export, load_export
-
+        images = ImageGenerator(model.eval().to(device), dit_vca.create_diffusion(learn_sigma=False),
+                                lambda x: x.clamp(-1, 1), NUM_CLASSES)
+        return images, "random 1-block DiT-S/2 (quick)"
     try:
-        find_export(args.ckpt)
-    except FileNotFoundError:
+        export = read_export(args.ckpt)
+    except ExportError:
         raise CheckpointError(f"--ckpt {args.ckpt}: no trained digits export there; run `make demo` (or python "
                               f"train.py --config configs/digits.yaml run.dir={DEFAULT_CKPT.relative_to(REPO)}) "
                               f"first") from None
-    model, objective, description = load_export(args.ckpt)
-    if description["data"].get("kind") != "pixels" or description["model"].get("input_size") != 8:
-        raise CheckpointError(f"--ckpt {args.ckpt}: not a digits model (8x8 pixels); got data {description['data']}")
-    if not hasattr(objective, "respaced"):
-        raise CheckpointError(f"--ckpt {args.ckpt}: a {type(objective).__name__} model; these solvers need DDPM")
-    return model, objective, f"{description['model']['name']}-{description['model']['attention'].upper()}"
+    description = export.description
+    if not description.in_pixel_space or description.image_size != 8:
+        raise CheckpointError(f"--ckpt {args.ckpt}: not a digits model (8x8 pixels); got {description.space}, "
+                              f"{description.image_size} px")
+    if description.objective["kind"] != "diffusion":
+        raise CheckpointError(f"--ckpt {args.ckpt}: a {description.objective['kind']} model; these solvers need DDPM")
+    return (ImageGenerator.from_export(export, device),
+            f"{description.model['name']}-{description.model['attention'].upper()}")
 
 
-def sample_set(model: nn.Module, objective, sampler: str, steps: int, settings: dict,
+def sample_set(generator: ImageGenerator, sampler: str, steps: int, settings: dict,
                device: torch.device) -> tuple[np.ndarray, np.ndarray, float, int]:
     """(images (N, 8, 8, 3) uint8, labels (N,), seconds, NFE per sample) for seeds 0..N-1, labels i % 10."""
-    from training.images import to_uint8
-
-    n, images, nfe = settings["num_samples"], [], 0
+    n, images = settings["num_samples"], []
     labels = np.arange(n) % NUM_CLASSES
+    batches = [range(first, min(n, first + settings["batch"])) for first in range(0, n, settings["batch"])]
+    evaluations = generator.model_evaluations
     synchronize(device)
     start = time.perf_counter()
-    for first in range(0, n, settings["batch"]):
-        seeds = list(range(first, min(n, first + settings["batch"])))
-        noise = PerSampleNoise(seeds, device)
-        x_T = noise((model.in_channels, model.input_size, model.input_size))
-        y = torch.as_tensor(labels[seeds], device=device)
-        result = objective.sample(model, x_T, y, sampler=sampler, steps=steps, noise=noise)
-        images.append(to_uint8(result.samples.cpu()))
-        nfe = result.nfe
+    for batch in batches:
+        images.append(generator.generate(labels[batch.start:batch.stop], list(batch), sampler=sampler, steps=steps))
     synchronize(device)
+    nfe = (generator.model_evaluations - evaluations) // len(batches)
     return np.concatenate(images), labels, time.perf_counter() - start, nfe
 
 
@@ -105,8 +101,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = dict(QUICK if args.quick else FULL)
     if args.num_samples:
         settings["num_samples"] = args.num_samples
-    model, objective, model_name = load_model(args)  # first: a missing checkpoint fails before Inception loads
-    model = model.to(device)
+    generator, model_name = load_generator(args, device)  # first: a missing checkpoint fails before Inception loads
     real_images, real_labels = real_digits()
     classifier = fit_classifier(real_images, real_labels)
     reference_images = real_images if settings["num_real"] is None else real_images[:settings["num_real"]]
@@ -114,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
     reference = extract_features(batches(reference_images, "real digits"), extractor).gaussians["pool"]
     rows = []
     for sampler, steps in (QUICK_RUNS if args.quick else FULL_RUNS):
-        images, labels, seconds, nfe = sample_set(model, objective, sampler, steps, settings, device)
+        images, labels, seconds, nfe = sample_set(generator, sampler, steps, settings, device)
         fid = fid_from_batches(batches(images, f"{sampler}-{steps}"), reference, extractor)
         row = {"sampler": sampler, "label": f"{LABELS[sampler]}-{steps}", "steps": steps, "nfe": nfe, "fid": fid,
                "accuracy": classifier.accuracy(images, labels), "seconds": seconds,

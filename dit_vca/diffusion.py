@@ -3,16 +3,16 @@ variance, the hybrid loss of improved DDPM, respacing to fewer steps, and dispat
 DDPM, DDIM, and the DPM-Solver++(2M) / UniPC multistep solvers)."""
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from dit_vca.losses import mean_flat
 from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
 from samplers.ddpm import ReverseStep
-from samplers.interface import check_sampler_request
+from samplers.interface import ModelFn, check_sampler_request
 from samplers.multistep import SCHEDULERS, multistep_solver
 
 NUM_TIMESTEPS = 1000
@@ -25,7 +25,6 @@ DECODER_CDFS = ("tanh", "exact")  # the official tanh approximation (default) or
 SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta"), **{name: () for name in SCHEDULERS}}
 DEFAULT_STEPS = {"ddpm": 250, "ddim": 50, **{name: 20 for name in SCHEDULERS}}
 
-ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -109,11 +108,6 @@ def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tens
         raise ValueError(f"decoder cdf {cdf!r} is not one of {DECODER_CDFS}")
     log_middle = torch.log((cdf_upper - cdf_lower).clamp(min=PROBABILITY_FLOOR))
     return torch.where(x < -0.999, log_left, torch.where(x > 0.999, log_right, log_middle))
-
-
-def mean_flat(x: Tensor) -> Tensor:
-    """Mean over all non-batch dimensions."""
-    return x.mean(dim=tuple(range(1, x.ndim)))  # (B,)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Owns the export format (`ExportDescription`, `Export`: a folder of EMA weights and a JSON description, also on the
 Hugging Face Hub), the conversion of official DiT/SiT checkpoints into exports, the VAE between pixels and
-latents, and `Generator.generate`, the one path from labels and seeds to uint8 images. `sample.py`, training's
+latents, and `ImageGenerator.generate`, the one path from labels and seeds to uint8 images. `sample.py`, training's
 previews and the demo all go through it. It depends on the model packages and the samplers, never on training.
 """
 
@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Optional
 
 from generation.export import Export, ExportDescription, ExportError, find_export, read_export, write_export
-from generation.generator import Generator
+from generation.generator import ImageGenerator
 from generation.official import OfficialCheckpointError, is_official_reference, official_export
 
-__all__ = ["Export", "ExportDescription", "ExportError", "Generator", "OfficialCheckpointError", "find_export",
+__all__ = ["Export", "ExportDescription", "ExportError", "ImageGenerator", "OfficialCheckpointError", "find_export",
            "load_export", "read_export", "write_export"]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name"

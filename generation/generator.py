@@ -1,4 +1,4 @@
-"""Turning a trained model into images: `Generator.generate(labels, seeds, ...) -> uint8 images`.
+"""Turning a trained model into images: `ImageGenerator.generate(labels, seeds, ...) -> uint8 images`.
 
 One home for the path from noise to pixels, used by `sample.py`, the previews and FID during training,
 and the demo: per-sample noise -> x_T -> classifier-free guidance -> the objective's sampler -> decoder
@@ -50,7 +50,7 @@ def pixel_decoder(description: ExportDescription, vae: Optional[nn.Module]) -> D
     return lambda z: decode_latents(vae, z, description.latent_scale)
 
 
-class Generator:
+class ImageGenerator:
     """A class-conditional model, its objective and its decoder.
 
     `precision` "bf16" runs the model and decoder under bf16 autocast ("tf32" is a process-wide switch, see
@@ -71,7 +71,7 @@ class Generator:
 
     @classmethod
     def from_export(cls, export: Export, device: torch.device | str = "cpu", vae: Optional[str] = None,
-                    precision: str = "fp32", compile: bool = False) -> "Generator":
+                    precision: str = "fp32", compile: bool = False) -> "ImageGenerator":
         """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
         `compile` wraps the model in torch.compile (compiled on the first batch)."""
         description = export.description

@@ -3,7 +3,7 @@ classifier-free guidance and per-sample noise. Every sampler takes a model funct
 and returns a SampleResult(samples, nfe)."""
 
 from .guidance import classifier_free_guidance
-from .interface import SampleResult
+from .interface import ModelFn, SampleResult
 from .noise import PerSampleNoise
 
-__all__ = ["SampleResult", "PerSampleNoise", "classifier_free_guidance"]
+__all__ = ["ModelFn", "PerSampleNoise", "SampleResult", "classifier_free_guidance"]

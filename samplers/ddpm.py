@@ -1,16 +1,14 @@
 """Discrete-time samplers over a (respaced) DDPM process: ancestral DDPM and DDIM."""
 
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .interface import SampleResult
+from .interface import ModelFn, SampleResult
 from .noise import PerSampleNoise, standard_normal_like
 
-ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, C, H, W), t (B,), y (B,)) -> (B, C or 2C, H, W)
 
 
 class ReverseStep(NamedTuple):

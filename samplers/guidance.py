@@ -1,12 +1,10 @@
 """Classifier-free guidance (Ho & Salimans 2022) as a wrapper that turns a class-conditional model into a
 guided model function with the same call signature."""
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
-ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, C, H, W), t (B,), y (B,)) -> (B, C_out, H, W)
+from .interface import ModelFn
 
 
 def classifier_free_guidance(

@@ -1,10 +1,15 @@
-"""The one interface every sampler shares: its result type and the checks on a sampler request."""
+"""The one interface every sampler shares: the model function it calls, its result type and the checks on a
+sampler request."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# A (possibly guided) model: x (B, C, H, W), t (B,) in the model's own time units, labels y (B,) -> (B, C_out, H, W),
+# C_out = C, or 2C for a DDPM model that also predicts its variance.
+ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)

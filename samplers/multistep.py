@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .ddpm import DiscreteProcess, ModelFn
-from .interface import SampleResult
+from .ddpm import DiscreteProcess
+from .interface import ModelFn, SampleResult
 
 SOLVER_ORDER = 2  # DPM-Solver++(2M) and UniPC-2 (bh2): the orders recommended for guided and unguided sampling
 

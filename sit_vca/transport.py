@@ -3,17 +3,15 @@
 the three predictions; and dispatch into the ODE/SDE samplers."""
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dit_vca.diffusion import mean_flat
+from dit_vca.losses import mean_flat
 from samplers import PerSampleNoise, SampleResult
 from samplers import ode, sde
-from samplers.interface import check_sampler_request
+from samplers.interface import ModelFn, check_sampler_request
 
-ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 PREDICTIONS = ("velocity", "score", "noise")
 LOSS_WEIGHTS = (None, "velocity", "likelihood")

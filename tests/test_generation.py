@@ -15,7 +15,7 @@ import generation.official as official
 from dit_vca import create_model
 from dit_vca.attention import VCAOptions
 from dit_vca.models import build_model_from_config
-from generation import Export, ExportDescription, ExportError, Generator, load_export, read_export, write_export
+from generation import Export, ExportDescription, ExportError, ImageGenerator, load_export, read_export, write_export
 from generation.objective import create_objective
 from generation.official import OfficialCheckpointError, official_export
 from sit_vca import create_model as create_sit
@@ -50,7 +50,7 @@ def test_an_export_written_by_the_first_format_still_loads_and_computes_the_same
     assert export.description.space == "pixels" and export.description.train_step == 7
     assert export.description.model["vca"] == {"contrast_grid": 1, "joint_softmax": True, "stage1_differential": True,
                                                "stage2_differential": True, "pooled_content": True}
-    model = Generator.from_export(export).model
+    model = ImageGenerator.from_export(export).model
     recorded = load_file(DATA / "legacy-export-output.safetensors")
     out = model(recorded["x"], torch.tensor([3, 500]), torch.tensor([0, 3]))
     torch.testing.assert_close(out, recorded["out"], rtol=0, atol=1e-6)  # same weights, same float32 kernels
@@ -242,7 +242,7 @@ def test_the_converter_command_writes_an_export(tmp_path, capsys):
 
 def test_generate_is_reproducible_per_sample():
     model = perturbed(create_model("DiT-S/2", in_channels=1, num_classes=3, **TINY))
-    generator = Generator.from_export(Export(pixel_description(model), model.state_dict()))
+    generator = ImageGenerator.from_export(Export(pixel_description(model), model.state_dict()))
     first = generator.generate([0, 1, 2], [5, 6, 7], sampler="ddim", steps=4, guidance=2.0)
     again = generator.generate([2, 1], [7, 6], sampler="ddim", steps=4, guidance=2.0)
     assert first.dtype == np.uint8 and first.shape == (3, 4, 4, 3)

@@ -17,7 +17,7 @@ import torch
 import sample
 from atomic_files import save_npz_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from generation import Generator, load_export
+from generation import ImageGenerator, load_export
 from generation.images import to_uint8
 from generation.official import official_export
 from generation.sample_file import DamagedShardError, leading_images, merge_shards, plan_shards, shard_reader
@@ -230,7 +230,7 @@ def test_output_layout(reference):
 
 
 def test_samples_do_not_depend_on_the_batch_split(export):
-    generator = Generator.from_export(load_export(export))
+    generator = ImageGenerator.from_export(load_export(export))
     options = dict(sampler="ddpm", steps=12, guidance=2.0)
     labels, seeds = assign_labels(8, NUM_CLASSES, "balanced", 0), sample_seeds(7, range(8))
     whole = generator.generate(labels, seeds, **options)
@@ -304,7 +304,7 @@ def written(out: Path) -> list[Path]:
     ({"--shard-size": "-3"}, "--shard-size must be positive"),
     ({"--out": "samples.npy"}, "ending in .npz"),
     ({"--out": "no-such-folder/samples.npz"}, "folder .*no-such-folder does not exist"),
-    ({"--sampler": "euler"}, "--sampler 'euler': this checkpoint's objective offers ddpm, ddim, dpm++2m, unipc"),
+    ({"--sampler": "euler"}, "--sampler 'euler': this checkpoint's objective offers ddpm, ddim, dpm\\+\\+2m, unipc"),
     ({"--guidance-channels": "2"}, "--guidance-channels 2: the model predicts only 1 channels"),
     ({"--guidance-interval": ["500", "100"]}, "--guidance-interval 500.0 100.0: expected LO < HI"),
     ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
@@ -401,7 +401,7 @@ def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
     torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")  # architecture read from the name
 
     export = load_export(tmp_path / "DiT-S-8-256x256.pt")
-    generator = Generator.from_export(export, vae=str(vae_folder))
+    generator = ImageGenerator.from_export(export, vae=str(vae_folder))
     for key, value in official.state_dict().items():
         assert torch.equal(generator.model.state_dict()[key], value), key
     images = generator.generate(np.array([0, 999]), [1, 2], sampler="ddim", steps=2, guidance=1.5)

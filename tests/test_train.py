@@ -21,7 +21,7 @@ from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from generation import Generator, read_export
+from generation import ImageGenerator, read_export
 from training.config import ConfigError
 from generation.vae import VAEUnavailableError
 
@@ -82,7 +82,7 @@ def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run):
     assert logged["step"] == 20 and logged["samples"] == FID_SAMPLES
     # One process, all samples, the same (label, seed) per index and the preview's sampler (digits.yaml: DDIM;
     # log.sample_steps=5 in TINY).
-    generator = Generator.from_export(read_export(run_dir))
+    generator = ImageGenerator.from_export(read_export(run_dir))
     indices = list(range(FID_SAMPLES))
     images = generator.generate([i % 10 for i in indices], sample_seeds(0, indices), sampler="ddim", steps=5)
     expected = fid_from_batches([images], run_dir.parent / "reference.npz", load_inception("bundled", device="cpu"))
@@ -124,7 +124,7 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
 def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     run_dir, _ = two_process_run
     exported = read_export(run_dir)  # a run directory resolves to its newest export
-    generator = Generator.from_export(exported)
+    generator = ImageGenerator.from_export(exported)
     model, objective, description = generator.model, generator.objective, exported.description
     export = run_dir / "checkpoints" / "step-0000020" / "export"
     ema = load_file(export / "ema.safetensors")
@@ -253,7 +253,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
                            "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]
     exported = read_export(run_dir / "checkpoints" / "step-0000005")
-    model, description = Generator.from_export(exported).model, exported.description
+    model, description = ImageGenerator.from_export(exported).model, exported.description
     assert description.train_step == 5
     assert all(torch.isfinite(value).all() for value in model.state_dict().values())
     assert [line["step"] for line in metrics(run_dir)] == [5]

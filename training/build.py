@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from dit_vca.models import DiT, MODEL_FAMILIES, build_model_from_config, model_family
 from generation.export import ExportDescription
-from generation.generator import Generator, pixel_decoder
+from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
 from training.config import Config
@@ -40,7 +40,7 @@ class TrainingParts:
     scheduler: LambdaLR
     batches: ShardedBatches
     encoder: Optional[AutoencoderKL]  # encodes images online (data.source=images); None otherwise
-    preview: Generator                # the EMA model, its objective and decoder: grids and FID
+    preview: ImageGenerator           # the EMA model, its objective and decoder: grids and FID
     export: ExportDescription         # written with every checkpoint
     fid_extractor: Any                # Inception features for FID monitoring, or None
 
@@ -131,6 +131,6 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
-    preview = Generator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
+    preview = ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
     return TrainingParts(model, ema, objective, optimizer, scheduler, batches,
                          vae if config.data.source == "images" else None, preview, export, fid_extractor)

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from generation.generator import Generator
+from generation.generator import ImageGenerator
 from generation.images import save_grid
 from generation.sample_plan import sample_seeds
 from training.config import LogConfig
@@ -37,7 +37,7 @@ def generation_options(log: LogConfig) -> dict:
     return dict(guidance=log.sample_guidance, sampler=log.sample_sampler, steps=log.sample_steps)
 
 
-def save_preview_grid(generator: Generator, log: LogConfig, path: Path) -> None:
+def save_preview_grid(generator: ImageGenerator, log: LogConfig, path: Path) -> None:
     """A grid of `log.sample_count` samples, labels cycling through the classes."""
     indices = np.arange(log.sample_count)
     images = generator.generate(indices % generator.num_classes, sample_seeds(PREVIEW_SEED, indices),
@@ -45,7 +45,7 @@ def save_preview_grid(generator: Generator, log: LogConfig, path: Path) -> None:
     save_grid(images, path)
 
 
-def preview_fid(generator: Generator, log: LogConfig, extractor, process_index: int, num_processes: int,
+def preview_fid(generator: ImageGenerator, log: LogConfig, extractor, process_index: int, num_processes: int,
                 batch_size: int) -> float:
     """FID of `log.fid_samples` class-balanced samples against `log.fid_reference`.
 
