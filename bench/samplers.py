@@ -45,17 +45,18 @@ RUNS = (
 SAMPLER_LABELS = {"ddpm": "DDPM", "ddim": "DDIM", "euler": "Euler", "heun": "Heun", "dopri5": "dopri5",
                   "sde-euler": "SDE-Euler"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+ATTENTIONS = ("vca", "mhsa")
 ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 FULL = {"batch": 32, "input_size": 32, "depth": None, "step_divisor": 1}  # 256 px images, 32x32x4 latents
 QUICK = {"batch": 4, "input_size": 16, "depth": 2, "step_divisor": 10}
 NUM_CLASSES = 1000
 
 
-def build(name: str, settings: dict, device: torch.device) -> tuple[nn.Module, object]:
-    """A randomly initialised VCA model and its objective (DiT: DDPM; SiT: linear-path velocity transport)."""
+def build(name: str, attention: str, settings: dict, device: torch.device) -> tuple[nn.Module, object]:
+    """A randomly initialised model and its objective (DiT: DDPM; SiT: linear-path velocity transport)."""
     family = dit_vca if name.startswith("DiT") else sit_vca
     depth = {} if settings["depth"] is None else {"depth": settings["depth"]}
-    model = family.create_model(name, attention="vca", input_size=settings["input_size"], num_classes=NUM_CLASSES,
+    model = family.create_model(name, attention=attention, input_size=settings["input_size"], num_classes=NUM_CLASSES,
                                 **depth)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -96,20 +97,22 @@ def run(args: argparse.Namespace) -> dict:
         notes.append(skip_bf16)
     rows, models = [], {}
     for name, sampler, steps in RUNS:
-        if name not in models:
-            models[name] = build(name, settings, device)
-        model, objective = models[name]
         steps = None if steps is None else max(2, steps // settings["step_divisor"])
         label = SAMPLER_LABELS[sampler] + ("" if steps is None else f"-{steps}")
-        for precision in precisions:
-            seconds, result = time_sampler(model, objective, sampler, steps, settings["batch"], precision, device)
-            if not torch.isfinite(result.samples).all():
-                raise RuntimeError(f"{name} {sampler} {precision}: non-finite samples")
-            rows.append({"model": f"{name}-VCA", "sampler": sampler, "label": label, "steps": steps,
-                         "precision": precision, "nfe": result.nfe, "seconds": seconds,
-                         "images_per_s": settings["batch"] / seconds, "ms_per_nfe": 1e3 * seconds / result.nfe})
-            print(f"{name} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
-                  f"{settings['batch'] / seconds:8.3f} images/s", flush=True)
+        for attention in ATTENTIONS:
+            if (name, attention) not in models:
+                models[name, attention] = build(name, attention, settings, device)
+            model, objective = models[name, attention]
+            for precision in precisions:
+                seconds, result = time_sampler(model, objective, sampler, steps, settings["batch"], precision, device)
+                if not torch.isfinite(result.samples).all():
+                    raise RuntimeError(f"{name} {attention} {sampler} {precision}: non-finite samples")
+                rows.append({"model": f"{name}-{attention.upper()}", "name": name, "attention": attention, "sampler": sampler,
+                             "label": label, "steps": steps, "precision": precision, "nfe": result.nfe,
+                             "seconds": seconds, "images_per_s": settings["batch"] / seconds,
+                             "ms_per_nfe": 1e3 * seconds / result.nfe})
+                print(f"{name} {attention} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
+                      f"{settings['batch'] / seconds:8.3f} images/s", flush=True)
     return {
         "device": describe_device(device),
         "device_type": device.type,
@@ -126,16 +129,20 @@ def markdown(results: dict) -> str:
     settings = results["settings"]
     depth = "full depth" if settings["depth"] is None else f"depth {settings['depth']}"
     lines = [
-        f"Sampler benchmark on {results['device']} (torch {results['torch']}; random-weight VCA models, {depth}, "
+        f"Sampler benchmark on {results['device']} (torch {results['torch']}; random-weight VCA and MHSA models, {depth}, "
         f"{settings['input_size']}x{settings['input_size']}x4 latents, batch {settings['batch']}, no guidance; "
         f"allocator env {results['allocator']}).",
         "",
-        "| model | sampler | precision | NFE | s / batch | images/s | ms / NFE |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| model | sampler | precision | NFE | s / batch | images/s | ms / NFE | VCA / MHSA time per NFE |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
+    mhsa = {(row["name"], row["label"], row["precision"]): row["ms_per_nfe"]
+            for row in results["rows"] if row["attention"] == "mhsa"}
     for row in results["rows"]:
+        baseline = mhsa.get((row["name"], row["label"], row["precision"]))
+        ratio = f"{row['ms_per_nfe'] / baseline:.2f}" if row["attention"] == "vca" and baseline else ""
         lines.append(f"| {row['model']} | {row['label']} | {row['precision']} | {row['nfe']} | {row['seconds']:.2f} "
-                     f"| {row['images_per_s']:.3f} | {row['ms_per_nfe']:.1f} |")
+                     f"| {row['images_per_s']:.3f} | {row['ms_per_nfe']:.1f} | {ratio} |")
     lines += ["", "dopri5's NFE is that of a random network's field; a trained model's differs.",
               *(f"{note}." for note in results["notes"])]
     return "\n".join(lines) + "\n"
@@ -143,13 +150,14 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict) -> Figure:
     labels = list(dict.fromkeys(row["label"] for row in results["rows"]))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    precisions = list(dict.fromkeys(row["precision"] for row in results["rows"]))
-    width = 0.8 / len(precisions)
-    for i, precision in enumerate(precisions):
-        rate = {row["label"]: row["images_per_s"] for row in results["rows"] if row["precision"] == precision}
-        ax.bar([j + i * width for j in range(len(labels))], [rate[label] for label in labels], width, label=precision)
-    ax.set_xticks([j + width * (len(precisions) - 1) / 2 for j in range(len(labels))], labels)
+    series = list(dict.fromkeys(f"{row['attention'].upper()} {row['precision']}" for row in results["rows"]))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        rate = {row["label"]: row["images_per_s"] for row in results["rows"]
+                if f"{row['attention'].upper()} {row['precision']}" == name}
+        ax.bar([j + i * width for j in range(len(labels))], [rate[label] for label in labels], width, label=name)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(labels))], labels)
     ax.set_ylabel("images / s")
     ax.set_title(f"Sampler throughput, {results['device']}, batch {results['settings']['batch']}")
     ax.legend()

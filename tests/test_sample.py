@@ -226,7 +226,7 @@ def test_output_layout(reference):
     assert Image.open(out.with_suffix(".png")).size == (3 * 66 + 2, 3 * 66 + 2)  # 3x3 tiles of 64 + padding
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["new_images"] == 16 and summary["images_per_process"] == [16]
-    assert summary["settings"]["guidance"] == 2.0
+    assert summary["settings"]["guidance"] == 2.0 and summary["precision"] == "fp32"  # the CPU default
 
 
 def test_samples_do_not_depend_on_the_batch_split(export):
