@@ -86,7 +86,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not math.isfinite(args.cfg_scale) or args.cfg_scale < 0:
         raise SystemExit(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
     if args.guidance_interval is not None and not args.guidance_interval[0] < args.guidance_interval[1]:
-        raise SystemExit(f"--guidance-interval {args.guidance_interval[0]} {args.guidance_interval[1]}: expected LO < HI")
+        low, high = args.guidance_interval
+        raise SystemExit(f"--guidance-interval {low} {high}: expected LO < HI")
     if args.out.suffix != ".npz":
         raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
     if not args.out.parent.is_dir():

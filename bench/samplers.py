@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> dict:
                 seconds, result = time_sampler(model, objective, sampler, steps, settings["batch"], precision, device)
                 if not torch.isfinite(result.samples).all():
                     raise RuntimeError(f"{name} {attention} {sampler} {precision}: non-finite samples")
-                rows.append({"model": f"{name}-{attention.upper()}", "name": name, "attention": attention, "sampler": sampler,
-                             "label": label, "steps": steps, "precision": precision, "nfe": result.nfe,
-                             "seconds": seconds, "images_per_s": settings["batch"] / seconds,
+                rows.append({"model": f"{name}-{attention.upper()}", "name": name, "attention": attention,
+                             "sampler": sampler, "label": label, "steps": steps, "precision": precision,
+                             "nfe": result.nfe, "seconds": seconds, "images_per_s": settings["batch"] / seconds,
                              "ms_per_nfe": 1e3 * seconds / result.nfe})
                 print(f"{name} {attention} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
                       f"{settings['batch'] / seconds:8.3f} images/s", flush=True)
@@ -129,7 +129,8 @@ def markdown(results: dict) -> str:
     settings = results["settings"]
     depth = "full depth" if settings["depth"] is None else f"depth {settings['depth']}"
     lines = [
-        f"Sampler benchmark on {results['device']} (torch {results['torch']}; random-weight VCA and MHSA models, {depth}, "
+        f"Sampler benchmark on {results['device']} (torch {results['torch']}; random-weight VCA and MHSA models, "
+        f"{depth}, "
         f"{settings['input_size']}x{settings['input_size']}x4 latents, batch {settings['batch']}, no guidance; "
         f"allocator env {results['allocator']}).",
         "",

@@ -39,6 +39,7 @@ def load_export(source: str | Path, model: Optional[str] = None, image_size: Opt
             return Export.from_pretrained(text)
         except (OSError, ValueError) as error:  # offline, unknown repository, or not an export
             raise ExportError(f"{text}: cannot fetch this Hugging Face Hub export ({type(error).__name__}: {error}); "
-                              f"offline, copy a folder written by Export.save_pretrained here and pass its path") from None
+                              f"offline, copy a folder written by Export.save_pretrained here and pass its "
+                              f"path") from None
     raise ExportError(f"{text}: no such file or folder (expected an export folder, a run directory, an official "
                       f".pt checkpoint or a Hugging Face Hub id owner/name)")

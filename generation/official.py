@@ -146,7 +146,8 @@ def official_description(model: str, image_size: int, state: dict[str, torch.Ten
 def check_fits(description: ExportDescription, state: dict[str, torch.Tensor], source: str) -> None:
     """Every key and shape of the model the description names, and nothing else, on the meta device."""
     with torch.device("meta"):
-        expected = {key: tuple(value.shape) for key, value in build_model_from_config(description.model).state_dict().items()}
+        model = build_model_from_config(description.model)
+    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     found = {key: tuple(value.shape) for key, value in state.items()}
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     wrong = sorted(key for key in expected.keys() & found.keys() if expected[key] != found[key])
@@ -182,7 +183,8 @@ def resolve_released(name: str) -> Path:
     except OSError as error:  # URLError, timeouts and refused connections are all OSErrors
         temporary.unlink(missing_ok=True)
         raise OfficialCheckpointError(
-            f"cannot download {name} ({error}); offline, fetch {release.url} elsewhere and put it at {target}") from None
+            f"cannot download {name} ({error}); offline, fetch {release.url} elsewhere and put it at "
+            f"{target}") from None
     try:
         state = load_state_dict(temporary)
         model, image_size = release.model, release.image_size

@@ -49,3 +49,22 @@ def test_report_lists_every_set_against_its_goal():
     assert "trained 3000 steps (final loss 0.0812" in markdown and "98.9 % on the 450 held out" in markdown
     assert "(899 vs. 898) are 3.21 apart" in markdown
     assert "`python -m fid SET.npz results/demo/real-digits.npz --weights bundled --metrics fid`" in markdown and "11.0 min in all (training 5.0" in markdown
+
+
+def test_committed_real_digit_features_match_a_fresh_computation():
+    # demo.REAL_FEATURES holds the Inception pool_3 features of the 1797 real digits (bundled weights), computed
+    # once; recompute every 9th digit (200 images) and compare.
+    from fid import extract_features, load_inception
+
+    images, _ = demo.real_digits()
+    with np.load(demo.REAL_FEATURES) as stored:
+        assert str(stored["weights"]) == demo.BUNDLED_WEIGHTS_KIND
+        committed = stored["pool"]
+    assert committed.shape == (1797, 2048) and committed.dtype == np.float32
+    extractor = load_inception("bundled", device="cpu")
+    fresh = extract_features([images[0::9]], extractor, keep_pool=True).pool.numpy()
+    # float32 convolutions round differently with the batch size and the CPU's vector width (~1e-6 relative);
+    # features are post-ReLU averages of order 0.1-1, stored in float32.
+    np.testing.assert_allclose(committed[0::9], fresh, rtol=1e-4, atol=1e-5)
+    # the demo reads the committed features (not a recomputation) when they fit
+    np.testing.assert_array_equal(demo.real_digit_features(images, extractor=None), committed.astype(np.float64))
