@@ -25,7 +25,7 @@ from training.run import RunDirectory, create_accelerator
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="experiment YAML under configs/")
+    parser.add_argument("--config", required=True, help="experiment YAML: a path, or a shipped name like dit-s2-vca")
     parser.add_argument("--resume", metavar="latest|PATH",
                         help="continue from the newest checkpoint of the run (fresh start if none) or from PATH")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCAOptions
 
 BASE_KEY = "base"
@@ -167,8 +168,12 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read `path` with its `base:` chain, apply `key=value` overrides and validate the result."""
-    path = Path(path)
+    """Read `path` (a file, or the bare name of a shipped config such as "dit-s2-vca") with its `base:` chain,
+    apply `key=value` overrides and validate the result."""
+    try:
+        path = find_config(path)
+    except UnknownConfigError as error:
+        raise ConfigError(str(error)) from None
     merged = OmegaConf.structured(Config)
     for source, values in [*_read_chain(path, ()), ("the command line", _parse_overrides(overrides))]:
         _check_keys(values, Config, source, prefix="")
