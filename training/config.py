@@ -136,7 +136,9 @@ class LogConfig:
     sample_sampler: Optional[str] = None         # None: the objective's default sampler
     sample_steps: Optional[int] = None
     sample_guidance: float = 1.0
-    tensorboard: bool = True
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's: tensorboard, wandb, ...
+    project: str = "vca-diffusion"               # the trackers' project (wandb, comet_ml, mlflow, ...)
+    run_name: Optional[str] = None               # wandb's run name; None: the run directory's name
     fid_every: int = 0                           # FID of EMA samples against fid_reference; 0 disables
     fid_samples: int = 5000
     fid_reference: Optional[str] = None          # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
