@@ -83,6 +83,8 @@ def test_unknown_or_missing_trackers_are_named(monkeypatch):
     if importlib.util.find_spec("wandb") is None:  # the optional extra is not part of the test environment
         with pytest.raises(ConfigError, match=r"the wandb package is not installed .*vca-diffusion\[wandb\]"):
             check_trackers(LogConfig(trackers=["wandb"]))
+    with pytest.raises(ConfigError, match="names a tracker twice"):
+        check_trackers(LogConfig(trackers=["tensorboard", "tensorboard"]))
     check_trackers(LogConfig(trackers=[]))
     check_trackers(LogConfig(trackers=["tensorboard"]))
 

@@ -36,6 +36,8 @@ IMAGE_OPTIONS = {"tensorboard": {"dataformats": "NHWC"}}  # the grid is (1, H, W
 def check_trackers(log: LogConfig) -> None:
     """Every name in `log.trackers` is a tracker Accelerate knows and its package is installed (Accelerate itself
     would drop a missing one silently)."""
+    if len(set(log.trackers)) < len(log.trackers):
+        raise ConfigError(f"'log.trackers' names a tracker twice: {log.trackers}")
     for name in log.trackers:
         if name not in TRACKER_NAMES:
             raise ConfigError(f"'log.trackers' has {name!r}; valid choices: {', '.join(TRACKER_NAMES)}")
