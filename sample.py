@@ -3,11 +3,14 @@
     accelerate launch sample.py --ckpt results/<run>/checkpoints/step-0400000/export \\
         --num-samples 50000 --out samples/run-400k-cfg1.5.npz --cfg-scale 1.5
     python sample.py --ckpt DiT-XL-2-256x256.pt --num-samples 64 --out xl.npz     # downloaded once, converted
+    python sample.py --ckpt DiT-XL-2-256x256.pt --protocol dit --num-samples 50000 --out dit.npz  # FID 2.27
 
 `--ckpt` is an export folder, a checkpoint or run folder, an official DiT/SiT `.pt` (a path, or the bare name of a
 released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0` uint8 (N, H, W, 3), `arr_1`
 int64 labels), a preview grid `<out>.png` and `<out>.json` (settings and speed), never replacing files that an
-earlier sample.py run with other settings, or anything else, wrote.
+earlier sample.py run with other settings, or anything else, wrote. `--protocol dit|sit|sit-ode` sets what the
+official evaluations used (generation/protocols.py); flags given explicitly win, and `<out>.json` records the
+protocol with the resolved settings.
 
 Sample i gets label i % num_classes ("balanced") or a seeded draw ("uniform") and draws all its noise from its
 own stream seeded by (--seed, i), so the file depends neither on the number of processes nor (up to float
@@ -33,10 +36,13 @@ from atomic_files import remove_stale_temporaries, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from generation.sample_file import (DamagedShardError, Shard, leading_images, merge_shards, plan_shards,
                                     save_shard, shard_reader)
+from generation.protocols import FAMILY_OF_OBJECTIVE, PROTOCOLS
 from generation.sample_plan import LABEL_MODES, assign_labels, sample_seeds
 
 SAMPLER_OPTIONS = ("eta", "clip_denoised", "atol", "rtol", "diffusion_form", "diffusion_norm", "last_step",
                    "last_step_size")  # options passed on to the objective's sampler when set
+PLAIN_DEFAULTS = {"labels": "balanced", "cfg_scale": 1.0}  # without a protocol; None in the parser, so that a
+# protocol can tell a value the user gave from a default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vae", help="VAE hub id or local folder; overrides the checkpoint's")
     add("--num-samples", type=int, required=True)
     add("--out", type=Path, required=True, help="output .npz file")
-    add("--labels", choices=LABEL_MODES, default="balanced")
+    add("--protocol", choices=tuple(PROTOCOLS), help="preset of an official evaluation: "
+        + "; ".join(f"{name}: {protocol.published}" for name, protocol in PROTOCOLS.items())
+        + " (explicit flags win)")
+    add("--labels", choices=LABEL_MODES, help="default: balanced")
     add("--seed", type=int, default=0)
     add("--per-proc-batch-size", type=int, default=32)
     add("--shard-size", type=int, default=256, help="samples per resumable shard file")
@@ -63,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--diffusion-norm", type=float, help="SDE diffusion scale")
     add("--last-step", help="SDE last step type")
     add("--last-step-size", type=float, help="SDE last step size")
-    add("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
+    add("--cfg-scale", type=float, help="classifier-free guidance scale (default 1: none)")
     add("--guidance-channels", type=int, help="guide only the first k channels (3 reproduces DiT/SiT)")
     add("--guidance-interval", type=float, nargs=2, metavar=("LO", "HI"),
         help="guide only for times in [LO, HI] (DDPM: timestep 0..999; SiT: 0 = noise .. 1 = data)")
@@ -73,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cpu", action="store_true", help="CPU processes (needed for torchrun on a machine without GPUs)")
     add("--progress", action="store_true", help="also show a progress bar over the sampler's steps")
     return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The arguments with the protocol's settings filled in where the command line gave none, then the plain
+    defaults."""
+    args = build_parser().parse_args(argv)
+    preset = PROTOCOLS[args.protocol].settings if args.protocol else {}
+    for name, value in {**PLAIN_DEFAULTS, **preset}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -98,6 +118,11 @@ def check_against(description, args: argparse.Namespace) -> None:
     """Reject sampler and guidance settings that the checkpoint cannot serve (before any file is written)."""
     from generation.objective import create_objective
 
+    kind = description.objective["kind"]
+    if args.protocol and (made_for := PROTOCOLS[args.protocol].objective) != kind:
+        suited = [name for name, protocol in PROTOCOLS.items() if protocol.objective == kind]
+        raise SystemExit(f"--protocol {args.protocol}: made for {FAMILY_OF_OBJECTIVE[made_for]} models, but "
+                         f"{args.ckpt} is a {FAMILY_OF_OBJECTIVE[kind]} model; use {' or '.join(suited)}")
     names = create_objective(description.objective).sampler_names
     if args.sampler is not None and args.sampler not in names:
         raise SystemExit(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")
@@ -122,7 +147,8 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting that changes the output: shards and files of one run are never mixed with another's."""
     ckpt = Path(args.ckpt)
-    return {"ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt, "model": args.model,
+    protocol = {"protocol": args.protocol} if args.protocol else {}  # runs from before protocols keep matching
+    return {**protocol, "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt, "model": args.model,
             "image_size": args.image_size, "vae": args.vae, "num_samples": args.num_samples, "labels": args.labels,
             "seed": args.seed, "per_proc_batch_size": args.per_proc_batch_size, "shard_size": args.shard_size,
             **{key: value for key, value in generation_options(args).items() if key != "guidance_interval"},
@@ -164,7 +190,7 @@ def claim_outputs(out: Path, settings: dict[str, Any]) -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, load, sample the unfinished shards, and (main process) merge."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     check_args(args)
     settings = run_settings(args)
     if claim_outputs(args.out, settings):

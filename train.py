@@ -5,7 +5,7 @@
     accelerate launch train.py --config configs/dit-s2-vca.yaml train.lr=2e-4 --resume latest
 
 Overrides are `section.key=value` (see training/config.py for every key). The run lives in run.dir
-(default results/<config name>): resolved config, metrics.jsonl, TensorBoard logs, sample grids and
+(default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids and
 checkpoints with an export that `sample.py` loads.
 """
 
@@ -18,14 +18,15 @@ from typing import Optional, Sequence
 from atomic_files import write_text_atomic
 from training.build import build_training
 from training.checkpoint import load_checkpoint, resolve_resume
-from training.config import config_to_dict, config_to_yaml, load_config
+from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
 from training.run import RunDirectory, create_accelerator
+from training.trackers import start_trackers
 
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="experiment YAML under configs/")
+    parser.add_argument("--config", required=True, help="experiment YAML: a path, or a shipped name like dit-s2-vca")
     parser.add_argument("--resume", metavar="latest|PATH",
                         help="continue from the newest checkpoint of the run (fresh start if none) or from PATH")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
@@ -42,6 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     state = TrainerState(num_processes=accelerator.num_processes, micro_batch_size=parts.batches.loader.batch_size,
                          grad_accum_steps=config.train.grad_accum_steps)
+    saved = {}
     if resume_from is not None:
         saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
         if not state.same_geometry(saved):
@@ -53,21 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process:
         run.root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run.config, config_to_yaml(config))
-    accelerator.init_trackers("tensorboard", config=_scalars(config_to_dict(config)),
-                              init_kwargs={"tensorboard": {"purge_step": state.step + 1}})
+    start_trackers(accelerator, config, run, state.step, saved)  # a resumed run continues its tracker runs
     Trainer(accelerator, config, run, parts, state,
             last_checkpoint=None if resume_from is None else str(resume_from)).fit()
-
-
-def _scalars(tree: dict, prefix: str = "") -> dict:
-    """Flatten the config into the scalar hyper-parameters TensorBoard accepts."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_scalars(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat
 
 
 if __name__ == "__main__":

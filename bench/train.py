@@ -107,7 +107,7 @@ class RandomExamples(Dataset):
 def case_config(case: Case, batch_size: int, run_dir: Path, extra: list[str]) -> Config:
     family = case.model.split("-")[0].lower()
     overrides = [*extra, f"train.global_batch_size={batch_size}", f"train.mixed_precision={case.precision}",
-                 f"data.image_size={case.image_size}", "log.tensorboard=false", f"run.dir={run_dir}",
+                 f"data.image_size={case.image_size}", "log.trackers=[]", f"run.dir={run_dir}",
                  f"train.cpu={not torch.cuda.is_available()}"]
     if case.contrast_grid:
         overrides.append(f"model.contrast_grid={case.contrast_grid}")

@@ -85,5 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def command() -> None:
+    """The installed command's entry point: runs `main` and drops its return value (the report), which a
+    console script would otherwise hand to sys.exit as an error message."""
+    main()
+
+
 if __name__ == "__main__":
     main()

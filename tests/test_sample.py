@@ -310,6 +310,8 @@ def written(out: Path) -> list[Path]:
     ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
     ({"--vae": "stabilityai/sd-vae-ft-ema"}, "--vae .* pixel space"),
     ({"--model": "DiT-S/2"}, "--model and --image-size are only for official .pt checkpoints"),
+    ({"--protocol": "sit"}, r"--protocol sit: made for SiT \(flow\) models, but .* is a DiT \(DDPM\) model; use dit"),
+    ({"--protocol": "dit"}, "--guidance-channels 3: the model predicts only 1 channels"),  # the preset is checked
 ])
 def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypatch, change, message):
     monkeypatch.chdir(tmp_path)
@@ -409,3 +411,56 @@ def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
 
     with pytest.raises(ValueError, match="does not fit --model DiT-S/4"):
         official_export(tmp_path / "DiT-S-8-256x256.pt", model="DiT-S/4")  # other patch size
+
+
+# ----------------------------------------------------------------------------------------------
+# --protocol: the settings of the official evaluations, explicit flags winning
+# ----------------------------------------------------------------------------------------------
+
+MINIMAL = ["--ckpt", "export", "--out", "samples.npz", "--num-samples", "50000"]
+# Written from the official evaluation scripts (DiT and SiT sample_ddp.py with the settings of their FID tables),
+# not from generation/protocols.py: uniform labels, guidance on 3 channels at scale 1.5, and the sampler.
+OFFICIAL = {
+    "dit": {"labels": "uniform", "guidance": 1.5, "guidance_channels": 3, "sampler": "ddpm", "steps": 250},
+    "sit": {"labels": "uniform", "guidance": 1.5, "guidance_channels": 3, "sampler": "sde-euler", "steps": 250,
+            "diffusion_form": "sigma", "diffusion_norm": 1.0, "last_step": "Mean", "last_step_size": 0.04},
+    "sit-ode": {"labels": "uniform", "guidance": 1.5, "guidance_channels": 3, "sampler": "dopri5", "steps": None,
+                "atol": 1e-6, "rtol": 1e-3},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_protocol_sets_the_official_settings(name):
+    settings = sample.run_settings(sample.parse_args([*MINIMAL, "--protocol", name]))
+    assert settings["protocol"] == name
+    assert {key: settings.get(key) for key in OFFICIAL[name]} == OFFICIAL[name]
+    unset = set(sample.SAMPLER_OPTIONS) - set(OFFICIAL[name])
+    assert all(key not in settings for key in unset)  # nothing else is passed on to the sampler
+
+
+def test_explicit_flags_win_over_the_protocol():
+    args = sample.parse_args([*MINIMAL, "--protocol", "sit", "--cfg-scale", "1", "--labels", "balanced",
+                              "--steps", "100", "--last-step", "Euler"])
+    settings = sample.run_settings(args)
+    assert (settings["guidance"], settings["labels"], settings["steps"], settings["last_step"]) == \
+        (1.0, "balanced", 100, "Euler")
+    assert (settings["sampler"], settings["guidance_channels"], settings["last_step_size"]) == ("sde-euler", 3, 0.04)
+
+
+def test_without_a_protocol_the_plain_defaults_apply():
+    settings = sample.run_settings(sample.parse_args(MINIMAL))
+    assert "protocol" not in settings  # the settings of runs from before protocols existed still match
+    assert (settings["labels"], settings["guidance"], settings["guidance_channels"], settings["sampler"]) == \
+        ("balanced", 1.0, None, None)
+
+
+def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_path):
+    out = tmp_path / "samples.npz"
+    sample.main(["--ckpt", str(export), "--out", str(out), "--num-samples", "4", "--grid-size", "0",
+                 "--protocol", "dit", "--guidance-channels", "1", "--steps", "3"])
+    settings = json.loads(out.with_suffix(".json").read_text())["settings"]
+    assert (settings["protocol"], settings["labels"], settings["guidance"], settings["sampler"]) == \
+        ("dit", "uniform", 1.5, "ddpm")
+    assert (settings["steps"], settings["guidance_channels"]) == (3, 1)  # given on the command line
+    with np.load(out) as data:
+        np.testing.assert_array_equal(data["arr_1"], assign_labels(4, NUM_CLASSES, "uniform", seed=0))

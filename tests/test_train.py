@@ -219,7 +219,7 @@ def test_digits_loss_falls_below_the_measured_level(train_script, tmp_path):
     run_dir = tmp_path / "run"
     train_script.main(["--config", str(DIGITS), *TINY, "model.hidden_size=64", "model.depth=2",
                        "model.num_heads=4", "train.warmup_steps=50", "train.max_steps=150", "log.every=25",
-                       "log.checkpoint_every=1000", "log.sample_every=0", "log.tensorboard=false",
+                       "log.checkpoint_every=1000", "log.sample_every=0", "log.trackers=[]",
                        f"run.dir={run_dir}"])
     lines = metrics(run_dir)
     assert lines[0]["loss"] > 0.6

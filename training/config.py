@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCAOptions
 
 BASE_KEY = "base"
@@ -135,7 +136,9 @@ class LogConfig:
     sample_sampler: Optional[str] = None         # None: the objective's default sampler
     sample_steps: Optional[int] = None
     sample_guidance: float = 1.0
-    tensorboard: bool = True
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's: tensorboard, wandb, ...
+    project: str = "vca-diffusion"               # the trackers' project (wandb, comet_ml, mlflow, ...)
+    run_name: Optional[str] = None               # wandb's run name; None: the run directory's name
     fid_every: int = 0                           # FID of EMA samples against fid_reference; 0 disables
     fid_samples: int = 5000
     fid_reference: Optional[str] = None          # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
@@ -167,8 +170,12 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read `path` with its `base:` chain, apply `key=value` overrides and validate the result."""
-    path = Path(path)
+    """Read `path` (a file, or the bare name of a shipped config such as "dit-s2-vca") with its `base:` chain,
+    apply `key=value` overrides and validate the result."""
+    try:
+        path = find_config(path)
+    except UnknownConfigError as error:
+        raise ConfigError(str(error)) from None
     merged = OmegaConf.structured(Config)
     for source, values in [*_read_chain(path, ()), ("the command line", _parse_overrides(overrides))]:
         _check_keys(values, Config, source, prefix="")

@@ -23,6 +23,7 @@ from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
+from training.trackers import log_grid, tracker_state
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -142,7 +143,8 @@ class Trainer:
                                      f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=no)")
 
     def save_checkpoint(self) -> None:
-        path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, asdict(self.state),
+        trainer_state = {**asdict(self.state), **tracker_state(self.accelerator)}  # tracker run ids for resume
+        path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, trainer_state,
                                self.parts.export, config_to_yaml(self.config), self.config.log.keep_checkpoints)
         self.last_checkpoint = str(path)
         self.accelerator.print(f"saved checkpoint {path}")
@@ -150,9 +152,10 @@ class Trainer:
     def save_grid(self) -> None:
         if self.accelerator.is_main_process:
             self.run.samples.mkdir(parents=True, exist_ok=True)
+            grid = self.run.samples / f"{checkpoint_name(self.state.step)}.png"
             with self.accelerator.autocast():
-                save_preview_grid(self.parts.preview, self.config.log,
-                                  self.run.samples / f"{checkpoint_name(self.state.step)}.png")
+                save_preview_grid(self.parts.preview, self.config.log, grid)
+            log_grid(self.accelerator, grid, self.state.step)
         self.accelerator.wait_for_everyone()
 
     def measure_fid(self) -> None:

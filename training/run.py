@@ -5,7 +5,7 @@
         metrics.jsonl        one JSON line per logging step (main process only)
         fid.jsonl            FID of EMA samples, when log.fid_every > 0
         samples/step-XXXXXXX.png   EMA sample grids
-        tensorboard/         Accelerate's TensorBoard tracker
+        tensorboard/         TensorBoard events (log.trackers; wandb/ too for wandb, see training.trackers)
         checkpoints/step-XXXXXXX/  see training.checkpoint
 """
 
@@ -20,8 +20,7 @@ from accelerate.utils import ProjectConfiguration
 
 from training.checkpoint import keep_plain_model_keys
 from training.config import Config
-
-TRACKER_PROJECT = "tensorboard"
+from training.trackers import check_trackers
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,14 @@ class RunDirectory:
 
 def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
     """An Accelerator for `config`: mixed precision as configured (None: as `accelerate launch` says),
-    accumulation over `grad_accum_steps` micro-batches, TensorBoard under the run directory."""
+    accumulation over `grad_accum_steps` micro-batches; trackers are checked here and started by
+    training.trackers.start_trackers once the resume step is known."""
     train = config.train
+    check_trackers(config.log)
     accelerator = Accelerator(
         mixed_precision="no" if train.mixed_precision == "fp32" else train.mixed_precision,
         gradient_accumulation_steps=train.grad_accum_steps,
         cpu=train.cpu,
-        log_with="tensorboard" if config.log.tensorboard else None,
         project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.root)),
         step_scheduler_with_optimizer=False,  # the schedule counts optimiser steps, whatever the process count
     )

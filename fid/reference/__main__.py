@@ -34,5 +34,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     return paths
 
 
+def command() -> None:
+    """The installed command's entry point: runs `main` and drops its return value (the paths), which a
+    console script would otherwise hand to sys.exit as an error message."""
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,113 @@
+"""Installed commands: the `[project.scripts]` entry points and the configs shipped inside the package.
+
+The wheel is built from a copy of the files that pyproject.toml names (offline: `pip wheel --no-build-isolation`
+uses the venv's setuptools), installed into a temporary folder with pip, and used from a folder outside the
+source tree, so that what is checked is what an installed user gets.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from configs import CONFIG_DIR, config_names, find_config
+from training.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SCRIPTS = PYPROJECT["project"]["scripts"]
+
+
+def test_a_bare_name_resolves_to_the_shipped_config():
+    assert find_config("dit-s2-vca") == CONFIG_DIR / "dit-s2-vca.yaml"
+    assert find_config("dit-s2-vca.yaml") == CONFIG_DIR / "dit-s2-vca.yaml"
+    config = load_config("sit-b2-mhsa")
+    assert (config.model.name, config.model.attention, config.train.lr) == ("SiT-B/2", "mhsa", 1e-4)  # base chain
+    assert config.run.dir == str(Path("results") / "sit-b2-mhsa")
+
+
+def test_a_path_still_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "digits.yaml").write_text((CONFIG_DIR / "digits.yaml").read_text().replace("max_steps: 2000",
+                                                                                           "max_steps: 7"))
+    assert load_config("digits.yaml").train.max_steps == 7          # the file in the working folder
+    assert load_config("digits").train.max_steps == 2000            # no such file: the shipped config
+    with pytest.raises(ConfigError, match=r"sub/digits\.yaml does not exist"):
+        load_config("sub/digits.yaml")                              # a path is never looked up among the shipped
+
+
+def test_an_unknown_name_lists_the_shipped_configs_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        load_config("dit-s3-vca")
+    message = str(error.value)
+    assert "\n" not in message and "'dit-s3-vca'" in message
+    assert message.endswith(", ".join(config_names()))
+    assert "dit-s2-vca" in config_names() and "imagenet256" in config_names()
+
+
+def test_every_command_names_a_callable():
+    assert set(SCRIPTS) == {"vca-train", "vca-sample", "vca-fid", "vca-fid-reference", "vca-latents", "vca-convert"}
+    import importlib
+
+    for name, target in SCRIPTS.items():
+        module, _, attribute = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), name
+
+
+def _package_files(destination: Path) -> None:
+    """Copy what the build needs (the files pyproject.toml names) to `destination`."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    for name in ("pyproject.toml", "README.md", *(module + ".py" for module in setuptools["py-modules"])):
+        shutil.copy2(REPO / name, destination / name)
+    for package in setuptools["packages"]:
+        if "." not in package:
+            shutil.copytree(REPO / package, destination / package, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_commands_and_configs(tmp_path):
+    source, wheels, target, elsewhere = (tmp_path / name for name in ("source", "wheels", "target", "elsewhere"))
+    for folder in (source, elsewhere):
+        folder.mkdir()
+    _package_files(source)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
+    subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels)],
+                   check=True, timeout=300)
+    (wheel,) = wheels.glob("*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+
+    # The installed packages come first on the path; the working folder holds no source.
+    env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    probe = """
+import importlib.metadata, json, sys
+from training.config import load_config
+(dist,) = importlib.metadata.distributions(name="vca-diffusion", path=[sys.argv[1]])
+commands = {}
+for entry in dist.entry_points.select(group="console_scripts"):
+    function = entry.load()
+    commands[entry.name] = [callable(function), sys.modules[function.__module__].__file__]
+config = load_config("dit-s2-vca")
+print(json.dumps({"commands": commands, "model": config.model.name, "vae": config.vae.name,
+                  "shipped": [str(p) for p in dist.files if p.parts[0] == "configs" and p.suffix == ".yaml"],
+                  "config_file": sys.modules["configs"].__file__}))
+"""
+    result = subprocess.run([sys.executable, "-c", probe, str(target)], cwd=elsewhere, env=env, check=True,
+                            capture_output=True, text=True, timeout=300)
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["commands"].keys() == SCRIPTS.keys()
+    for name, (is_callable, file) in seen["commands"].items():
+        assert is_callable and Path(file).is_relative_to(target), (name, file)
+    assert Path(seen["config_file"]).is_relative_to(target)
+    assert (seen["model"], seen["vae"]) == ("DiT-S/2", "stabilityai/sd-vae-ft-ema")  # imagenet256.yaml came along
+    assert sorted(Path(p).stem for p in seen["shipped"]) == config_names()
+
+    # The generated console script runs (pip writes it with this interpreter in its first line).
+    help_text = subprocess.run([str(target / "bin" / "vca-sample"), "--help"], cwd=elsewhere, env=env, check=True,
+                               capture_output=True, text=True, timeout=300).stdout
+    assert "--num-samples" in help_text

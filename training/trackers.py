@@ -1,0 +1,110 @@
+"""Experiment trackers of a training run (`log.trackers`), through Accelerate's tracker classes.
+
+TensorBoard writes to <run>/tensorboard/; a resumed run purges the events that a killed run wrote after the
+checkpoint's step. The other trackers (wandb, comet_ml, mlflow, ...) get `log.project`; wandb also gets
+`log.run_name` (default: the run directory's name), files under the run directory, and a run id chosen here.
+That id is stored in every checkpoint's trainer_state.json (under "trackers") and handed back on resume with
+resume="allow", so a resumed training run continues the same wandb run instead of starting a new one.
+Sample grids go to every tracker that takes images.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from accelerate import Accelerator
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
+from accelerate.utils import LoggerType
+
+from training.config import Config, ConfigError, LogConfig, config_to_dict
+
+if TYPE_CHECKING:  # training.run checks the trackers with this module
+    from training.run import RunDirectory
+
+TRACKER_NAMES = tuple(kind.value for kind in LoggerType if kind is not LoggerType.ALL)  # each also its module name
+TENSORBOARD_FOLDER = "tensorboard"
+STATE_KEY = "trackers"                          # trainer_state.json: {"trackers": {"wandb": "<run id>"}}
+RESUMABLE = ("wandb",)                          # trackers whose run continues on resume (by the id above)
+GRID_KEY = "samples/ema"
+IMAGE_OPTIONS = {"tensorboard": {"dataformats": "NHWC"}}  # the grid is (1, H, W, 3) uint8
+
+
+def check_trackers(log: LogConfig) -> None:
+    """Every name in `log.trackers` is a tracker Accelerate knows and its package is installed (Accelerate itself
+    would drop a missing one silently)."""
+    if len(set(log.trackers)) < len(log.trackers):
+        raise ConfigError(f"'log.trackers' names a tracker twice: {log.trackers}")
+    for name in log.trackers:
+        if name not in TRACKER_NAMES:
+            raise ConfigError(f"'log.trackers' has {name!r}; valid choices: {', '.join(TRACKER_NAMES)}")
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"'log.trackers' has {name!r}, but the {name} package is not installed "
+                              f"(pip install {name}; for wandb also: pip install 'vca-diffusion[wandb]')")
+
+
+def run_name(log: LogConfig, run: RunDirectory) -> str:
+    return log.run_name or run.root.name
+
+
+def create_trackers(log: LogConfig, run: RunDirectory, start_step: int,
+                    resumed: dict[str, str]) -> list[GeneralTracker]:
+    """Tracker objects for `log.trackers` (nothing starts until Accelerator.init_trackers); `resumed` maps a
+    tracker name to the run id a checkpoint stored."""
+    trackers = []
+    for name in log.trackers:
+        tracker_class = LOGGER_TYPE_TO_CLASS[name]
+        if name == "tensorboard":
+            trackers.append(tracker_class(TENSORBOARD_FOLDER, run.root, purge_step=start_step + 1))
+        elif name == "wandb":
+            trackers.append(tracker_class(log.project, name=run_name(log, run), id=resumed.get(name) or new_run_id(),
+                                          resume="allow", dir=str(run.root)))
+        elif tracker_class.requires_logging_directory:
+            trackers.append(tracker_class(log.project, run.root))
+        else:
+            trackers.append(tracker_class(log.project))
+    return trackers
+
+
+def new_run_id() -> str:
+    """A fresh id for a hosted tracker's run: 8 lowercase hex digits, like wandb's own."""
+    return uuid.uuid4().hex[:8]
+
+
+def start_trackers(accelerator: Accelerator, config: Config, run: RunDirectory, start_step: int,
+                   saved_state: dict[str, Any]) -> None:
+    """Start the trackers of `config` (main process), continuing the tracker runs that `saved_state` (the
+    resumed checkpoint's trainer state; {} for a fresh run) names, and record the config as hyper-parameters."""
+    accelerator.log_with = create_trackers(config.log, run, start_step, saved_state.get(STATE_KEY, {}))
+    accelerator.init_trackers(config.log.project, config=hyperparameters(config_to_dict(config)))
+
+
+def tracker_state(accelerator: Accelerator) -> dict[str, Any]:
+    """What a checkpoint stores so that a resumed run continues the same tracker runs ({} when none can)."""
+    runs = {tracker.name: tracker.init_kwargs["id"] for tracker in accelerator.trackers if tracker.name in RESUMABLE}
+    return {STATE_KEY: runs} if runs else {}
+
+
+def log_grid(accelerator: Accelerator, path: Path, step: int) -> None:
+    """Send the sample grid saved at `path` to every tracker that takes images (call on the main process)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        grid = np.asarray(image.convert("RGB"))[None]  # (1, H, W, 3) uint8
+    for tracker in accelerator.trackers:
+        if hasattr(tracker, "log_images"):  # GeneralTracker has none; TensorBoard, wandb, aim, ... do
+            tracker.log_images({GRID_KEY: grid}, step=step, **IMAGE_OPTIONS.get(tracker.name, {}))
+
+
+def hyperparameters(tree: dict, prefix: str = "") -> dict:
+    """Flatten the config into the scalar hyper-parameters every tracker accepts ("train.lr": 1e-4, ...)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(hyperparameters(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
