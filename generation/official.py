@@ -104,9 +104,9 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise OfficialCheckpointError(f"{path}: no such file") from None
     except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0]
+        refused = [line.strip() for line in str(error).splitlines() if "Unsupported global" in line]
         raise OfficialCheckpointError(f"{path} is not a plain state dict (read with weights_only=True, which "
-                                      f"refuses to run code): {first_line}") from None
+                                      f"refuses to run code){': ' + refused[0] if refused else ''}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
         raise OfficialCheckpointError(f"{path} cannot be read ({type(error).__name__}: "
                                       f"{str(error).splitlines()[0] if str(error) else 'truncated'}); "

@@ -13,7 +13,7 @@ from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from diffusers.models.embeddings import get_timestep_embedding
 
 from dit_vca import create_diffusion, create_model
-from dit_vca.diffusers_interop import (ConversionError, dit_scheduler, from_diffusers, main, to_diffusers,
+from generation.diffusers_interop import (ConversionError, dit_scheduler, from_diffusers, main, to_diffusers,
                                        use_dit_timestep_frequencies)
 from dit_vca.models import timestep_embedding
 from sit_vca import create_model as create_sit_model
@@ -164,18 +164,17 @@ def test_untied_embedders_cannot_go_back():
 # ----------------------------------------------------------------------------------------------------------------
 
 def write_tiny_export(folder: Path, attention: str = "mhsa") -> torch.nn.Module:
-    from training.checkpoint import write_export
+    from generation import ExportDescription, write_export
 
     model = tiny_dit(attention=attention)
-    write_export(folder, model.state_dict(), {
-        "model": model.config, "objective": {"kind": "diffusion", "learn_sigma": True},
-        "data": {"kind": "latents", "image_size": 64, "channels": 4, "num_classes": NUM_CLASSES,
-                 "latent_scale": 0.18215, "vae": "stabilityai/sd-vae-ft-ema"}})
+    write_export(folder, model.state_dict(), ExportDescription(
+        model=model.config, objective={"kind": "diffusion", "learn_sigma": True}, space="latents", image_size=64,
+        num_classes=NUM_CLASSES, latent_scale=0.18215, vae="stabilityai/sd-vae-ft-ema"))
     return model
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dit_vca.diffusers_interop", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "generation.diffusers_interop", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
 
@@ -221,24 +220,25 @@ def test_command_with_a_local_vae_writes_a_pipeline(tmp_path):
 def test_command_reads_an_official_state_dict_with_weights_only(tmp_path, capsys):
     model = tiny_dit()
     torch.save(model.state_dict(), tmp_path / "official.pt")
-    args = [str(tmp_path / "official.pt"), str(tmp_path / "out"), "--model", "DiT-S/2", "--image-size", "64",
-            "--num-classes", str(NUM_CLASSES)]
+    args = [str(tmp_path / "official.pt"), str(tmp_path / "out"), "--model", "DiT-S/2", "--image-size", "64"]
     # The official DiT-S/2 is 12 blocks of width 384: the 2-block toy does not fit it, and the command says so.
-    assert "does not fit --model DiT-S/2 at --image-size 64" in in_process(capsys, *args)
+    assert "does not fit --model DiT-S/2" in in_process(capsys, *args)
     torch.save({"model": model.state_dict(), "code": print}, tmp_path / "official.pt")  # pickles a function
-    assert "not a plain state dict (read with weights_only=True)" in in_process(capsys, *args)
+    assert "not a plain state dict (read with weights_only=True" in in_process(capsys, *args)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case, message", [("vca", "only the MHSA baseline"), ("missing", "no such export folder"),
-                                           ("pt-without-model", "needs --model"), ("bad-vae", "--vae")])
+@pytest.mark.parametrize("case, message", [("vca", "only the MHSA baseline"), ("missing", "no such file or folder"),
+                                           ("pt-without-model", "name its architecture with --model"),
+                                           ("bad-vae", "--vae")])
 def test_command_user_errors(tmp_path, capsys, case, message):
-    extra = []
+    extra, source = [], tmp_path / "src"
     if case in ("vca", "bad-vae"):
-        write_tiny_export(tmp_path / "src", attention="vca" if case == "vca" else "mhsa")
+        write_tiny_export(source, attention="vca" if case == "vca" else "mhsa")
     elif case == "pt-without-model":
-        torch.save(tiny_dit().state_dict(), tmp_path / "src")
+        source = tmp_path / "src.pt"  # a name that does not say the architecture
+        torch.save(tiny_dit().state_dict(), source)
     if case == "bad-vae":
         extra = ["--vae", str(tmp_path / "no-vae-here")]
-    assert message in in_process(capsys, str(tmp_path / "src"), str(tmp_path / "out"), *extra)
+    assert message in in_process(capsys, str(source), str(tmp_path / "out"), *extra)
     assert not (tmp_path / "out").exists()

@@ -17,9 +17,10 @@ channels are epsilon and the rest the variance interpolation v, which `DiTPipeli
 VCA models cannot be converted: diffusers' DiT block has only multi-head self-attention. `DiTPipeline` hard-codes
 1000 as the null class of classifier-free guidance, so guided sampling in diffusers needs a 1000-class model.
 
-Command: python -m dit_vca.diffusers_interop SOURCE OUT_DIR [--vae VAE] [--model DiT-XL/2 --image-size 256]
-SOURCE is an export folder of our training (config.json + ema.safetensors) or an official DiT .pt state dict
-(then --model and --image-size are needed); OUT_DIR receives `transformer/` and `scheduler/` (DPM-Solver++ on
+Command: python -m generation.diffusers_interop SOURCE OUT_DIR [--vae VAE] [--model DiT-XL/2 --image-size 256]
+SOURCE is anything `generation.load_export` reads: an export folder of our training (config.json +
+ema.safetensors), a run directory, or an official DiT .pt (its name says model and size, e.g. DiT-XL-2-256x256.pt,
+else --model and --image-size); OUT_DIR receives `transformer/` and `scheduler/` (DPM-Solver++ on
 DiT's schedule, or UniPC), and with --vae a complete `DiTPipeline` folder.
 """
 
@@ -27,21 +28,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 
-from .attention import MultiHeadSelfAttention
+from dit_vca.attention import MultiHeadSelfAttention
 from samplers.multistep import SCHEDULERS
 
-from .diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
-from .models import MODEL_SIZES, DiT, create_model
+from dit_vca.diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
+from dit_vca.models import MODEL_SIZES, DiT, build_model_from_config, create_model
 
 if TYPE_CHECKING:
     from diffusers import DiTTransformer2DModel
@@ -217,53 +216,32 @@ def dit_scheduler(solver: str = "dpm++2m") -> SchedulerMixin:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _load_source(args: argparse.Namespace) -> nn.Module:
-    """Our MHSA model from an export folder, or an official state dict (weights_only) with --model/--image-size."""
-    source = Path(args.source)
-    if source.is_dir():
-        from training.checkpoint import load_export
+    """Our MHSA model from what `generation.load_export` reads: an export / checkpoint / run folder, or an official
+    DiT `.pt` (weights_only; model and size from its name or --model / --image-size)."""
+    from generation import ExportError, OfficialCheckpointError, load_export
 
-        try:
-            model, _, description = load_export(source)
-        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
-            raise SourceError(f"{source}: not a readable export folder (config.json + ema.safetensors): "
-                              f"{error}") from None
-        kind = description.get("objective", {}).get("kind")
-        if kind != "diffusion":
-            raise SourceError(f"{source}: objective {kind!r}; only DDPM (DiT) models run in DiTPipeline")
-        return model
-    if not source.is_file():
-        raise SourceError(f"{source}: no such export folder or checkpoint file")
-    if args.model is None:
-        raise SourceError(f"{source}: an official checkpoint needs --model (e.g. DiT-XL/2) and --image-size")
-    model = create_model(args.model, attention="mhsa", input_size=args.image_size // args.vae_downsampling,
-                         num_classes=args.num_classes)
     try:
-        state = torch.load(source, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError):
-        raise SourceError(f"{source}: not a plain state dict (read with weights_only=True): it holds pickled "
-                          f"objects other than tensors, or is not a torch file") from None
-    state = state.get("ema", state)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as error:
-        lines = str(error).splitlines()  # a header, then one line per offending key
-        raise SourceError(f"{source} does not fit --model {args.model} at --image-size {args.image_size}: "
-                          f"{lines[-1].strip()[:300]} ({len(lines) - 1} problem line(s))") from None
+        export = load_export(args.source, args.model, args.image_size)
+    except (ExportError, OfficialCheckpointError) as error:
+        raise SourceError(str(error)) from None
+    kind = export.description.objective["kind"]
+    if kind != "diffusion":
+        raise SourceError(f"{args.source}: objective {kind!r}; only DDPM (DiT) models run in DiTPipeline")
+    model = build_model_from_config(export.description.model)
+    model.load_state_dict(export.weights, strict=True)
     return model.eval()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dit_vca.diffusers_interop",
+    parser = argparse.ArgumentParser(prog="python -m generation.diffusers_interop",
                                      description="Write a DiT (MHSA baseline) as a diffusers folder.")
-    parser.add_argument("source", help="export folder (config.json + ema.safetensors) or official DiT .pt")
+    parser.add_argument("source", help="export folder, run directory, or official DiT .pt (path or released name)")
     parser.add_argument("out_dir", type=Path, help="new folder for the diffusers files (must not exist)")
     parser.add_argument("--vae", help="AutoencoderKL folder or hub id: also write a complete DiTPipeline")
     parser.add_argument("--scheduler", default="dpm++2m", choices=sorted(SCHEDULERS),
                         help="the pipeline's scheduler (DiTPipeline passes it only the epsilon half)")
-    parser.add_argument("--model", help="official checkpoints: model name, e.g. DiT-XL/2")
-    parser.add_argument("--image-size", type=int, default=256, help="official checkpoints: image side in pixels")
-    parser.add_argument("--num-classes", type=int, default=1000, help="official checkpoints: classes")
-    parser.add_argument("--vae-downsampling", type=int, default=8, help="official checkpoints: pixels per latent")
+    parser.add_argument("--model", help="official checkpoints whose file name does not say it: e.g. DiT-XL/2")
+    parser.add_argument("--image-size", type=int, help="official checkpoints: image side in pixels")
     args = parser.parse_args(argv)
     try:
         convert(args)
@@ -279,7 +257,7 @@ def convert(args: argparse.Namespace) -> None:
         raise SourceError(f"{args.out_dir} exists; choose a new output folder (nothing is overwritten)")
     vae = None
     if args.vae is not None:
-        from training.vae import VAEUnavailableError, load_vae
+        from generation.vae import VAEUnavailableError, load_vae
 
         try:
             vae = load_vae(args.vae)
