@@ -63,8 +63,8 @@ def test_committed_real_digit_features_match_a_fresh_computation():
     assert committed.shape == (1797, 2048) and committed.dtype == np.float32
     extractor = load_inception("bundled", device="cpu")
     fresh = extract_features([images[0::9]], extractor, keep_pool=True).pool.numpy()
-    # float32 convolutions round differently with the batch size and the CPU's vector width (~1e-6 relative);
-    # features are post-ReLU averages of order 0.1-1, stored in float32.
+    # Bit-identical on the machine that wrote them (batches of 50 and 100 measured); float32 convolutions may round
+    # differently on a CPU of another vector width (~1e-6 relative). Features are post-ReLU averages of 0..7.
     np.testing.assert_allclose(committed[0::9], fresh, rtol=1e-4, atol=1e-5)
     # the demo reads the committed features (not a recomputation) when they fit
     np.testing.assert_array_equal(demo.real_digit_features(images, extractor=None), committed.astype(np.float64))
