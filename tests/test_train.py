@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from generation import Generator, read_export
+from training.checkpoint import CheckpointError
 from training.config import ConfigError
 from generation.vae import VAEUnavailableError
 
@@ -248,7 +249,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
 
     monkeypatch.setattr(training.build, "create_objective", poisoned_objective)
     run_dir = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match=r"not finite at step 7; .*step-0000005, is intact"):
+    with pytest.raises(FloatingPointError, match=r"not finite at step 7; .*step-0000005, is intact.*train.mixed_precision=fp32"):
         train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=20", "log.every=5",
                            "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]
@@ -271,7 +272,7 @@ def make_images(root: Path) -> Path:
 @pytest.mark.parametrize("arguments, error, message", [
     (["train.lrr=1"], ConfigError, "unknown key 'train.lrr'; valid keys under 'train'"),
     (["train.max_steps=many"], ConfigError, "bad value for 'train.max_steps' (expected int)"),
-    (["--resume", "{tmp}/nowhere"], FileNotFoundError, "resume checkpoint {tmp}/nowhere does not exist"),
+    (["--resume", "{tmp}/nowhere"], CheckpointError, "resume checkpoint {tmp}/nowhere does not exist"),
     (["data.source=images", "data.images={tmp}/images", "data.image_size=16", "data.num_classes=2",
       "vae.name=stabilityai/sd-vae-ft-ema", "vae.scale=0.18215"], VAEUnavailableError,
      "is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)"),
