@@ -304,7 +304,7 @@ def written(out: Path) -> list[Path]:
     ({"--shard-size": "-3"}, "--shard-size must be positive"),
     ({"--out": "samples.npy"}, "ending in .npz"),
     ({"--out": "no-such-folder/samples.npz"}, "folder .*no-such-folder does not exist"),
-    ({"--sampler": "euler"}, "--sampler 'euler': this checkpoint's objective offers ddpm, ddim, dpm++2m, unipc"),
+    ({"--sampler": "euler"}, "--sampler 'euler': this checkpoint's objective offers ddpm, ddim, dpm\\+\\+2m, unipc"),
     ({"--guidance-channels": "2"}, "--guidance-channels 2: the model predicts only 1 channels"),
     ({"--guidance-interval": ["500", "100"]}, "--guidance-interval 500.0 100.0: expected LO < HI"),
     ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
