@@ -7,7 +7,8 @@ Every command (train.py, sample.py, demo.py, `python -m training.latents`) ends 
 
 A user error is a bad argument, a bad config value, or a missing or damaged file: `SystemExit("message")`
 raised by a command, argparse's own complaints, or one of the project's error types listed in
-`user_error_types` (each names the file, key or value). Anything else is a bug and keeps its traceback;
+`user_error_types` (each names the file, key or value; a non-finite loss names the step and the settings
+to change). Anything else is a bug and keeps its traceback;
 `--debug` keeps the traceback of a user error too.
 """
 
@@ -35,9 +36,10 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from training.checkpoint import CheckpointError
     from training.config import ConfigError
     from training.data import CorruptImageError
+    from training.loop import NonFiniteLossError
 
     return (UserError, ConfigError, CheckpointError, ExportError, OfficialCheckpointError, ShardFolderError,
-            DamagedShardError, VAEUnavailableError, CorruptImageError)
+            DamagedShardError, VAEUnavailableError, CorruptImageError, NonFiniteLossError)
 
 
 class CommandParser(argparse.ArgumentParser):

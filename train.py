@@ -25,7 +25,7 @@ from training.build import build_training
 from training.checkpoint import check_checkpoint, load_checkpoint, resolve_resume
 from training.config import config_to_dict, config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
-from training.run import RunDirectory, create_accelerator
+from training.run import TRACKER_PROJECT, RunDirectory, create_accelerator
 
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -68,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run.clear()
         run.root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run.config, config_to_yaml(config))
-    accelerator.init_trackers("tensorboard", config=_scalars(config_to_dict(config)),
+    accelerator.init_trackers(TRACKER_PROJECT, config=_scalars(config_to_dict(config)),
                               init_kwargs={"tensorboard": {"purge_step": state.step + 1}})
     Trainer(accelerator, config, run, parts, state,
             last_checkpoint=None if resume_from is None else str(resume_from)).fit()

@@ -178,3 +178,14 @@ def test_a_real_command_prints_one_line_and_exits_2(inputs, script, arguments, m
     assert result.returncode == USER_ERROR_STATUS
     assert result.stderr.startswith(message.format(tmp=inputs)) and result.stderr.count("\n") == 1, result.stderr
     assert not (inputs / "s.npz").exists()
+
+
+def test_a_non_finite_loss_is_one_line(capsys):
+    from training.loop import NonFiniteLossError
+
+    def main(argv):  # what Trainer.stop_if_non_finite raises (tested in tests/test_train.py)
+        raise NonFiniteLossError("the loss is not finite at step 7; ... train.mixed_precision=fp32)")
+
+    with pytest.raises(SystemExit, match=str(USER_ERROR_STATUS)):
+        run_command(main, [])
+    assert capsys.readouterr().err == "error: the loss is not finite at step 7; ... train.mixed_precision=fp32)\n"

@@ -76,7 +76,7 @@ class RunDirectory:
         """Delete an earlier run's files (train.py --overwrite); other files in the directory are left alone."""
         for path in (self.config, self.metrics, self.fid):
             path.unlink(missing_ok=True)
-        for folder in (self.checkpoints, self.exports, self.samples, self.root / "tensorboard"):
+        for folder in (self.checkpoints, self.exports, self.samples, self.root / TRACKER_PROJECT):
             shutil.rmtree(folder, ignore_errors=True)
 
 
