@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=Path("results/demo"))
     parser.add_argument("--num-samples", type=int, default=1000)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="train.py config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may also follow the options
     if args.num_samples <= 0:
         raise SystemExit(f"--num-samples must be positive, got {args.num_samples}")
     from training.config import load_config

@@ -37,7 +37,7 @@ def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     resume.add_argument("--overwrite", action="store_true",
                         help="start over in a run.dir that holds an earlier run, deleting its checkpoints and logs")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may also follow the options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

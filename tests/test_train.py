@@ -415,3 +415,8 @@ def test_milestone_exports_are_kept_apart_from_the_rolling_checkpoints(train_scr
     assert all(torch.equal(exports["step-0000006"].weights[key], value) for key, value in last.items())
     first = exports["step-0000002"].weights
     assert any(not torch.equal(first[key], value) for key, value in last.items())  # the EMA of step 2, not 6
+
+
+def test_overrides_may_follow_the_options(train_script):
+    args = train_script.parse_arguments(["--config", "c.yaml", "--resume", "latest", "train.lr=1", "log.every=2"])
+    assert args.resume == "latest" and args.overrides == ["train.lr=1", "log.every=2"]

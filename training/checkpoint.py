@@ -204,7 +204,8 @@ def _check_random_states(file: Path) -> None:
     try:
         states = accelerate_load(file)
     except Exception as error:  # torch.load reports damage with many types (UnpicklingError, RuntimeError, ...)
-        raise OSError(f"{file} cannot be read ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+        first_sentence = str(error).splitlines()[0].split(". ")[0]  # torch's advice that follows is long
+        raise OSError(f"{file} cannot be read ({type(error).__name__}: {first_sentence})") from None
     if not isinstance(states, dict) or any(key not in states for key in RANDOM_STATE_KEYS):
         raise OSError(f"{file} does not hold Accelerate's random states ({', '.join(RANDOM_STATE_KEYS)})")
 

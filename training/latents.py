@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = CommandParser(prog="python -m training.latents", description=__doc__)
     parser.add_argument("--config", required=True, help="experiment config (data.images, data.latents, vae.*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. extract.batch_size=32")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may also follow the options
     config = load_config(args.config, args.overrides)
     out = extract_latents(config)
     print(f"latents ready in {out}")
