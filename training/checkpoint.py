@@ -79,7 +79,7 @@ def resolve_resume(spec: Optional[str], root: str | Path) -> Optional[Path]:
     if not (path / TRAINER_STATE).is_file():
         reason = "does not exist" if not path.exists() else f"is not a checkpoint folder (no {TRAINER_STATE})"
         raise CheckpointError(f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as "
-                                f"{Path(root) / checkpoint_name(0)}")
+                              f"{Path(root) / checkpoint_name(0)}")
     return path
 
 

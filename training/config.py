@@ -101,7 +101,7 @@ class DataConfig:
 class VAEConfig:
     """The autoencoder that maps images to latents (required unless data.source is the pixel-space digits)."""
     name: Optional[str] = None                   # hub id or a local folder written by save_pretrained
-    scale: Optional[float] = _range(None, 0.0, above=True)  # latents are multiplied by this before the model sees them
+    scale: Optional[float] = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
 
 
 @dataclass
@@ -122,7 +122,7 @@ class TrainConfig:
     weight_decay: float = _range(0.0, 0.0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"range": (0.0, 1.0, False)})
     warmup_steps: int = _range(0, 0)             # linear learning-rate warm-up, then constant; 0: none
-    max_grad_norm: Optional[float] = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged either way)
+    max_grad_norm: Optional[float] = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged)
     ema_decay: float = _range(MISSING, 0.0, 1.0)
     ema_warmup: bool = False                     # decay 1 - (1 + step)^-power, capped at ema_decay
     ema_warmup_power: float = _range(0.75, 0.0, above=True)
@@ -305,9 +305,9 @@ def _check_values(node: Any, prefix: str) -> None:
             choices = ", ".join("null" if c is None else str(c) for c in f.metadata["choices"])
             raise ConfigError(f"'{prefix}{f.name}' is {value!r}; valid choices: {choices}")
         elif "range" in f.metadata and value is not None:
-            for number in value if isinstance(value, list) else [value]:
-                if not _in_range(number, *f.metadata["range"]):
-                    raise ConfigError(f"'{prefix}{f.name}' is {value!r}; expected {_describe_range(*f.metadata['range'])}")
+            bounds = f.metadata["range"]
+            if not all(_in_range(number, *bounds) for number in (value if isinstance(value, list) else [value])):
+                raise ConfigError(f"'{prefix}{f.name}' is {value!r}; expected {_describe_range(*bounds)}")
 
 
 def _in_range(number: float, minimum: float, maximum: float, above: bool) -> bool:

@@ -108,5 +108,5 @@ def micro_batch_size(config: Config, num_processes: int) -> int:
     parts = num_processes * train.grad_accum_steps
     if train.global_batch_size % parts:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
-                         f"processes x {train.grad_accum_steps} accumulation steps")
+                          f"processes x {train.grad_accum_steps} accumulation steps")
     return train.global_batch_size // parts
