@@ -17,7 +17,6 @@ budget is a number of steps (the config's train.max_steps), not seconds, so slow
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -227,13 +226,18 @@ def render_markdown(results: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from commands import CommandParser
+
+    parser = CommandParser(prog="demo.py", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("results/demo"))
     parser.add_argument("--num-samples", type=int, default=1000)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="train.py config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may also follow the options
     if args.num_samples <= 0:
         raise SystemExit(f"--num-samples must be positive, got {args.num_samples}")
+    from training.config import load_config
+
+    load_config(CONFIG, args.overrides)  # a bad override stops here, in one line, before anything is written
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     started = time.perf_counter()
@@ -287,4 +291,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from commands import run_command
+
+    run_command(main)

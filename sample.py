@@ -17,11 +17,14 @@ own stream seeded by (--seed, i), so the file depends neither on the number of p
 rounding, and except for adaptive ODE solvers) on the batch size. Indices are cut into shards of --shard-size,
 written atomically to `<out>.shards/`; rerunning the same command after a crash keeps the finished shards.
 Pixels: uint8 = floor(clamp(127.5 x + 128, 0, 255)) (DiT's rounding); one-channel images are repeated to RGB.
+A bad argument or a damaged checkpoint stops the command with one line and exit status 2 before anything is
+written (`--debug` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import json
 import math
 import os
@@ -34,6 +37,7 @@ import numpy as np
 
 from atomic_files import remove_stale_temporaries, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
+from commands import CommandParser, run_command
 from generation.sample_file import (DamagedShardError, Shard, leading_images, merge_shards, plan_shards,
                                     save_shard, shard_reader)
 from generation.protocols import FAMILY_OF_OBJECTIVE, PROTOCOLS
@@ -46,7 +50,7 @@ PLAIN_DEFAULTS = {"labels": "balanced", "cfg_scale": 1.0}  # without a protocol;
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="sample.py", description=__doc__)
     add = parser.add_argument
     add("--ckpt", required=True, help="export / checkpoint / run folder, official .pt (path or released name), hub id")
     add("--model", help="architecture of an official .pt whose file name does not say it, e.g. SiT-XL/2")
@@ -301,5 +305,7 @@ def finish(args: argparse.Namespace, folder: ShardFolder, shards: Sequence[Shard
     shutil.rmtree(folder.folder)
 
 
+command = partial(run_command, main)  # the installed command's entry point: one line, exit 2 on a user error
+
 if __name__ == "__main__":
-    main()
+    command()

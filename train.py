@@ -5,19 +5,25 @@
     accelerate launch train.py --config configs/dit-s2-vca.yaml train.lr=2e-4 --resume latest
 
 Overrides are `section.key=value` (see training/config.py for every key). The run lives in run.dir
-(default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids and
-checkpoints with an export that `sample.py` loads.
+(default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
+checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every).
+
+A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
+anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
+continued only with --resume and replaced only with --overwrite.
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
 from atomic_files import write_text_atomic
+from commands import CommandParser, run_command
 from training.build import build_training
-from training.checkpoint import load_checkpoint, resolve_resume
+from training.checkpoint import check_checkpoint, load_checkpoint, resolve_resume
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
 from training.run import RunDirectory, create_accelerator
@@ -25,19 +31,26 @@ from training.trackers import start_trackers
 
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="train.py", description=__doc__)
     parser.add_argument("--config", required=True, help="experiment YAML: a path, or a shipped name like dit-s2-vca")
-    parser.add_argument("--resume", metavar="latest|PATH",
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", metavar="latest|PATH",
                         help="continue from the newest checkpoint of the run (fresh start if none) or from PATH")
+    resume.add_argument("--overwrite", action="store_true",
+                        help="start over in a run.dir that holds an earlier run, deleting its checkpoints and logs")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may also follow the options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_arguments(argv)
     config = load_config(args.config, args.overrides)             # unknown keys and bad values stop here
     run = RunDirectory(Path(config.run.dir))
-    resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint
+    resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint,
+    if resume_from is not None:
+        check_checkpoint(resume_from)                             # a damaged one,
+    elif args.resume is None and not args.overwrite:
+        run.check_new()                                           # and a run directory already in use
     accelerator = create_accelerator(config, run)
     parts = build_training(config, accelerator)
 
@@ -52,7 +65,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         state = state.resumed(saved)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
 
+    accelerator.wait_for_everyone()  # every process has checked the run directory before anything is written
     if accelerator.is_main_process:
+        if args.overwrite:
+            run.clear()
         run.root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run.config, config_to_yaml(config))
     start_trackers(accelerator, config, run, state.step, saved)  # a resumed run continues its tracker runs
@@ -60,5 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             last_checkpoint=None if resume_from is None else str(resume_from)).fit()
 
 
+command = partial(run_command, main)  # the installed command's entry point: one line, exit 2 on a user error
+
 if __name__ == "__main__":
-    main()
+    command()

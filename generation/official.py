@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,22 +196,27 @@ def resolve_released(name: str) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m generation.official", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from commands import CommandParser
+
+    parser = CommandParser(prog="python -m generation.official", description=__doc__)
     parser.add_argument("ckpt", help=f"an official .pt file, or one of {', '.join(RELEASED)} (downloaded once)")
     parser.add_argument("--out", type=Path, required=True, help="export folder to write (must not exist yet)")
     parser.add_argument("--model", help="architecture, e.g. DiT-XL/2 (default: read from the file name)")
     parser.add_argument("--image-size", type=int, help="image size in pixels (default: from the file name, else 256)")
     args = parser.parse_args(argv)
     if args.out.exists():
-        parser.exit(2, f"error: --out {args.out} exists; choose a new folder\n")
-    try:
-        export = official_export(args.ckpt, args.model, args.image_size)
-    except OfficialCheckpointError as error:
-        parser.exit(2, f"error: {error}\n")
+        raise SystemExit(f"--out {args.out} exists; choose a new folder")
+    export = official_export(args.ckpt, args.model, args.image_size)
     write_export(args.out, export.weights, export.description)
     print(f"wrote {args.out} ({export.description.model['name']}, {export.description.image_size} px)")
 
 
+def command() -> None:
+    """The installed command's entry point (and `python -m generation.official`): one line, exit 2 on a user error."""
+    from commands import run_command
+
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    command()

@@ -120,3 +120,36 @@ def test_base_chain_errors(tmp_path):
         load_config(tmp_path / "c.yaml")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.ema_decay=1.5", "'train.ema_decay' is 1.5; expected a finite value >= 0 and <= 1"),
+    ("train.betas=[0.9,1.5]", "'train.betas' is [0.9, 1.5]; expected a finite value >= 0 and <= 1"),
+    ("train.lr=nan", "'train.lr' is nan; expected a finite value >= 0"),
+    ("train.lr=inf", "'train.lr' is inf; expected a finite value >= 0"),
+    ("train.warmup_steps=-1", "'train.warmup_steps' is -1; expected a finite value >= 0"),
+    ("train.max_grad_norm=0", "'train.max_grad_norm' is 0.0; expected a finite value > 0"),
+    ("data.num_workers=-1", "'data.num_workers' is -1; expected a finite value >= 0"),
+    ("log.sample_every=-5", "'log.sample_every' is -5; expected a finite value >= 0"),
+    ("log.export_every=-1", "'log.export_every' is -1; expected a finite value >= 0"),
+    ("log.fid_samples=1", "'log.fid_samples' is 1; expected a finite value >= 2"),
+    ("log.sample_count=0", "'log.sample_count' is 0; expected a finite value >= 1"),
+    ("model.class_dropout_prob=-0.1", "'model.class_dropout_prob' is -0.1; expected a finite value >= 0 and <= 1"),
+    ("vae.scale=0", "'vae.scale' is 0.0; expected a finite value > 0"),
+])
+def test_values_out_of_range_name_the_key_and_the_range(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIGS / "dit-s2-vca.yaml", [override])
+    assert message in str(error.value)
+
+
+def test_zero_switches_off_what_it_documents():
+    config = load_config(CONFIGS / "dit-s2-vca.yaml", ["log.sample_every=0", "log.fid_every=0", "log.export_every=0",
+                                                      "train.warmup_steps=0", "data.num_workers=0", "train.lr=0"])
+    assert (config.log.sample_every, config.log.fid_every, config.log.export_every) == (0, 0, 0)
+
+
+def test_malformed_yaml_is_one_line_with_the_place(tmp_path):
+    bad = write(tmp_path / "bad.yaml", "train:\n  lr: 1\n\tema_decay: 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML \(.* at line 3, column 1\)$"):
+        load_config(bad)

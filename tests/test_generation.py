@@ -235,9 +235,11 @@ def test_the_converter_command_writes_an_export(tmp_path, capsys):
     official.main([str(path), "--out", str(tmp_path / "export")])
     export = read_export(tmp_path / "export")
     assert export.description.model["attention"] == "mhsa" and export.description.source == str(path)
+    from commands import run_command
+
     with pytest.raises(SystemExit) as exit_info:
-        official.main([str(path), "--out", str(tmp_path / "export")])
-    assert exit_info.value.code == 2 and "exists" in capsys.readouterr().err
+        run_command(official.main, [str(path), "--out", str(tmp_path / "export")])
+    assert exit_info.value.code == 2 and "exists; choose a new folder" in capsys.readouterr().err
 
 
 def test_generate_is_reproducible_per_sample():

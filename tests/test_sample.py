@@ -464,3 +464,54 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
     assert (settings["steps"], settings["guidance_channels"]) == (3, 1)  # given on the command line
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_1"], assign_labels(4, NUM_CLASSES, "uniform", seed=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Outputs of a killed run: stale temporaries, a shard damaged on disk before the merge
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded like the subprocesses; Accelerate's process state reset after the in-process run."""
+    from accelerate.state import PartialState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    PartialState._reset_state()
+
+
+def test_stale_temporaries_of_the_outputs_are_removed(export, reference, tmp_path, one_thread):
+    out = tmp_path / "samples.npz"
+    stale = [tmp_path / f".samples.{suffix}.tmp-999999999" for suffix in ("npz", "json", "png")]  # a dead writer
+    for path in stale:
+        path.write_bytes(b"half a file")
+    other = tmp_path / ".notes.txt.tmp-999999999"  # not an output of this command: kept
+    other.write_bytes(b"someone else's")
+    sample.main(sample_command(export, out)[2:])
+    assert not any(path.exists() for path in stale) and other.exists()
+    with np.load(out) as data:
+        np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])
+
+
+def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(export, reference, tmp_path, monkeypatch,
+                                                                     capsys, one_thread):
+    out = tmp_path / "samples.npz"
+    argv = sample_command(export, out)[2:]
+    with monkeypatch.context() as patch:
+        patch.setattr(sample, "finish", lambda *args: None)  # stops after the shards, before the merge
+        sample.main(argv)
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    shard = plan_shards(16, 4)[1]
+    path = sample.outputs_of(out)["shards"] / shard.file_name
+    path.write_bytes(path.read_bytes()[:100])  # cut on disk
+    capsys.readouterr()
+    sample.main(argv)
+    printed = capsys.readouterr().out
+    assert f"{shard.file_name}" in printed and "sampling shard 1 again" in printed
+    with np.load(out) as data:
+        np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])  # the same samples as a clean run
+    assert not sample.outputs_of(out)["shards"].exists()

@@ -8,6 +8,7 @@ whole file stays within a few minutes on two cores.
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from generation import ImageGenerator, read_export
+from training.checkpoint import CheckpointError
 from training.config import ConfigError
 from generation.vae import VAEUnavailableError
 
@@ -248,7 +250,8 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
 
     monkeypatch.setattr(training.build, "create_objective", poisoned_objective)
     run_dir = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match=r"not finite at step 7; .*step-0000005, is intact"):
+    expected = r"not finite at step 7; .*step-0000005, is intact.*train.mixed_precision=fp32"
+    with pytest.raises(FloatingPointError, match=expected):
         train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=20", "log.every=5",
                            "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]
@@ -271,7 +274,7 @@ def make_images(root: Path) -> Path:
 @pytest.mark.parametrize("arguments, error, message", [
     (["train.lrr=1"], ConfigError, "unknown key 'train.lrr'; valid keys under 'train'"),
     (["train.max_steps=many"], ConfigError, "bad value for 'train.max_steps' (expected int)"),
-    (["--resume", "{tmp}/nowhere"], FileNotFoundError, "resume checkpoint {tmp}/nowhere does not exist"),
+    (["--resume", "{tmp}/nowhere"], CheckpointError, "resume checkpoint {tmp}/nowhere does not exist"),
     (["data.source=images", "data.images={tmp}/images", "data.image_size=16", "data.num_classes=2",
       "vae.name=stabilityai/sd-vae-ft-ema", "vae.scale=0.18215"], VAEUnavailableError,
      "is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)"),
@@ -306,3 +309,115 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, tmp_path):
     lines = [json.loads(line) for line in (run_dir / "fid.jsonl").read_text().splitlines()]
     assert [(line["step"], line["samples"]) for line in lines] == [(4, 8)]
     assert 0 < lines[0]["fid"] < float("inf")
+
+
+# --------------------------------------------------------------------------------------------------
+#                     Damaged checkpoints, runs already in the folder, milestone exports
+# --------------------------------------------------------------------------------------------------
+
+ONE_PROCESS = ["--config", str(DIGITS), *TINY, "log.every=2", "log.checkpoint_every=2", "log.sample_every=0",
+               "log.trackers=[]"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A one-process run with checkpoints at steps 2 and 4."""
+    spec = importlib.util.spec_from_file_location("train_for_checkpoints", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run_dir = tmp_path_factory.mktemp("short") / "run"
+    try:
+        module.main([*ONE_PROCESS, "train.max_steps=4", f"run.dir={run_dir}"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return run_dir
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # replaced by a file of the right kind with other contents
+        torch.save({"something": torch.zeros(2)}, path)
+
+
+@pytest.mark.parametrize("name, how", [
+    ("model.safetensors", "truncated"), ("optimizer.bin", "truncated"), ("scheduler.bin", "truncated"),
+    ("random_states_0.pkl", "truncated"), ("random_states_0.pkl", "replaced"), ("trainer_state.json", "truncated"),
+    ("export/ema.safetensors", "truncated"),
+])
+def test_resume_from_a_damaged_checkpoint_names_the_file(short_run, train_script, tmp_path, name, how):
+    # Accelerate itself skips an unreadable random_states file without a word (the run would continue with other
+    # random numbers); every file is checked before anything is built.
+    run_dir = tmp_path / "run"
+    shutil.copytree(short_run, run_dir)
+    damage(run_dir / "checkpoints" / "step-0000004" / name, how)
+    before = sorted(path.name for path in run_dir.rglob("*"))
+    with pytest.raises(CheckpointError) as raised:
+        train_script.main([*ONE_PROCESS, "train.max_steps=6", f"run.dir={run_dir}", "--resume", "latest"])
+    message = str(raised.value)
+    assert f"cannot resume from {run_dir / 'checkpoints' / 'step-0000004'}: " in message
+    assert str(run_dir / "checkpoints" / "step-0000004" / name) in message
+    assert f"use --resume {run_dir / 'checkpoints' / 'step-0000002'}" in message  # the earlier checkpoint
+    assert sorted(path.name for path in run_dir.rglob("*")) == before
+
+
+def test_a_pickle_with_code_in_the_random_states_does_not_run(short_run, train_script, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(short_run, run_dir)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"random_state": Payload()}, run_dir / "checkpoints" / "step-0000004" / "random_states_0.pkl")
+    with pytest.raises(CheckpointError, match="random_states_0.pkl cannot be read"):
+        train_script.main([*ONE_PROCESS, "train.max_steps=6", f"run.dir={run_dir}", "--resume", "latest"])
+    assert not marker.exists()
+
+
+def test_a_new_launch_in_a_used_run_directory_needs_resume_or_overwrite(short_run, train_script, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(short_run, run_dir)
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/step-0000002, checkpoints/"
+                                          r"step-0000004, config.yaml, \.\.\.\): continue it with --resume latest"):
+        train_script.main([*ONE_PROCESS, "train.max_steps=2", f"run.dir={run_dir}"])
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    train_script.main([*ONE_PROCESS, "train.max_steps=2", f"run.dir={run_dir}", "--overwrite"])  # starts over
+    assert [line["step"] for line in metrics(run_dir)] == [2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000002"]
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    from training.checkpoint import rotated_away
+
+    steps = [tmp_path / f"step-{step:07d}" for step in (2, 4, 6, 8)]
+    # A resume from step 2 writes step 4 again: 6 and 8 belong to the abandoned timeline.
+    assert rotated_away(steps, steps[1], keep=2) == [steps[2], steps[3]]
+    assert rotated_away(steps, steps[1], keep=1) == [steps[0], steps[2], steps[3]]
+    assert rotated_away(steps, steps[3], keep=3) == [steps[0]]
+    assert rotated_away(steps, steps[3], keep=10) == []
+
+
+def test_milestone_exports_are_kept_apart_from_the_rolling_checkpoints(train_script, tmp_path):
+    run_dir = tmp_path / "run"
+    train_script.main([*ONE_PROCESS, "train.max_steps=6", "log.checkpoint_every=3", "log.keep_checkpoints=1",
+                       "log.export_every=2", f"run.dir={run_dir}"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000006"]  # rotated
+    milestones = sorted(p.name for p in (run_dir / "exports").iterdir())
+    assert milestones == ["step-0000002", "step-0000004", "step-0000006"]  # never rotated, no temporaries
+    exports = {name: read_export(run_dir / "exports" / name) for name in milestones}
+    assert [export.description.train_step for export in exports.values()] == [2, 4, 6]
+    last = load_file(run_dir / "checkpoints" / "step-0000006" / "export" / "ema.safetensors")
+    assert all(torch.equal(exports["step-0000006"].weights[key], value) for key, value in last.items())
+    first = exports["step-0000002"].weights
+    assert any(not torch.equal(first[key], value) for key, value in last.items())  # the EMA of step 2, not 6
+
+
+def test_overrides_may_follow_the_options(train_script):
+    args = train_script.parse_arguments(["--config", "c.yaml", "--resume", "latest", "train.lr=1", "log.every=2"])
+    assert args.resume == "latest" and args.overrides == ["train.lr=1", "log.every=2"]

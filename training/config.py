@@ -3,7 +3,8 @@
 A config file may name one or more files it extends (`base: imagenet256.yaml`, paths relative to the file);
 the chain is merged base first, then the file itself, then the command line (`train.lr=2e-4`). Every key and
 value is checked against the dataclass schema below before anything is built, so a typo or a wrong type
-fails at once with the key, the file it came from and the valid choices.
+fails at once with the key, the file it came from and the valid choices or range. A count that may be 0
+says what 0 means (log.sample_every, log.fid_every, log.export_every: 0 switches it off).
 
 The schema holds types and neutral defaults; recipe values (model, data, batch size, learning rate, EMA
 decay, steps, VAE) have no default and come from the YAML files, so each is written down in one place.
@@ -12,11 +13,13 @@ decay, steps, VAE) have no default and come from the YAML files, so each is writ
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -36,6 +39,12 @@ def _choice(default: Any, *choices: Any) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
+def _range(default: Any, minimum: float, maximum: float = math.inf, above: bool = False) -> Any:
+    """A number (or list of numbers) in [minimum, maximum], or (minimum, maximum] when `above`; finite; None
+    passes where the type allows it (checked after all sources are merged)."""
+    return field(default=default, metadata={"range": (minimum, maximum, above)})
+
+
 # --------------------------------------------------------------------------------------------------
 #                                              Schema
 # --------------------------------------------------------------------------------------------------
@@ -45,13 +54,13 @@ class ModelConfig:
     """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches."""
     name: str = MISSING                          # "DiT-S/2" ... "SiT-XL/8"
     attention: str = _choice("vca", "vca", "mhsa")
-    class_dropout_prob: float = 0.1
+    class_dropout_prob: float = _range(0.1, 0.0, 1.0)
     vca: VCAOptions = field(default_factory=VCAOptions)  # contrast grid and ablation switches (docs/VCA.md)
     gradient_checkpointing: bool = False
-    depth: Optional[int] = None                  # size overrides for small models (tests, digits)
-    hidden_size: Optional[int] = None
-    num_heads: Optional[int] = None
-    mlp_ratio: Optional[float] = None
+    depth: Optional[int] = _range(None, 1)      # size overrides for small models (tests, digits)
+    hidden_size: Optional[int] = _range(None, 1)
+    num_heads: Optional[int] = _range(None, 1)
+    mlp_ratio: Optional[float] = _range(None, 0.0, above=True)
 
 
 @dataclass
@@ -67,8 +76,8 @@ class TransportConfig:
     path: str = _choice("linear", "linear", "gvp", "vp")
     prediction: str = _choice("velocity", "velocity", "score", "noise")
     loss_weight: Optional[str] = _choice(None, None, "velocity", "likelihood")
-    train_eps: Optional[float] = None            # None: the path's default (sit_vca.transport.create_transport)
-    sample_eps: Optional[float] = None
+    train_eps: Optional[float] = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
+    sample_eps: Optional[float] = _range(None, 0.0, 1.0)
 
 
 @dataclass
@@ -77,11 +86,11 @@ class DataConfig:
     source: str = _choice(MISSING, "latents", "images", "digits")
     images: Optional[str] = None                 # ImageNet-style folder: one sub-folder per class
     latents: Optional[str] = None                # shards written by `python -m training.latents`
-    image_size: int = MISSING                    # pixels (digits: 8)
-    num_classes: int = MISSING
+    image_size: int = _range(MISSING, 1)         # pixels (digits: 8)
+    num_classes: int = _range(MISSING, 1)
     random_flip: bool = True
     on_corrupt: str = _choice("error", "error", "skip")
-    num_workers: int = 4
+    num_workers: int = _range(4, 0)              # 0: load in the training process
 
     @property
     def in_pixel_space(self) -> bool:
@@ -93,32 +102,32 @@ class DataConfig:
 class VAEConfig:
     """The autoencoder that maps images to latents (required unless data.source is the pixel-space digits)."""
     name: Optional[str] = None                   # hub id or a local folder written by save_pretrained
-    scale: Optional[float] = None                # latents are multiplied by this before the model sees them
+    scale: Optional[float] = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
 
 
 @dataclass
 class ExtractConfig:
     """`python -m training.latents`: how the image folder is encoded into shards."""
-    batch_size: int = 64
-    shard_size: int = 4096
+    batch_size: int = _range(64, 1)
+    shard_size: int = _range(4096, 1)
     dtype: str = _choice("float16", "float16", "float32")
 
 
 @dataclass
 class TrainConfig:
     """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
-    global_batch_size: int = MISSING             # over all processes and accumulation steps
-    grad_accum_steps: int = 1
-    max_steps: int = MISSING
-    lr: float = MISSING
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0                        # linear learning-rate warm-up, then constant
-    max_grad_norm: Optional[float] = None        # None: no clipping (the norm is logged either way)
-    ema_decay: float = MISSING
+    global_batch_size: int = _range(MISSING, 1)  # over all processes and accumulation steps
+    grad_accum_steps: int = _range(1, 1)
+    max_steps: int = _range(MISSING, 1)
+    lr: float = _range(MISSING, 0.0)
+    weight_decay: float = _range(0.0, 0.0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"range": (0.0, 1.0, False)})
+    warmup_steps: int = _range(0, 0)             # linear learning-rate warm-up, then constant; 0: none
+    max_grad_norm: Optional[float] = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged)
+    ema_decay: float = _range(MISSING, 0.0, 1.0)
     ema_warmup: bool = False                     # decay 1 - (1 + step)^-power, capped at ema_decay
-    ema_warmup_power: float = 0.75
-    seed: int = 0
+    ema_warmup_power: float = _range(0.75, 0.0, above=True)
+    seed: int = _range(0, 0)
     mixed_precision: Optional[str] = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
     tf32: bool = True
     compile: bool = False
@@ -128,19 +137,20 @@ class TrainConfig:
 @dataclass
 class LogConfig:
     """What is written to the run directory and how often (in optimiser steps)."""
-    every: int = 100
-    checkpoint_every: int = 50_000
-    keep_checkpoints: int = 2
-    sample_every: int = 10_000                   # EMA sample grid; 0 disables
-    sample_count: int = 16
+    every: int = _range(100, 1)
+    checkpoint_every: int = _range(50_000, 1)    # resume checkpoints (the last one is always written)
+    keep_checkpoints: int = _range(2, 1)         # newest resume checkpoints kept (never the one just written)
+    export_every: int = _range(0, 0)             # milestone exports in <run>/exports/, never deleted; 0 disables
+    sample_every: int = _range(10_000, 0)        # EMA sample grid; 0 disables
+    sample_count: int = _range(16, 1)
     sample_sampler: Optional[str] = None         # None: the objective's default sampler
-    sample_steps: Optional[int] = None
-    sample_guidance: float = 1.0
+    sample_steps: Optional[int] = _range(None, 1)
+    sample_guidance: float = _range(1.0, 0.0)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's: tensorboard, wandb, ...
     project: str = "vca-diffusion"               # the trackers' project (wandb, comet_ml, mlflow, ...)
     run_name: Optional[str] = None               # wandb's run name; None: the run directory's name
-    fid_every: int = 0                           # FID of EMA samples against fid_reference; 0 disables
-    fid_samples: int = 5000
+    fid_every: int = _range(0, 0)                # FID of EMA samples against fid_reference; 0 disables
+    fid_samples: int = _range(5000, 2)           # a covariance needs 2 samples (2048+ for a comparable FID)
     fid_reference: Optional[str] = None          # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
     fid_inception: Optional[str] = None          # Inception weights file or "bundled"; None: fid's default lookup
 
@@ -188,7 +198,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: no value for {', '.join(missing)} (set them in the file, its base, or on "
                           f"the command line)")
     config: Config = OmegaConf.to_object(merged)
-    _check_choices(config, prefix="")
+    _check_values(config, prefix="")
     _check_model_name(config.model.name)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
@@ -216,7 +226,12 @@ def _read_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictConfi
     if not path.is_file():
         referrer = f" (named as base by {seen[-1]})" if seen else ""
         raise ConfigError(f"config file {path} does not exist{referrer}")
-    values = OmegaConf.load(path)
+    try:
+        values = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (expected a YAML config)") from None
     if not isinstance(values, DictConfig):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     bases = values.pop(BASE_KEY, None)
@@ -228,6 +243,13 @@ def _read_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictConfi
     for base in bases or []:
         chain += _read_chain(path.parent / str(base), seen + (path,))
     return chain + [(str(path), values)]
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """`<problem> at line L, column C` of a YAML parse error, in one line."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(error, 'problem', None) or type(error).__name__}{where}"
 
 
 def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
@@ -280,14 +302,29 @@ def _field_type(schema: type, name: str) -> Any:
     return typing.get_type_hints(schema)[name]
 
 
-def _check_choices(node: Any, prefix: str) -> None:
+def _check_values(node: Any, prefix: str) -> None:
+    """Check every field against its choices or range (see `_choice`, `_range`)."""
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):
-            _check_choices(value, prefix=f"{prefix}{f.name}.")
+            _check_values(value, prefix=f"{prefix}{f.name}.")
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
             choices = ", ".join("null" if c is None else str(c) for c in f.metadata["choices"])
             raise ConfigError(f"'{prefix}{f.name}' is {value!r}; valid choices: {choices}")
+        elif "range" in f.metadata and value is not None:
+            bounds = f.metadata["range"]
+            if not all(_in_range(number, *bounds) for number in (value if isinstance(value, list) else [value])):
+                raise ConfigError(f"'{prefix}{f.name}' is {value!r}; expected {_describe_range(*bounds)}")
+
+
+def _in_range(number: float, minimum: float, maximum: float, above: bool) -> bool:
+    low_ok = number > minimum if above else number >= minimum
+    return math.isfinite(number) and low_ok and number <= maximum
+
+
+def _describe_range(minimum: float, maximum: float, above: bool) -> str:
+    low = f"> {minimum:g}" if above else f">= {minimum:g}"
+    return f"a finite value {low}" + ("" if maximum == math.inf else f" and <= {maximum:g}")
 
 
 def _check_model_name(name: str) -> None:

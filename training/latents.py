@@ -10,8 +10,8 @@ temporary file and renamed, so a killed run leaves only whole shards; rerunning 
 
 from __future__ import annotations
 
-import argparse
 import json
+from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from atomic_files import write_text_atomic
 from atomic_files.shards import ShardFolder
-from training.config import Config, load_config
+from commands import CommandParser, run_command
+from training.config import Config, ConfigError, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
 from generation.vae import encode_posterior, latent_downsampling, load_vae
 
@@ -45,7 +46,7 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     state = state or PartialState(cpu=config.train.cpu)
     data = config.data
     if data.images is None or data.latents is None:
-        raise ValueError("latent extraction needs data.images=<image folder> and data.latents=<output folder>")
+        raise ConfigError("latent extraction needs data.images=<image folder> and data.latents=<output folder>")
     dataset = ImageFolderDataset(data.images, data.image_size, random_flip=False, on_corrupt=data.on_corrupt)
     shards = plan_shards(len(dataset), config.extract.shard_size)
     folder = ShardFolder(data.latents, [shard_name(k) for k in range(len(shards))], _settings(config, len(dataset)))
@@ -115,14 +116,16 @@ def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="python -m training.latents", description=__doc__)
     parser.add_argument("--config", required=True, help="experiment config (data.images, data.latents, vae.*)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. extract.batch_size=32")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may also follow the options
     config = load_config(args.config, args.overrides)
     out = extract_latents(config)
     print(f"latents ready in {out}")
 
 
+command = partial(run_command, main)  # the installed command's entry point: one line, exit 2 on a user error
+
 if __name__ == "__main__":
-    main()
+    command()

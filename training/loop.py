@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from generation.vae import sample_latents
 from training.build import TrainingParts
-from training.checkpoint import checkpoint_name, save_checkpoint
+from training.checkpoint import checkpoint_name, save_checkpoint, save_milestone_export
 from training.config import Config, config_to_yaml
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
@@ -90,6 +90,9 @@ class Trainer:
             if step % log.checkpoint_every == 0 or last:
                 self.stop_if_non_finite(metrics)
                 self.save_checkpoint()
+            if log.export_every and step % log.export_every == 0:
+                self.stop_if_non_finite(metrics)
+                self.save_milestone()
             if log.sample_every and (step % log.sample_every == 0 or last):
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
@@ -140,7 +143,7 @@ class Trainer:
             kept = f"the last checkpoint, {self.last_checkpoint}, is intact" if self.last_checkpoint \
                 else "no checkpoint was written"
             raise NonFiniteLossError(f"the loss is not finite at step {bad_step}; training stopped and {kept} "
-                                     f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=no)")
+                                     f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=fp32)")
 
     def save_checkpoint(self) -> None:
         trainer_state = {**asdict(self.state), **tracker_state(self.accelerator)}  # tracker run ids for resume
@@ -148,6 +151,12 @@ class Trainer:
                                self.parts.export, config_to_yaml(self.config), self.config.log.keep_checkpoints)
         self.last_checkpoint = str(path)
         self.accelerator.print(f"saved checkpoint {path}")
+
+    def save_milestone(self) -> None:
+        if self.accelerator.is_main_process:
+            path = save_milestone_export(self.run.exports, self.state.step, self.ema, self.parts.export)
+            self.accelerator.print(f"saved export {path}")
+        self.accelerator.wait_for_everyone()
 
     def save_grid(self) -> None:
         if self.accelerator.is_main_process:

@@ -6,11 +6,17 @@
         fid.jsonl            FID of EMA samples, when log.fid_every > 0
         samples/step-XXXXXXX.png   EMA sample grids
         tensorboard/         TensorBoard events (log.trackers; wandb/ too for wandb, see training.trackers)
-        checkpoints/step-XXXXXXX/  see training.checkpoint
+        checkpoints/step-XXXXXXX/  see training.checkpoint (the newest log.keep_checkpoints)
+        exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
+
+A new launch never damages an earlier run: a run directory that already holds one is refused unless the
+launch continues it (--resume) or replaces it (--overwrite).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +24,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from training.checkpoint import keep_plain_model_keys
-from training.config import Config
-from training.trackers import check_trackers
+from training.checkpoint import keep_plain_model_keys, list_checkpoints
+from training.config import Config, ConfigError
+from training.trackers import TRACKER_FOLDERS, check_trackers
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,31 @@ class RunDirectory:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
+    @property
+    def exports(self) -> Path:
+        return self.root / "exports"
+
+    def earlier_run(self) -> list[Path]:
+        """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory)."""
+        logs = [path for path in (self.config, self.metrics, self.fid, self.exports) if path.exists()]
+        return list_checkpoints(self.checkpoints) + logs
+
+    def check_new(self) -> None:
+        """Refuse to start a fresh run over an earlier one (it would truncate its logs and rotate its checkpoints)."""
+        found = self.earlier_run()
+        if found:
+            names = ", ".join(str(path.relative_to(self.root)) for path in found[:3])
+            raise ConfigError(f"run.dir {self.root} already holds a run ({names}{', ...' if len(found) > 3 else ''}): "
+                              f"continue it with --resume latest, choose another run.dir=..., or pass --overwrite "
+                              f"to start over (deletes them)")
+
+    def clear(self) -> None:
+        """Delete an earlier run's files (train.py --overwrite); other files in the directory are left alone."""
+        for path in (self.config, self.metrics, self.fid):
+            path.unlink(missing_ok=True)
+        for folder in (self.checkpoints, self.exports, self.samples, *(self.root / name for name in TRACKER_FOLDERS)):
+            shutil.rmtree(folder, ignore_errors=True)
+
 
 def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
     """An Accelerator for `config`: mixed precision as configured (None: as `accelerate launch` says),
@@ -61,6 +92,10 @@ def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.root)),
         step_scheduler_with_optimizer=False,  # the schedule counts optimiser steps, whatever the process count
     )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes == 1 and launched > 1:  # each process would train alone in the same folder
+        raise ConfigError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
+                          f"set train.cpu=true")
     keep_plain_model_keys(accelerator)
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
@@ -72,6 +107,6 @@ def micro_batch_size(config: Config, num_processes: int) -> int:
     train = config.train
     parts = num_processes * train.grad_accum_steps
     if train.global_batch_size % parts:
-        raise ValueError(f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
-                         f"processes x {train.grad_accum_steps} accumulation steps")
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
+                          f"processes x {train.grad_accum_steps} accumulation steps")
     return train.global_batch_size // parts

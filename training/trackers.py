@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # training.run checks the trackers with this module
 
 TRACKER_NAMES = tuple(kind.value for kind in LoggerType if kind is not LoggerType.ALL)  # each also its module name
 TENSORBOARD_FOLDER = "tensorboard"
+TRACKER_FOLDERS = (TENSORBOARD_FOLDER, "wandb")  # what trackers write under <run> (train.py --overwrite clears them)
 STATE_KEY = "trackers"                          # trainer_state.json: {"trackers": {"wandb": "<run id>"}}
 RESUMABLE = ("wandb",)                          # trackers whose run continues on resume (by the id above)
 GRID_KEY = "samples/ema"
