@@ -24,7 +24,6 @@ written (`--debug` shows the traceback).
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import json
 import math
 import os
@@ -305,7 +304,10 @@ def finish(args: argparse.Namespace, folder: ShardFolder, shards: Sequence[Shard
     shutil.rmtree(folder.folder)
 
 
-command = partial(run_command, main)  # the installed command's entry point: one line, exit 2 on a user error
+def command() -> None:
+    """The installed command's entry point: a user error is one line and exit status 2."""
+    run_command(main)
+
 
 if __name__ == "__main__":
     command()

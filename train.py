@@ -16,7 +16,6 @@ continued only with --resume and replaced only with --overwrite.
 from __future__ import annotations
 
 import argparse
-from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -76,7 +75,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             last_checkpoint=None if resume_from is None else str(resume_from)).fit()
 
 
-command = partial(run_command, main)  # the installed command's entry point: one line, exit 2 on a user error
+def command() -> None:
+    """The installed command's entry point: a user error is one line and exit status 2."""
+    run_command(main)
+
 
 if __name__ == "__main__":
     command()

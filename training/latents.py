@@ -11,7 +11,6 @@ temporary file and renamed, so a killed run leaves only whole shards; rerunning 
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -125,7 +124,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"latents ready in {out}")
 
 
-command = partial(run_command, main)  # the installed command's entry point: one line, exit 2 on a user error
+def command() -> None:
+    """The installed command's entry point: a user error is one line and exit status 2."""
+    run_command(main)
+
 
 if __name__ == "__main__":
     command()
