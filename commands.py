@@ -31,7 +31,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from atomic_files.shards import ShardFolderError
     from generation.export import ExportError
     from generation.official import OfficialCheckpointError
-    from generation.sample_file import DamagedShardError
+    from generation.sample_file import DamagedShardError, SampleFilesError
     from generation.vae import VAEUnavailableError
     from training.checkpoint import CheckpointError
     from training.config import ConfigError
@@ -39,7 +39,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from training.loop import NonFiniteLossError
 
     return (UserError, ConfigError, CheckpointError, ExportError, OfficialCheckpointError, ShardFolderError,
-            DamagedShardError, VAEUnavailableError, CorruptImageError, NonFiniteLossError)
+            DamagedShardError, SampleFilesError, VAEUnavailableError, CorruptImageError, NonFiniteLossError)
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -24,7 +24,6 @@ written (`--debug` shows the traceback).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -34,11 +33,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from atomic_files import remove_stale_temporaries, write_json_atomic
+from atomic_files import write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, run_command
-from generation.sample_file import (DamagedShardError, Shard, leading_images, merge_shards, plan_shards,
-                                    save_shard, shard_reader)
+from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
+                                    plan_shards, save_shard, shard_reader)
 from generation.protocols import FAMILY_OF_OBJECTIVE, PROTOCOLS
 from generation.sample_plan import LABEL_MODES, assign_labels, sample_seeds
 
@@ -158,45 +157,13 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
             "guidance_interval": args.guidance_interval, "precision": args.precision, "compile": args.compile}
 
 
-def outputs_of(out: Path) -> dict[str, Path]:
-    return {"samples": out, "summary": out.with_suffix(".json"), "grid": out.with_suffix(".png"),
-            "shards": out.with_name(out.name + ".shards")}
-
-
-def claim_outputs(out: Path, settings: dict[str, Any]) -> bool:
-    """True when `out` is already complete for these settings. Files of another run, or that sample.py did not
-    write, stop the command; temporary files that a killed run of ours left behind are removed."""
-    paths = outputs_of(out)
-    summary = paths["summary"]
-    ours = False
-    if summary.exists():
-        try:
-            stored = json.loads(summary.read_text()).get("settings")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            stored = None
-        if stored is None:
-            raise SystemExit(f"--out {out}: {summary} exists and was not written by sample.py; choose another --out")
-        from atomic_files.shards import first_difference
-
-        key = first_difference(stored, settings)
-        if key is not None:
-            raise SystemExit(f"--out {out}: {summary} belongs to a run with {key}={stored.get(key)!r}, not "
-                             f"{settings.get(key)!r}: remove it or choose another --out")
-        ours = True
-    for name in ("samples", "grid"):
-        if paths[name].exists() and not ours:
-            raise SystemExit(f"--out {out}: {paths[name]} exists and was not written by sample.py; choose another --out")
-    for path in (paths["samples"], summary, paths["grid"]):
-        remove_stale_temporaries(path)
-    return paths["samples"].exists()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, load, sample the unfinished shards, and (main process) merge."""
     args = parse_args(argv)
     check_args(args)
     settings = run_settings(args)
-    if claim_outputs(args.out, settings):
+    files = SampleFiles(args.out)
+    if files.claim(settings):
         print(f"sample.py: {args.out} is already complete")
         return
     export = load_checkpoint(args)  # nothing is written before the checkpoint has loaded
@@ -209,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     set_matmul_precision(precision)
     labels = assign_labels(args.num_samples, export.description.num_classes, args.labels, args.seed)
     shards = plan_shards(args.num_samples, args.shard_size)
-    folder = ShardFolder(outputs_of(args.out)["shards"], [shard.file_name for shard in shards], settings)
+    folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings)
     try:
         pending = [shards[index] for index in folder.claim(accelerator)]
     except ShardFolderError as error:
@@ -295,12 +262,12 @@ def finish(args: argparse.Namespace, folder: ShardFolder, shards: Sequence[Shard
         folder.write(shard.number, lambda path: save_shard(path, shard, images, labels))
         return images
 
-    paths = outputs_of(args.out)
+    files = SampleFiles(args.out)
     images_of = shard_reader(folder.folder, labels, repair)
-    write_json_atomic(paths["summary"], summary)
+    write_json_atomic(files.summary, summary)
     if args.grid_size:
-        save_grid(leading_images(shards, images_of, args.grid_size), paths["grid"])
-    merge_shards(shards, images_of, labels, paths["samples"])
+        save_grid(leading_images(shards, images_of, args.grid_size), files.grid)
+    merge_shards(shards, images_of, labels, files.samples)
     shutil.rmtree(folder.folder)
 
 

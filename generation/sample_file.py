@@ -7,14 +7,16 @@ index order, into the final .npz without holding all images in memory (50 000 im
 
 from __future__ import annotations
 
+import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from atomic_files import atomic_output, save_npz_atomic
+from atomic_files import atomic_output, remove_stale_temporaries, save_npz_atomic
+from atomic_files.shards import first_difference
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,54 @@ class Shard:
 
 class DamagedShardError(ValueError):
     """A shard file that cannot be read, or holds other samples than its name says."""
+
+
+class SampleFilesError(ValueError):
+    """An output file that another run, or something other than sample.py, wrote (the message names it)."""
+
+
+@dataclass(frozen=True)
+class SampleFiles:
+    """What one sample run writes for `samples` (an .npz): the summary `.json` (its settings and speed), the
+    preview `.png`, and the `.shards/` folder that exists until the merge."""
+
+    samples: Path
+
+    @property
+    def summary(self) -> Path:
+        return self.samples.with_suffix(".json")
+
+    @property
+    def grid(self) -> Path:
+        return self.samples.with_suffix(".png")
+
+    @property
+    def shards(self) -> Path:
+        return self.samples.with_name(self.samples.name + ".shards")
+
+    def claim(self, settings: dict[str, Any]) -> bool:
+        """True when the samples are already complete for these settings. Files of another run, or files the
+        summary does not vouch for, raise SampleFilesError; temporary files of a killed run are removed."""
+        ours = False
+        if self.summary.exists():
+            try:
+                stored = json.loads(self.summary.read_text()).get("settings")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                stored = None
+            if stored is None:
+                raise SampleFilesError(f"{self.summary} exists and was not written by sample.py; choose another "
+                                       f"--out")
+            key = first_difference(stored, settings)
+            if key is not None:
+                raise SampleFilesError(f"{self.summary} belongs to a run with {key}={stored.get(key)!r}, not "
+                                       f"{settings.get(key)!r}: remove it or choose another --out")
+            ours = True
+        for path in (self.samples, self.grid):
+            if path.exists() and not ours:
+                raise SampleFilesError(f"{path} exists and was not written by sample.py; choose another --out")
+        for path in (self.samples, self.summary, self.grid):
+            remove_stale_temporaries(path)
+        return self.samples.exists()
 
 
 def plan_shards(num_samples: int, shard_size: int) -> list[Shard]:

@@ -20,7 +20,8 @@ from atomic_files.shards import ShardFolder, ShardFolderError
 from generation import ImageGenerator, load_export
 from generation.images import to_uint8
 from generation.official import official_export
-from generation.sample_file import DamagedShardError, leading_images, merge_shards, plan_shards, shard_reader
+from generation.sample_file import (DamagedShardError, SampleFiles, SampleFilesError, leading_images, merge_shards,
+                                    plan_shards, shard_reader)
 from generation.sample_plan import assign_labels, sample_seeds
 
 
@@ -220,7 +221,7 @@ def test_output_layout(reference):
     np.testing.assert_array_equal(images[..., 0], images[..., 2])  # one channel repeated
     assert len({image.tobytes() for image in images}) == 16  # every sample has its own noise
     assert images.std() > 10  # real pictures, not a constant
-    assert not sample.outputs_of(out)["shards"].exists() and not list(out.parent.glob(".*tmp*"))
+    assert not SampleFiles(out).shards.exists() and not list(out.parent.glob(".*tmp*"))
     from PIL import Image
 
     assert Image.open(out.with_suffix(".png")).size == (3 * 66 + 2, 3 * 66 + 2)  # 3x3 tiles of 64 + padding
@@ -261,7 +262,7 @@ def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(expo
 
 def test_killed_run_resumes_without_redoing_finished_shards(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
-    folder = sample.outputs_of(out)["shards"]
+    folder = SampleFiles(out).shards
     process = subprocess.Popen(sample_command(export, out), env=environment(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
@@ -349,7 +350,7 @@ def test_finished_output_is_kept(reference, export, capsys):
     before = out.stat().st_mtime_ns
     sample.main(sample_command(export, out)[2:])  # the same run again: nothing to do
     assert "already complete" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="run with seed=7, not 8"):
+    with pytest.raises(SampleFilesError, match="run with seed=7, not 8"):
         sample.main([*sample_command(export, out)[2:], "--seed", "8"])
     assert out.stat().st_mtime_ns == before
 
@@ -357,7 +358,7 @@ def test_finished_output_is_kept(reference, export, capsys):
 def test_foreign_output_is_kept(export, tmp_path):
     out = tmp_path / "samples.npz"
     np.savez(out, arr_0=np.zeros((1, 8, 8, 3), np.uint8))
-    with pytest.raises(SystemExit, match="exists and was not written by sample.py"):
+    with pytest.raises(SampleFilesError, match="exists and was not written by sample.py"):
         sample.main(sample_command(export, out)[2:])
     assert np.load(out)["arr_0"].shape == (1, 8, 8, 3)
 
@@ -506,7 +507,7 @@ def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(export, ref
 
     PartialState._reset_state()
     shard = plan_shards(16, 4)[1]
-    path = sample.outputs_of(out)["shards"] / shard.file_name
+    path = SampleFiles(out).shards / shard.file_name
     path.write_bytes(path.read_bytes()[:100])  # cut on disk
     capsys.readouterr()
     sample.main(argv)
@@ -514,4 +515,4 @@ def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(export, ref
     assert f"{shard.file_name}" in printed and "sampling shard 1 again" in printed
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])  # the same samples as a clean run
-    assert not sample.outputs_of(out)["shards"].exists()
+    assert not SampleFiles(out).shards.exists()
