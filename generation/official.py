@@ -17,6 +17,7 @@ channels), and SiT uses the first half (the velocity), as the official SiT forwa
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import re
 import zipfile
@@ -175,7 +176,7 @@ def resolve_released(name: str) -> Path:
     if target.is_file():
         return target
     release = RELEASED[name]
-    temporary = target.with_name(f".{name}.download")
+    temporary = target.with_name(f".{name}.download-{os.getpid()}")  # processes that start together do not collide
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         torch.hub.download_url_to_file(release.url, str(temporary), progress=True)
