@@ -226,13 +226,12 @@ class _VCACore(torch.autograd.Function):
             x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias = (
                 None if t is None else t.to(dtype)
                 for t in (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias))
-            qkv = F.linear(x, qkv_weight, qkv_bias)  # (B, N, 3C)
-            heads = _head_major(qkv, h)  # (3, B, h, N, d)
+            heads = _project_heads(x, qkv_weight, qkv_bias, h)  # (3, B, h, N, d)
             fwd = _VCAForward(heads, embed, lambda1, lambda2, norm1, layout)
             out = fwd.mixed  # (G, N, d)
             if layout.options.stage2_differential:
                 out = out * _inverse_rms(out, layout.eps) * (norm2 * (1 - layout.lambda_init))
-            local = F.conv2d(_value_image(qkv[..., 2 * C :], layout.grid_size), conv_weight, conv_bias,
+            local = F.conv2d(_value_image(heads[2], layout.grid_size), conv_weight, conv_bias,
                              padding=1, groups=C)  # (B, C, H, W)
             result = local.permute(0, 2, 3, 1).reshape(B, N, C)  # (B, N, C), a view when channels-last
             result.view(B, N, h, d).add_(out.view(B, h, N, d).transpose(1, 2))
@@ -252,13 +251,13 @@ class _VCACore(torch.autograd.Function):
         with _autocast_off(grad.device.type):
             grad = grad.to(x.dtype).contiguous()  # (B, N, C)
             if heads is None:
-                heads = _head_major(F.linear(x, qkv_weight, qkv_bias), h)  # (3, B, h, N, d)
+                heads = _project_heads(x, qkv_weight, qkv_bias, h)  # (3, B, h, N, d)
             fwd = _VCAForward(heads, embed, lambda1, lambda2, norm1, layout)
             grad_heads = torch.empty_like(heads)  # (3, B, h, N, d): dq, dk, dv written in place
             grad_q, grad_k, grad_v = (t.view(G, N, d) for t in grad_heads.unbind(0))
 
             # Depthwise convolution of v.
-            value_image = _value_image(heads[2].transpose(1, 2).reshape(B, N, C), H)
+            value_image = _value_image(heads[2], H)
             grad_image = grad.view(B, H, H, C).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last view
             grad_local, grad_conv_weight, grad_conv_bias = torch.ops.aten.convolution_backward(
                 grad_image, value_image, conv_weight, [C], [1, 1], [1, 1], [1, 1], False, [0, 0], C,
@@ -332,19 +331,24 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _head_major(qkv: Tensor, num_heads: int) -> Tensor:
-    """The fused projection (B, N, 3C) as one head-contiguous tensor (3, B, h, N, d): q, k, v of every head
-    are then (N, d) matrices with a common batch stride, as batched GEMMs need them."""
-    B, N, three_c = qkv.shape
-    heads = qkv.new_empty(3, B, num_heads, N, three_c // 3 // num_heads)  # empty + copy_: faster than contiguous()
-    heads.copy_(qkv.view(B, N, 3, num_heads, -1).permute(2, 0, 3, 1, 4))
-    return heads
+def _project_heads(x: Tensor, weight: Tensor, bias: Tensor, num_heads: int) -> Tensor:
+    """The qkv projection of tokens x (B, N, C) as one head-contiguous tensor (3, B, h, N, d): q, k, v of every
+    head are then (N, d) matrices with a common batch stride, as batched GEMMs need them. The bias is added
+    in the same pass that reorders the GEMM's output."""
+    B, N, C = x.shape
+    d = C // num_heads
+    product = torch.mm(x.reshape(B * N, C), weight.T).view(B, N, 3, num_heads, d)  # (B, N, 3, h, d)
+    heads = x.new_empty(3, B, num_heads, N, d)
+    torch.add(product.permute(2, 0, 3, 1, 4), bias.view(3, 1, num_heads, 1, d), out=heads)
+    return heads  # (3, B, h, N, d)
 
 
 def _value_image(v: Tensor, grid_size: int) -> Tensor:
-    """Tokens v (B, N, C) as a channels-last image (B, C, H, W) for the depthwise convolution."""
-    B, N, C = v.shape
-    return v.reshape(B, grid_size, grid_size, C).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    """Values v (B, h, N, d) of all heads as one channels-last image (B, C, H, W) for the depthwise convolution."""
+    B, h, N, d = v.shape
+    image = v.new_empty(B, N, h, d)  # (B, N, C): a channels-last image's memory
+    image.copy_(v.transpose(1, 2))
+    return image.view(B, grid_size, grid_size, h * d).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last
 
 
 class VisualContrastAttention(nn.Module):
