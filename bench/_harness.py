@@ -31,6 +31,15 @@ def describe_device(device: torch.device) -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
+def cpu_vector_flags() -> list[str]:
+    """The CPU's vector extensions that decide GEMM speed (avx2, avx512f, avx512_bf16, amx_bf16, ...), from
+    /proc/cpuinfo: an AVX2-only CPU has no native bf16."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return sorted(flag for flag in flags if flag.startswith(("avx", "amx", "fma")))
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for queued GPU work, so a timer measures the work and not its launch; a no-op on the CPU."""
     if torch.device(device).type == "cuda":

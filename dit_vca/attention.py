@@ -155,7 +155,9 @@ class _VCAForward:
     computed once in the forward pass and again (recomputation instead of storage) in the backward pass."""
 
     def __init__(self, heads: Tensor, embed: Tensor, lambda1: Tensor | None, lambda2: Tensor | None,
-                 norm1: Tensor | None, layout: _KernelLayout):
+                 norm1: Tensor | None, layout: _KernelLayout, for_backward: bool):
+        """for_backward: also keep Stage I's probabilities and weights (the backward pass needs them); without it
+        Stage I runs as one fused SDPA call that never materialises them."""
         _, B, h, N, d = heads.shape  # (3, B, h, N, d)
         options, p, H = layout.options, layout.contrast_grid, layout.grid_size
         n, r, G = p * p, H // p, B * h
@@ -172,17 +174,26 @@ class _VCAForward:
 
         # Stage I: the contrast tokens attend to all N keys.
         self.stage1_queries = self.streams[:, : layout.stage1_rows] * self.scale  # (G, m1, d), scaled
-        self.stage1_probs = torch.bmm(self.stage1_queries, self.k.transpose(1, 2)).softmax(dim=-1)  # (G, m1, N)
-        if options.stage1_differential:
+        if not for_backward:
+            read = F.scaled_dot_product_attention(self.streams[:, : layout.stage1_rows], self.k, self.v)  # (G, m1, d)
+            if options.stage1_differential:
+                self.contrast = torch.addcmul(read[:, :n], read[:, n:], lambda1, value=-1)  # (G, n, d)
+                self.inverse_rms1 = _inverse_rms(self.contrast, layout.eps)  # (G, n, 1)
+                self.contrast_values = self.contrast * self.inverse_rms1 * (norm1 * (1 - layout.lambda_init))
+            else:
+                self.contrast_values = read  # V̂, (G, n, d)
+        elif options.stage1_differential:
+            self.stage1_probs = torch.bmm(self.stage1_queries, self.k.transpose(1, 2)).softmax(dim=-1)  # (G, m1, N)
             # A⁺v − λ₁A⁻v = (A⁺ − λ₁A⁻)v: one value product of n rows instead of two.
-            probs = self.stage1_probs
+            probs = self.stage1_probs  # (G, 2n, N)
             self.stage1_weights = torch.addcmul(probs[:, :n], probs[:, n:], lambda1, value=-1)  # (G, n, N)
             self.contrast = torch.bmm(self.stage1_weights, self.v)  # (G, n, d)
             self.inverse_rms1 = _inverse_rms(self.contrast, layout.eps)  # (G, n, 1)
             self.normed1 = self.contrast * self.inverse_rms1
             self.contrast_values = self.normed1 * (norm1 * (1 - layout.lambda_init))  # V̂, (G, n, d)
         else:
-            self.stage1_weights = self.stage1_probs  # (G, n, N)
+            self.stage1_probs = torch.bmm(self.stage1_queries, self.k.transpose(1, 2)).softmax(dim=-1)  # (G, n, N)
+            self.stage1_weights = self.stage1_probs
             self.contrast_values = torch.bmm(self.stage1_probs, self.v)  # V̂, (G, n, d)
 
         # Stage II: every query reads V̂ through its attention to the contrast tokens.
@@ -227,7 +238,7 @@ class _VCACore(torch.autograd.Function):
                 None if t is None else t.to(dtype)
                 for t in (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias))
             heads = _project_heads(x, qkv_weight, qkv_bias, h)  # (3, B, h, N, d)
-            fwd = _VCAForward(heads, embed, lambda1, lambda2, norm1, layout)
+            fwd = _VCAForward(heads, embed, lambda1, lambda2, norm1, layout, for_backward=False)
             out = fwd.mixed  # (G, N, d)
             if layout.options.stage2_differential:
                 out = out * _inverse_rms(out, layout.eps) * (norm2 * (1 - layout.lambda_init))
@@ -252,7 +263,7 @@ class _VCACore(torch.autograd.Function):
             grad = grad.to(x.dtype).contiguous()  # (B, N, C)
             if heads is None:
                 heads = _project_heads(x, qkv_weight, qkv_bias, h)  # (3, B, h, N, d)
-            fwd = _VCAForward(heads, embed, lambda1, lambda2, norm1, layout)
+            fwd = _VCAForward(heads, embed, lambda1, lambda2, norm1, layout, for_backward=True)
             grad_heads = torch.empty_like(heads)  # (3, B, h, N, d): dq, dk, dv written in place
             grad_q, grad_k, grad_v = (t.view(G, N, d) for t in grad_heads.unbind(0))
 
