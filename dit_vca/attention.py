@@ -324,8 +324,8 @@ class _VCACore(torch.autograd.Function):
             grad_heads[2].add_(grad_local.permute(0, 2, 3, 1).reshape(B, N, h, d).transpose(1, 2))
 
             # The qkv projection.
-            grad_qkv = x.new_empty(B * N, 3, h, d)
-            grad_qkv.copy_(grad_heads.permute(1, 3, 0, 2, 4).reshape(B * N, 3, h, d))  # (B·N, 3, h, d)
+            grad_qkv = x.new_empty(B, N, 3, h, d)
+            grad_qkv.copy_(grad_heads.permute(1, 3, 0, 2, 4))  # (B, N, 3, h, d)
             grad_qkv = grad_qkv.view(B * N, 3 * C)
             grad_x = (grad_qkv @ qkv_weight).view(B, N, C) if needs[0] else None
             grad_qkv_weight = grad_qkv.T @ x.reshape(B * N, C) if needs[1] else None  # (3C, C)
