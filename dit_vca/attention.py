@@ -173,28 +173,24 @@ class _VCAForward:
         self.streams = streams.reshape(G, -1, d)  # (G, S·n, d): T⁺ rows first, then T⁻
 
         # Stage I: the contrast tokens attend to all N keys.
-        self.stage1_queries = self.streams[:, : layout.stage1_rows] * self.scale  # (G, m1, d), scaled
-        if not for_backward:
-            read = F.scaled_dot_product_attention(self.streams[:, : layout.stage1_rows], self.k, self.v)  # (G, m1, d)
-            if options.stage1_differential:
-                self.contrast = torch.addcmul(read[:, :n], read[:, n:], lambda1, value=-1)  # (G, n, d)
-                self.inverse_rms1 = _inverse_rms(self.contrast, layout.eps)  # (G, n, 1)
-                self.contrast_values = self.contrast * self.inverse_rms1 * (norm1 * (1 - layout.lambda_init))
-            else:
-                self.contrast_values = read  # V̂, (G, n, d)
-        elif options.stage1_differential:
+        stage1_streams = self.streams[:, : layout.stage1_rows]  # (G, m1, d)
+        if for_backward:
+            self.stage1_queries = stage1_streams * self.scale  # scaled
             self.stage1_probs = torch.bmm(self.stage1_queries, self.k.transpose(1, 2)).softmax(dim=-1)  # (G, m1, N)
-            # A⁺v − λ₁A⁻v = (A⁺ − λ₁A⁻)v: one value product of n rows instead of two.
-            probs = self.stage1_probs  # (G, 2n, N)
-            self.stage1_weights = torch.addcmul(probs[:, :n], probs[:, n:], lambda1, value=-1)  # (G, n, N)
-            self.contrast = torch.bmm(self.stage1_weights, self.v)  # (G, n, d)
-            self.inverse_rms1 = _inverse_rms(self.contrast, layout.eps)  # (G, n, 1)
-            self.normed1 = self.contrast * self.inverse_rms1
-            self.contrast_values = self.normed1 * (norm1 * (1 - layout.lambda_init))  # V̂, (G, n, d)
+            self.stage1_weights = self.stage1_probs  # (G, n, N)
+            if options.stage1_differential:  # A⁺v − λ₁A⁻v = (A⁺ − λ₁A⁻)v: one value product of n rows, not two
+                probs = self.stage1_probs
+                self.stage1_weights = torch.addcmul(probs[:, :n], probs[:, n:], lambda1, value=-1)
+            contrast = torch.bmm(self.stage1_weights, self.v)  # (G, n, d)
         else:
-            self.stage1_probs = torch.bmm(self.stage1_queries, self.k.transpose(1, 2)).softmax(dim=-1)  # (G, n, N)
-            self.stage1_weights = self.stage1_probs
-            self.contrast_values = torch.bmm(self.stage1_probs, self.v)  # V̂, (G, n, d)
+            read = F.scaled_dot_product_attention(stage1_streams, self.k, self.v)  # (G, m1, d)
+            contrast = torch.addcmul(read[:, :n], read[:, n:], lambda1, value=-1) if options.stage1_differential \
+                else read  # (G, n, d)
+        self.contrast_values = contrast  # V̂, (G, n, d)
+        if options.stage1_differential:
+            self.inverse_rms1 = _inverse_rms(contrast, layout.eps)  # (G, n, 1)
+            self.normed1 = contrast * self.inverse_rms1
+            self.contrast_values = self.normed1 * (norm1 * (1 - layout.lambda_init))
 
         # Stage II: every query reads V̂ through its attention to the contrast tokens.
         self.stage2_keys = self.streams[:, : layout.stage2_cols] * self.scale  # (G, m2, d), scaled
