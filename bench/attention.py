@@ -14,8 +14,8 @@ Writes bench/results/attention-<device>[-quick].{json,md,png}. On the CPU run it
 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000: glibc's default allocator maps every large tensor
 afresh and the first-touch page faults distort timings by up to 2×.
 
-Usage: python bench/attention.py [--quick] [--device cpu|cuda] [--threads T] [--tokens N ...] [--widths C ...]
-                                 [--out bench/results]
+Usage: python bench/attention.py [--quick] [--device cpu|cuda] [--threads T] [--cpu-time] [--tokens N ...]
+                                 [--widths C ...] [--out bench/results]
 """
 
 import argparse
@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -77,9 +78,11 @@ def median_seconds(step, device: torch.device, min_time: float, max_repeats: int
     return interleaved_median_seconds({"step": step}, device, min_time, max_repeats)["step"]
 
 
-def interleaved_median_seconds(steps: dict, device: torch.device, min_time: float, max_repeats: int) -> dict:
-    """Median wall time of each of `steps` (name -> callable) after one warm-up call each, timed in rounds of
-    one call of every step, until the slowest has run for min_time (≥ 3 rounds, ≤ max_repeats)."""
+def interleaved_median_seconds(steps: dict, device: torch.device, min_time: float, max_repeats: int,
+                               clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Median time of each of `steps` (name -> callable) after one warm-up call each, timed in rounds of one
+    call of every step, until the slowest has run for min_time (≥ 3 rounds, ≤ max_repeats). `clock`: wall time,
+    or time.process_time (CPU time of this process: what other jobs on the machine do not change)."""
     for step in steps.values():
         step()
     synchronize(device)
@@ -87,10 +90,10 @@ def interleaved_median_seconds(steps: dict, device: torch.device, min_time: floa
     while (rounds := len(next(iter(times.values())))) < 3 or (
             max(sum(t) for t in times.values()) < min_time and rounds < max_repeats):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start = clock()
             step()
             synchronize(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -174,7 +177,8 @@ def run(args: argparse.Namespace) -> dict:
                     layers = {m: build_layer(m, width, heads, tokens).to(device) for m in methods}
                     x = torch.randn(batch, tokens, width, device=device, requires_grad=backward)
                     steps = {m: layer_step(layer, x, dtype, backward) for m, layer in layers.items()}
-                    seconds = interleaved_median_seconds(steps, device, min_time, 20)
+                    clock = time.process_time if args.cpu_time else time.perf_counter
+                    seconds = interleaved_median_seconds(steps, device, min_time, 20, clock)
                     for method in methods:
                         flops = count_flops(method, width, heads, tokens, batch, backward)
                         row = dict(tokens=tokens, width=width, heads=heads, batch=batch, dtype=dtype_name,
@@ -236,9 +240,9 @@ def goal_lines(table: list[dict], device_type: str) -> list[str]:
         limit = MEMORY_GOALS.get(entry["tokens"])
         if limit is not None:
             mhsa, saved = entry["saved_mib"]["mhsa-sdpa"], entry["saved_mib"]
-            lean = entry["saved_mib_vca64_recompute_qkv"] / mhsa
+            lean, fused = entry["saved_mib_vca64_recompute_qkv"] / mhsa, saved["vca-64"] / mhsa
             lines.append(f"- saved activations, N = {entry['tokens']}, C = {entry['width']}: VCA/MHSA = "
-                         f"{saved['vca-64'] / mhsa:.2f} (goal ≤ {limit:.2f}, {verdict(saved['vca-64'] / mhsa, limit)}; "
+                         f"{fused:.2f} (goal ≤ {limit:.2f}, {verdict(fused, limit)}; "
                          f"with recompute_qkv {lean:.2f}, {verdict(lean, limit)}; readable VCA path "
                          f"{saved['vca-64-readable'] / mhsa:.2f})")
     return lines
@@ -254,9 +258,9 @@ def markdown(results: dict, table: list[dict]) -> str:
         f"Attention layer benchmark on {results['device']} ({' '.join(results['cpu_flags']) or 'no AVX'}; "
         f"torch {results['torch']}, {results['tokens_per_batch']} tokens per batch, allocator env "
         f"{results['allocator']}).",
-        f"Times in ms (median of interleaved rounds); ratio = VCA / faster MHSA; readable = VCA's reference path "
-        f"(n = 64); % peak = layer GFLOP/s over a large matmul's ({peaks} GFLOP/s); saved = MiB of activations "
-        f"saved for backward (MHSA SDPA / VCA n=64 / VCA readable).",
+        f"Times in ms ({results['clock']}, median of interleaved rounds); ratio = VCA / faster MHSA; "
+        f"readable = VCA's reference path (n = 64); % peak = layer GFLOP/s over a large matmul's ({peaks} "
+        f"GFLOP/s); saved = MiB of activations saved for backward (MHSA SDPA / VCA n=64 / VCA readable).",
         "",
         "| N | C / h | dtype | pass | MHSA SDPA | MHSA bmm | VCA n=64 | VCA n=N/4 | VCA readable | VCA64/MHSA "
         "| VCA(N/4)/MHSA | readable/MHSA | % peak MHSA | % peak VCA64 | saved MiB |",
@@ -303,7 +307,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N ≤ 1024, C = 384, small batches, 3 repeats: a smoke run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the run (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with the process's CPU time instead of wall time (CPU, --threads 1 only): "
+                             "insensitive to other jobs on a shared machine")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts N (squares; default 256 1024 4096)")
     parser.add_argument("--widths", type=int, nargs="+", choices=[w for w, _ in WIDTHS],
                         help="widths C to run (default all; 384 with --quick)")
@@ -316,10 +324,13 @@ def main() -> None:
         if int(tokens**0.5) ** 2 != tokens or tokens < 16:
             parser.error(f"--tokens {tokens}: expected a square token count ≥ 16 (an H×H grid)")
 
-    results = run(args)
+    if args.cpu_time and (args.device != "cpu" or args.threads != 1):
+        parser.error("--cpu-time needs --device cpu --threads 1 (CPU time of several threads is not a duration)")
+    results = {**run(args), "clock": "cpu time" if args.cpu_time else "wall time"}
     table = comparisons(results)
     results["comparisons"] = table
-    stem = f"attention-{torch.device(args.device).type}{'-quick' if args.quick else ''}"
+    suffix = ("-quick" if args.quick else "") + ("-cputime" if args.cpu_time else "")
+    stem = f"attention-{torch.device(args.device).type}{suffix}"
     save_results(args.out, stem, results, markdown(results, table), plot)
     print(markdown(results, table))
     print(f"wrote {args.out / stem}.{{json,md,png}}")

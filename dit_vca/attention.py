@@ -252,7 +252,8 @@ class _VCACore(torch.autograd.Function):
         layout: _KernelLayout = ctx.layout
         x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight = ctx.saved_tensors
         B, N, C = x.shape
-        h, d, options, H, p = layout.num_heads, C // layout.num_heads, layout.options, layout.grid_size, layout.contrast_grid
+        h, options, H, p = layout.num_heads, layout.options, layout.grid_size, layout.contrast_grid
+        d = C // h
         n, r, c, G = p * p, H // p, 1 - layout.lambda_init, B * h
         needs = ctx.needs_input_grad
         with _autocast_off(grad.device.type):
