@@ -103,6 +103,20 @@ def test_fast_path_equals_readable_path(grid, options, recompute):
         assert (fast[name] - expected).abs().max() <= 1e-10 * max(1.0, expected.abs().max().item()), name
 
 
+def test_fast_path_under_bf16_autocast_matches_readable_path():
+    # Under autocast both paths compute in bf16 (8-bit mantissa, ~0.4 % per rounding); a few roundings in a
+    # row differ by ~1 % (observed ≤ 1.3 %), a wrong formula by far more. Parameter gradients stay fp32.
+    module = perturbed_vca(32, 2, 8, block_index=3, options=VCAOptions())
+    x, grad = torch.randn(2, 64, 32), torch.randn(2, 64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = outputs_and_gradients(module, "forward", x, grad)
+        readable = outputs_and_gradients(module, "reference_forward", x, grad)
+    assert fast["output"].dtype == torch.bfloat16 and fast["qkv.weight"].dtype == torch.float32
+    for name in ("output", "x", "qkv.weight", "contrast_embed", "lambda2.q1", "value_conv.weight"):
+        expected = readable[name].float()
+        assert (fast[name].float() - expected).abs().max() <= 0.03 * expected.abs().max(), name
+
+
 def test_state_dict_layout_is_unchanged():
     # Exports written before the fast path still load: same keys, same shapes (C = 32, h = 2, 8×8 grid, p = 4).
     module = VisualContrastAttention(32, 2, 8, 0)
