@@ -1,10 +1,11 @@
-"""Shared benchmark plumbing: what machine a result came from, whether bf16 is worth timing there, and
-saving a result as JSON, a Markdown table and a PNG plot (each replaced atomically)."""
+"""Shared benchmark plumbing: what machine a result came from, whether bf16 is worth timing there, how many
+bytes of activations a forward pass saves for backward, and saving a result as JSON, a Markdown table and a
+PNG plot (each replaced atomically)."""
 
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import matplotlib
@@ -28,6 +29,15 @@ def describe_device(device: torch.device) -> str:
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                  platform.processor() or platform.machine())
     return f"{model}, {torch.get_num_threads()} threads"
+
+
+def cpu_vector_flags() -> list[str]:
+    """The CPU's vector extensions that decide GEMM speed (avx2, avx512f, avx512_bf16, amx_bf16, ...), from
+    /proc/cpuinfo: an AVX2-only CPU has no native bf16."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return sorted(flag for flag in flags if flag.startswith(("avx", "amx", "fma")))
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -61,6 +71,25 @@ def bf16_skip_reason(device: torch.device) -> str | None:
         return None
     return (f"bf16 rows skipped: a {PROBE_SIZE}³ bf16 matmul runs at {bf16:.1f} GFLOP/s here against {fp32:.1f} "
             f"in fp32 (no native bf16 GEMM on this device)")
+
+
+def saved_activation_bytes(forward: Callable[[], object], parameters: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages that autograd saves for backward while `forward()` runs, parameters
+    excluded: the activation memory a training step holds between forward and backward. Counted through
+    saved-tensor hooks, so it depends on the code path, not on the machine or the allocator."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = forward()  # kept alive until the count is taken, so no storage is freed and reused
+    del output
+    return sum(storages.values())
 
 
 def save_results(out_dir: Path, stem: str, results: dict, table: str, plot: Callable[[dict], Figure]) -> None:

@@ -1,6 +1,7 @@
 """Training throughput (steps/s, images/s) of the real training step, VCA against MHSA.
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python bench/train.py           # full matrix
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python bench/train.py --goal-rows --rounds 3
     python bench/train.py --quick                                                         # smoke run, < 1 min
 
 Cases: DiT-S/2 and SiT-S/2 (the experiment configs of configs/) at 256 px (32x32 latents) and 512 px
@@ -11,6 +12,10 @@ initialised VAE of the SD architecture (no download). Each step is `Trainer.trai
 online encoding for DiT-S/2 at 256 px only, and no bf16 rows where bf16 GEMMs are not native (the full GPU
 matrix would take hours on two cores). --quick runs one case per code path with 2-block
 models at batch 2 for 2 timed steps: it checks that the benchmark works; its numbers are not meaningful.
+--goal-rows runs only the cases of the issue's goals (DiT-S/2, fp32, from latents: 256 px, 512 px with the
+default and the 8x8 grid); --rounds R measures every case R times in turn (interleaved, so a machine shared
+with other jobs slows all cases alike) and keeps the median. Each case also reports the activation memory one
+forward pass of the model saves for backward (saved-tensor hooks: a count, independent of the machine).
 
 Writes bench/results/train-<device>.json, a Markdown table (.md) and a bar plot (.png).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _harness import bf16_skip_reason, describe_device, plt, save_results, synchronize  # noqa: E402  (bench/ is on sys.path)
+from _harness import (  # noqa: E402  (bench/ is on sys.path)
+    bf16_skip_reason, cpu_vector_flags, describe_device, plt, save_results, saved_activation_bytes, synchronize)
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from diffusers import AutoencoderKL  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
@@ -49,6 +56,8 @@ LATENT_CHANNELS = SD_VAE_ARCHITECTURE["latent_channels"]
 DOWNSAMPLING = latent_downsampling(SD_VAE_ARCHITECTURE)
 FIXED_GRID = 8
 QUICK_DEPTH = 2
+# The issue's goals, VCA / MHSA time per training step (DiT-S/2, fp32, from latents): (image size, grid) -> limit.
+TIME_GOALS = {(256, None): 1.00, (512, None): 0.90, (512, FIXED_GRID): 0.67}
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,13 @@ def all_cases(precisions: tuple[str, ...], online: set[tuple[str, int]]) -> list
                     for source in sources:
                         cases.append(Case(model, size, attention, grid, precision, source))
     return cases
+
+
+def goal_cases() -> list[Case]:
+    """The cases of TIME_GOALS and their MHSA baselines."""
+    sizes = sorted({size for size, _ in TIME_GOALS})
+    return [Case("DiT-S/2", size, attention, grid, "fp32", "latents") for size in sizes
+            for attention, grid in [("mhsa", None)] + [("vca", g) for s, g in TIME_GOALS if s == size]]
 
 
 def quick_cases() -> list[Case]:
@@ -114,8 +130,9 @@ def case_config(case: Case, batch_size: int, run_dir: Path, extra: list[str]) ->
     return load_config(ROOT / "configs" / f"{family}-s2-{case.attention}.yaml", overrides)
 
 
-def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[str]) -> dict:
-    """Seconds per optimiser step of `case` (config overrides `extra`), after `warmup` untimed steps."""
+def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[str], count_memory: bool) -> dict:
+    """Seconds per optimiser step of `case` (config overrides `extra`), after `warmup` untimed steps, and (with
+    count_memory) the MiB of activations one forward pass of the model saves for backward."""
     with tempfile.TemporaryDirectory() as run_dir:
         config = case_config(case, batch_size, Path(run_dir), extra)
         accelerator = create_accelerator(config, RunDirectory(Path(run_dir)))
@@ -147,31 +164,82 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
         synchronize(device)
         seconds = (time.perf_counter() - start) / steps
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        saved = saved_forward_mib(model, batch_size, latent_side, case.precision, device) if count_memory else None
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return {**asdict(case), "label": case.label, "batch_size": batch_size, "steps_per_s": 1 / seconds,
-            "images_per_s": batch_size / seconds, "peak_memory_gib": peak}
+    return {**asdict(case), "label": case.label, "batch_size": batch_size, "seconds_per_step": seconds,
+            "steps_per_s": 1 / seconds, "images_per_s": batch_size / seconds, "peak_memory_gib": peak,
+            "saved_mib": saved}
+
+
+def saved_forward_mib(model: torch.nn.Module, batch_size: int, latent_side: int, precision: str,
+                      device: torch.device) -> float:
+    """MiB of activations saved for backward by one forward pass of `model` on a batch of random latents."""
+    latents = torch.randn(batch_size, LATENT_CHANNELS, latent_side, latent_side, device=device)
+    timesteps = torch.randint(0, 1000, (batch_size,), device=device)
+    labels = torch.randint(0, 1000, (batch_size,), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        return saved_activation_bytes(lambda: model(latents, timesteps, labels), model.parameters()) / 2**20
+
+
+def median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Per case, the median over the rounds of the seconds per step (the memory count is the first round's)."""
+    results = []
+    for measured in zip(*rounds):
+        seconds = statistics.median(r["seconds_per_step"] for r in measured)
+        results.append({**measured[0], "seconds_per_step": seconds, "steps_per_s": 1 / seconds,
+                        "images_per_s": measured[0]["batch_size"] / seconds,
+                        "rounds_seconds_per_step": [r["seconds_per_step"] for r in measured]})
+    return results
 
 
 def vca_speedups(results: list[dict]) -> list[dict]:
-    """images/s of each VCA case over the MHSA case with the same model, size, precision and source."""
+    """images/s of each VCA case over the MHSA case with the same model, size, precision and source, and the
+    inverse, VCA's time per step over MHSA's (the issue's goals are written in it)."""
     key = lambda r: (r["model"], r["image_size"], r["precision"], r["source"])
-    mhsa = {key(r): r["images_per_s"] for r in results if r["attention"] == "mhsa"}
-    return [{"label": r["label"], "speedup_over_mhsa": r["images_per_s"] / mhsa[key(r)]}
+    mhsa = {key(r): r for r in results if r["attention"] == "mhsa"}
+    return [{"label": r["label"], "speedup_over_mhsa": r["images_per_s"] / mhsa[key(r)]["images_per_s"],
+             "time_ratio": r["seconds_per_step"] / mhsa[key(r)]["seconds_per_step"],
+             "saved_ratio": (r["saved_mib"] / mhsa[key(r)]["saved_mib"]
+                             if r["saved_mib"] is not None and mhsa[key(r)]["saved_mib"] else None)}
             for r in results if r["attention"] == "vca" and key(r) in mhsa]
+
+
+def goal_lines(report: dict) -> list[str]:
+    """Met or missed, with the measured ratio, for every goal case present in the results."""
+    ratios = {s["label"]: s for s in report["vca_speedups"]}
+    lines = []
+    for (size, grid), limit in TIME_GOALS.items():
+        label = Case("DiT-S/2", size, "vca", grid, "fp32", "latents").label
+        if label in ratios:
+            ratio = ratios[label]["time_ratio"]
+            verdict = "met" if ratio <= limit else f"missed by {ratio / limit:.2f}x"
+            lines.append(f"- {label}: VCA/MHSA time = {ratio:.2f} (goal <= {limit:.2f}, {verdict})")
+    return lines
 
 
 def markdown(report: dict) -> str:
     quick = " (--quick: smoke run, not meaningful)" if report["quick"] else ""
-    lines = [f"# Training throughput on {report['device']}", "",
+    rounds = f", median of {report['rounds']} interleaved rounds" if report["rounds"] > 1 else ""
+    lines = [f"# Training throughput on {report['device']} ({' '.join(report['cpu_flags']) or 'no AVX'})", "",
              f"batch {report['batch_size']}, {report['steps']} timed steps after {report['warmup']} warm-up steps"
-             f"{quick}; allocator: {report['allocator']}", "",
-             "| case | steps/s | images/s | VCA / MHSA | peak GiB |", "|---|---:|---:|---:|---:|"]
-    speedups = {s["label"]: s["speedup_over_mhsa"] for s in report["vca_speedups"]}
+             f"{rounds}{quick}; allocator: {report['allocator']}; saved MiB = activations one forward pass saves "
+             f"for backward", "",
+             "| case | steps/s | images/s | VCA / MHSA speed | VCA / MHSA time | saved MiB | VCA / MHSA saved "
+             "| peak GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    speedups = {s["label"]: s for s in report["vca_speedups"]}
     for r in report["results"]:
-        ratio = f"{speedups[r['label']]:.2f}x" if r["label"] in speedups else ""
+        s = speedups.get(r["label"])
+        speed = f"{s['speedup_over_mhsa']:.2f}x" if s else ""
+        time_ratio = f"{s['time_ratio']:.2f}" if s else ""
+        saved_ratio = f"{s['saved_ratio']:.2f}" if s and s["saved_ratio"] is not None else ""
+        saved = f"{r['saved_mib']:.0f}" if r["saved_mib"] is not None else ""
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else ""
-        lines.append(f"| {r['label']} | {r['steps_per_s']:.3f} | {r['images_per_s']:.2f} | {ratio} | {memory} |")
+        lines.append(f"| {r['label']} | {r['steps_per_s']:.3f} | {r['images_per_s']:.2f} | {speed} | {time_ratio} "
+                     f"| {saved} | {saved_ratio} | {memory} |")
+    goals = goal_lines(report)
+    lines += ([""] + ["Goals (VCA / MHSA time per training step):"] + goals if goals else [])
     lines += [""] + [f"{note}." for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -196,7 +264,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--steps", type=int, help="timed steps per case (default 20 GPU, 3 CPU, 2 quick)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 5 GPU, 1 CPU/quick)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, table and plot")
+    parser.add_argument("--goal-rows", action="store_true", help="only the cases of the issue's time goals")
+    parser.add_argument("--rounds", type=int, default=1, help="measure every case this many times in turn; median")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the run (default: torch's)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     batch_size = args.batch_size or (2 if args.quick else 32 if gpu else 8)
@@ -212,18 +287,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not gpu:
         notes.append("online encoding timed for DiT-S/2 at 256 px only: the SD-VAE encoder (0.27 TFLOP per 256 px "
                      "image, 1.12 at 512 px) dominates such a step on the CPU, and SiT-S/2's network costs the same")
-    cases = [case for case in quick_cases() if case.precision in precisions] if args.quick \
-        else all_cases(precisions, online)
-    results = []
+    if args.quick:
+        cases = [case for case in quick_cases() if case.precision in precisions]
+    elif args.goal_rows:
+        cases = goal_cases()
+    else:
+        cases = all_cases(precisions, online)
+    rounds = []
     extra = [f"model.depth={QUICK_DEPTH}"] if args.quick else []
-    for case in cases:
-        results.append(measure(case, batch_size, warmup, steps, extra))
-        print(f"{case.label:45s} {results[-1]['steps_per_s']:8.3f} steps/s {results[-1]['images_per_s']:9.2f} images/s",
-              flush=True)
+    for round_index in range(args.rounds):
+        rounds.append([])
+        for case in cases:
+            rounds[-1].append(measure(case, batch_size, warmup, steps, extra, count_memory=round_index == 0))
+            r = rounds[-1][-1]
+            print(f"round {round_index + 1}: {case.label:45s} {r['steps_per_s']:8.3f} steps/s "
+                  f"{r['images_per_s']:9.2f} images/s", flush=True)
+    results = median_over_rounds(rounds)
     allocator = "glibc, MALLOC_MMAP_MAX_=0" if os.environ.get("MALLOC_MMAP_MAX_") == "0" else "glibc defaults"
-    report = {"device": describe_device(device), "quick": args.quick, "overrides": extra, "batch_size": batch_size,
-              "steps": steps, "warmup": warmup, "allocator": allocator, "torch": torch.__version__, "notes": notes,
-              "results": results, "vca_speedups": vca_speedups(results)}
+    report = {"device": describe_device(device), "cpu_flags": cpu_vector_flags(), "quick": args.quick,
+              "overrides": extra, "batch_size": batch_size, "steps": steps, "warmup": warmup, "rounds": args.rounds,
+              "allocator": allocator, "torch": torch.__version__, "notes": notes, "results": results,
+              "vca_speedups": vca_speedups(results)}
     save_results(args.out, f"train-{device.type}{'-quick' if args.quick else ''}", report, markdown(report), plot)
     print(markdown(report))
 

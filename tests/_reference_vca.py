@@ -1,4 +1,4 @@
-"""A slow, literal Visual-Contrast Attention written line by line from ../shared/docs/VCA.md.
+"""A slow, literal Visual-Contrast Attention written line by line from docs/VCA.md.
 
 One batch element and one head at a time, in float64, with adaptive average pooling, hand-written softmax and
 RMSNorm, and the two Stage-II softmaxes written out. It reads only the module's parameters and its documented
