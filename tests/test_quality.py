@@ -5,13 +5,15 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.quality import (ABLATIONS, CONFIG, MHSA, QUICK, SIT, VCA, checkpoint_steps, parse_arguments, reading,
+from bench.quality import (ABLATIONS, CONFIG, FULL, MHSA, QUICK, SIT, VCA, checkpoint_steps, parse_arguments, reading,
                            run_name, spread, stage_runs)
+from training.build import build_model
 from training.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +70,9 @@ def test_every_arm_is_a_valid_override_of_the_shared_recipe():
     for arm in (VCA, MHSA, *ABLATIONS, *SIT):
         config = load_config(CONFIG, list(arm.overrides))
         assert config.train == load_config(CONFIG).train  # no arm touches the recipe
+        built = build_model(config, 3, 16).config                         # each builds, with its switches
+        assert built["attention"] == config.model.attention and built["name"] == config.model.name
+        assert built["vca"] == (asdict(config.model.vca) if config.model.attention == "vca" else None)
     switches = {arm.name: load_config(CONFIG, list(arm.overrides)).model.vca for arm in ABLATIONS}
     assert not switches["vca-stage1-only"].stage2_differential and switches["vca-stage1-only"].stage1_differential
     assert not switches["vca-stage2-only"].stage1_differential and switches["vca-stage2-only"].stage2_differential
@@ -108,3 +113,10 @@ def test_reading_calls_a_difference_within_the_seed_spread_no_difference():
     assert apart.startswith("VCA is lower by 2.00 FID")
     single = reading(spread([10.0]), spread([12.0]), "VCA", "MHSA")
     assert "not evidence" in single
+
+
+def test_the_full_study_meets_the_issue_minimums():
+    budget = replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
+    assert checkpoint_steps(budget) == [250, 500, 750, 1000]      # 25/50/75/100 % of training
+    assert budget.final_samples >= 1000 and len(budget.seeds) >= 3 and budget.real_images is None
+    assert budget.model_overrides == ()                            # the config's model, unchanged
