@@ -24,7 +24,7 @@ from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
 from training.config import Config
-from training.data import DIGITS_SIZE, LatentShardDataset, ShardedBatches, build_dataset
+from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.run import micro_batch_size
 
@@ -52,9 +52,10 @@ def needs_vae(config: Config) -> bool:
 
 
 def model_input_shape(config: Config, dataset: Dataset, vae: Optional[AutoencoderKL]) -> tuple[int, int]:
-    """(channels, side) of what the model sees: pixels for digits, latents otherwise."""
+    """(channels, side) of what the model sees: the images of a pixel-space dataset, latents otherwise."""
     if config.data.in_pixel_space:
-        return 1, DIGITS_SIZE
+        channels, _, side = dataset.images.shape[1:]   # InMemoryImages: (N, C, S, S)
+        return channels, side
     if isinstance(dataset, LatentShardDataset):
         return dataset.manifest["latent_channels"], dataset.manifest["latent_size"]
     return vae.config.latent_channels, config.data.image_size // latent_downsampling(vae.config)

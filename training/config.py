@@ -83,10 +83,10 @@ class TransportConfig:
 @dataclass
 class DataConfig:
     """Where training examples come from; `source` decides which of the paths is used."""
-    source: str = _choice(MISSING, "latents", "images", "digits")
+    source: str = _choice(MISSING, "latents", "images", "digits", "shapes")
     images: Optional[str] = None                 # ImageNet-style folder: one sub-folder per class
     latents: Optional[str] = None                # shards written by `python -m training.latents`
-    image_size: int = _range(MISSING, 1)         # pixels (digits: 8)
+    image_size: int = _range(MISSING, 1)         # pixels (digits: 8, shapes: 16)
     num_classes: int = _range(MISSING, 1)
     random_flip: bool = True
     on_corrupt: str = _choice("error", "error", "skip")
@@ -94,13 +94,14 @@ class DataConfig:
 
     @property
     def in_pixel_space(self) -> bool:
-        """The model works on the images themselves (the digits); every other source is encoded to latents."""
-        return self.source == "digits"
+        """The model works on the images themselves (the built-in digits and shapes); every other source is
+        encoded to latents."""
+        return self.source in ("digits", "shapes")
 
 
 @dataclass
 class VAEConfig:
-    """The autoencoder that maps images to latents (required unless data.source is the pixel-space digits)."""
+    """The autoencoder that maps images to latents (required unless data.source is pixel-space)."""
     name: Optional[str] = None                   # hub id or a local folder written by save_pretrained
     scale: Optional[float] = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
 

