@@ -22,10 +22,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(CPU_ALLOCATOR) $(PY) bench/attention.py
-	$(CPU_ALLOCATOR) $(PY) bench/samplers.py
-	$(CPU_ALLOCATOR) $(PY) bench/train.py
-	$(CPU_ALLOCATOR) $(PY) bench/fid.py
+	$(CPU_ALLOCATOR) $(PY) -m bench.attention
+	$(CPU_ALLOCATOR) $(PY) -m bench.samplers
+	$(CPU_ALLOCATOR) $(PY) -m bench.train
+	$(CPU_ALLOCATOR) $(PY) -m bench.fid
 
 clean:
 	rm -rf $(VENV) results

@@ -2,22 +2,30 @@
 bytes of activations a forward pass saves for backward, and saving a result as JSON, a Markdown table and a
 PNG plot (each replaced atomically)."""
 
+import argparse
 import json
 import platform
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import matplotlib
 import torch
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # headless: benchmarks run on servers without a display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+from atomic_files import atomic_output
 
-from atomic_files import atomic_output  # noqa: E402
-
+RESULTS = Path(__file__).resolve().parent / "results"
 PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback
+
+
+def benchmark_parser(doc: str, quick: str, device: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark shares: --quick (`quick` says what the smoke run does), --device and --out."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    if device:
+        parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, table and plot")
+    return parser
 
 
 def describe_device(device: torch.device) -> str:
@@ -92,6 +100,12 @@ def saved_activation_bytes(forward: Callable[[], object], parameters: Iterable[t
     return sum(storages.values())
 
 
+def subplots(rows: int = 1, columns: int = 1, *, figsize: tuple[float, float], **options):
+    """(figure, axes) like pyplot.subplots, without pyplot: no display backend is chosen or needed (servers)."""
+    figure = Figure(figsize=figsize)
+    return figure, figure.subplots(rows, columns, **options)
+
+
 def save_results(out_dir: Path, stem: str, results: dict, table: str, plot: Callable[[dict], Figure]) -> None:
     """Write `<stem>.json`, `<stem>.md` (the table) and `<stem>.png` (the figure `plot` draws) into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -102,4 +116,3 @@ def save_results(out_dir: Path, stem: str, results: dict, table: str, plot: Call
     figure = plot(results)
     with atomic_output(out_dir / f"{stem}.png") as path:
         figure.savefig(path, format="png", dpi=110)
-    plt.close(figure)

@@ -14,7 +14,7 @@ Writes bench/results/attention-<device>[-quick].{json,md,png}. On the CPU run it
 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000: glibc's default allocator maps every large tensor
 afresh and the first-touch page faults distort timings by up to 2×.
 
-Usage: python bench/attention.py [--quick] [--device cpu|cuda] [--threads T] [--cpu-time] [--tokens N ...]
+Usage: python -m bench.attention [--quick] [--device cpu|cuda] [--threads T] [--cpu-time] [--tokens N ...]
                                  [--widths C ...] [--out bench/results]
 """
 
@@ -22,22 +22,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention  # noqa: E402
-from _harness import (  # noqa: E402
-    bf16_skip_reason, cpu_vector_flags, describe_device, plt, save_results, saved_activation_bytes, synchronize)
-from matplotlib.figure import Figure  # noqa: E402
+from bench._harness import (benchmark_parser, bf16_skip_reason, cpu_vector_flags, describe_device, save_results,
+                            saved_activation_bytes, subplots, synchronize)
+from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention
 
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
 FIXED_CONTRAST = 64  # n = 64, an 8×8 contrast grid
@@ -284,7 +281,7 @@ def markdown(results: dict, table: list[dict]) -> str:
 def plot(results: dict) -> Figure:
     widths = sorted({(row["width"], row["heads"]) for row in results["rows"]})
     dtypes = [name for name in DTYPES if name in results["matmul_gflops"]]
-    fig, axes = plt.subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)
+    fig, axes = subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)
     for (width, heads), ax_row in zip(widths, axes):
         for dtype, ax in zip(dtypes, ax_row):
             for method in METHODS:
@@ -303,10 +300,7 @@ def plot(results: dict) -> Figure:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="N ≤ 1024, C = 384, small batches, 3 repeats: a smoke run")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser = benchmark_parser(__doc__, quick="N ≤ 1024, C = 384, small batches, 3 repeats: a smoke run")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for the run (default: torch's)")
     parser.add_argument("--cpu-time", action="store_true",

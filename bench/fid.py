@@ -1,32 +1,26 @@
 """Benchmark of the fid package: Inception throughput, Fréchet-distance methods, memory of statistics.
 
-    python bench/fid.py            # full: 2048-d Fréchet, 50 000 simulated features
-    python bench/fid.py --quick    # smoke run in well under a minute
+    python -m bench.fid            # full: 2048-d Fréchet, 50 000 simulated features
+    python -m bench.fid --quick    # smoke run in well under a minute
 
 Writes bench/results/fid-<device>[-quick].json, a Markdown table (.md) and a plot (.png).
 Run CPU benchmarks with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (see the Makefile).
 """
 
-import argparse
 import multiprocessing
 import re
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import scipy.linalg
 import torch
+from matplotlib.figure import Figure
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench._harness import benchmark_parser, save_results, subplots, synchronize
+from fid import FeatureMoments, Gaussian, frechet_distance, load_inception
+from fid.weights import POOL_DIM
 
-from fid import FeatureMoments, Gaussian, frechet_distance, load_inception  # noqa: E402
-from fid.weights import POOL_DIM  # noqa: E402
-from _harness import plt, save_results, synchronize  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
 SETTINGS = {  # full vs --quick sizes
     "full": {"cpu_images": 64, "gpu_images": 2000, "frechet_dim": POOL_DIM, "frechet_repeats": 3,
              "memory_features": 50_000},
@@ -158,7 +152,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict) -> Figure:
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    figure, (left, right) = subplots(1, 2, figsize=(10, 3.5))
     methods = results["frechet"]["methods"]
     left.barh(list(methods), [m["seconds"] for m in methods.values()])
     left.set_xlabel("seconds")
@@ -172,9 +166,7 @@ def plot(results: dict) -> Figure:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in well under a minute")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, table and plot")
+    parser = benchmark_parser(__doc__, quick="small sizes: a smoke run in well under a minute", device=False)
     args = parser.parse_args()
 
     setting = SETTINGS["quick" if args.quick else "full"]

@@ -395,9 +395,9 @@ def _fmt(stats: dict[str, Any], percent: bool = False) -> str:
 
 def plot(results: dict[str, Any]):
     """FID (curve samples) against training step: one colour per arm, thin lines per seed, a thick mean."""
-    from bench._harness import plt
+    from bench._harness import subplots
 
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = subplots(figsize=(7, 4.5))
     for index, entry in enumerate(results["arms"].values()):
         colour = f"C{index}"
         curves = np.array([curve for curve in entry["curves"].values()])  # (seeds, points, 2)

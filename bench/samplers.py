@@ -13,25 +13,23 @@ Writes bench/results/samplers-<device>[-quick].{json,md,png}. On the CPU run it 
 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (glibc's default allocator returns large blocks
 to the OS, and the first-touch page faults skew CPU timings by up to 2x). --quick is a smoke run (2-block models on a 16x16 latent, batch 4, a tenth of the steps).
 
-Usage: python bench/samplers.py [--quick] [--device cpu|cuda] [--batch-size B] [--out bench/results] [--threads N]
+Usage: python -m bench.samplers [--quick] [--device cpu|cuda] [--batch-size B] [--out bench/results] [--threads N]
 """
 
 import argparse
 import os
-import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-import dit_vca  # noqa: E402
-import sit_vca  # noqa: E402
-from samplers import SampleResult  # noqa: E402
-from _harness import bf16_skip_reason, describe_device, plt, save_results, synchronize  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import dit_vca
+import sit_vca
+from bench._harness import (benchmark_parser, bf16_skip_reason, describe_device, save_results, subplots,
+                            synchronize)
+from samplers import SampleResult
 
 # (model, sampler, steps); steps None = adaptive.
 RUNS = (
@@ -152,7 +150,7 @@ def markdown(results: dict) -> str:
 def plot(results: dict) -> Figure:
     labels = list(dict.fromkeys(row["label"] for row in results["rows"]))
     series = list(dict.fromkeys(f"{row['attention'].upper()} {row['precision']}" for row in results["rows"]))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = subplots(figsize=(9, 4))
     width = 0.8 / len(series)
     for i, name in enumerate(series):
         rate = {row["label"]: row["images_per_s"] for row in results["rows"]
@@ -167,10 +165,7 @@ def plot(results: dict) -> Figure:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, batch 4, 1/10 of the steps")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser = benchmark_parser(__doc__, quick="smoke run: tiny models, batch 4, 1/10 of the steps")
     parser.add_argument("--batch-size", type=int, help="images per batch (default 32; 4 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     args = parser.parse_args()

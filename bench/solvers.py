@@ -12,23 +12,21 @@ training: a random 1-block model, 16 samples per row, 2 / 5 steps, 64 real digit
 
 Writes bench/results/solvers-<device>[-quick].{json,md,png}.
 
-Usage: python bench/solvers.py [--quick] [--ckpt RUN_OR_EXPORT] [--num-samples N] [--out bench/results]
+Usage: python -m bench.solvers [--quick] [--ckpt RUN_OR_EXPORT] [--num-samples N] [--out bench/results]
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
+
+from bench._harness import benchmark_parser, describe_device, save_results, subplots, synchronize
+from generation import ExportError, ImageGenerator, read_export
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere
-from _harness import describe_device, plt, save_results, synchronize  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from generation import ExportError, ImageGenerator, read_export  # noqa: E402
 
 # (sampler, steps): the baselines first, then the fast solvers.
 FULL_RUNS = (("ddpm", 250), ("ddim", 50), *((solver, steps) for solver in ("dpm++2m", "unipc")
@@ -150,7 +148,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict) -> Figure:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = subplots(1, 2, figsize=(10, 4))
     for metric, ax, label in (("fid", axes[0], "FID (lower is better)"),
                               ("accuracy", axes[1], "classifier accuracy")):
         for sampler in dict.fromkeys(row["sampler"] for row in results["rows"]):
@@ -166,19 +164,16 @@ def plot(results: dict) -> Figure:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: random tiny model, 16 samples, 2-5 steps")
+    parser = benchmark_parser(__doc__, quick="smoke run: random tiny model, 16 samples, 2-5 steps")
     parser.add_argument("--ckpt", type=Path, default=DEFAULT_CKPT, help="digits run, checkpoint or export folder")
     parser.add_argument("--num-samples", type=int, help="samples per row (default 1000; 16 with --quick)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if args.num_samples is not None and args.num_samples < 2:
         parser.error(f"--num-samples must be at least 2 (FID needs a covariance), got {args.num_samples}")
     try:
         results = run(args)
     except CheckpointError as error:
-        parser.exit(2, f"bench/solvers.py: error: {error}\n")
+        parser.exit(2, f"python -m bench.solvers: error: {error}\n")
     stem = f"solvers-{torch.device(args.device).type}" + ("-quick" if args.quick else "")
     save_results(args.out, stem, results, markdown(results), plot)
     print(markdown(results))

@@ -1,8 +1,8 @@
 """Training throughput (steps/s, images/s) of the real training step, VCA against MHSA.
 
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python bench/train.py           # full matrix
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python bench/train.py --goal-rows --rounds 3
-    python bench/train.py --quick                                                         # smoke run, < 1 min
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python -m bench.train           # full matrix
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python -m bench.train --goal-rows --rounds 3
+    python -m bench.train --quick                                                         # smoke run, < 1 min
 
 Cases: DiT-S/2 and SiT-S/2 (the experiment configs of configs/) at 256 px (32x32 latents) and 512 px
 (64x64 latents); MHSA, VCA with its default contrast grid (half the token grid) and, at 512 px, VCA with a
@@ -22,10 +22,8 @@ Writes bench/results/train-<device>.json, a Markdown table (.md) and a bar plot 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -33,25 +31,22 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from accelerate.state import AcceleratorState, GradientState
+from diffusers import AutoencoderKL
+from torch.utils.data import Dataset
+
+from bench._harness import (benchmark_parser, bf16_skip_reason, cpu_vector_flags, describe_device, save_results, saved_activation_bytes,
+                            subplots, synchronize)
+from generation.objective import create_objective
+from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling
+from training.build import TrainingParts, build_model, create_optimizer, objective_spec
+from training.config import Config, load_config
+from training.data import ShardedBatches
+from training.ema import create_ema
+from training.loop import Trainer, TrainerState
+from training.run import RunDirectory, create_accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from _harness import (  # noqa: E402  (bench/ is on sys.path)
-    bf16_skip_reason, cpu_vector_flags, describe_device, plt, save_results, saved_activation_bytes, synchronize)
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from diffusers import AutoencoderKL  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-
-from training.build import build_model, create_objective, objective_spec  # noqa: E402
-from training.config import Config, load_config  # noqa: E402
-from training.data import ShardedBatches  # noqa: E402
-from training.ema import create_ema  # noqa: E402
-from training.loop import Trainer, TrainerState, create_optimizer  # noqa: E402
-from training.run import RunDirectory, create_accelerator  # noqa: E402
-from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 LATENT_CHANNELS = SD_VAE_ARCHITECTURE["latent_channels"]
 DOWNSAMPLING = latent_downsampling(SD_VAE_ARCHITECTURE)
 FIXED_GRID = 8
@@ -126,7 +121,7 @@ def case_config(case: Case, batch_size: int, run_dir: Path, extra: list[str]) ->
                  f"data.image_size={case.image_size}", "log.trackers=[]", f"run.dir={run_dir}",
                  f"train.cpu={not torch.cuda.is_available()}"]
     if case.contrast_grid:
-        overrides.append(f"model.contrast_grid={case.contrast_grid}")
+        overrides.append(f"model.vca.contrast_grid={case.contrast_grid}")
     return load_config(ROOT / "configs" / f"{family}-s2-{case.attention}.yaml", overrides)
 
 
@@ -149,9 +144,9 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
         optimizer, scheduler = create_optimizer(model, config)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         batches = ShardedBatches(dataset, batch_size, 0, 1, seed=0, num_workers=0)
-        trainer = Trainer(accelerator, config, RunDirectory(Path(run_dir)), model, ema,
-                          create_objective(objective_spec(config)), optimizer, scheduler, batches, vae,
-                          sampler=None, export={}, state=TrainerState())
+        parts = TrainingParts(model, ema, create_objective(objective_spec(config)), optimizer, scheduler, batches,
+                              encoder=vae, preview=None, export=None, fid_extractor=None)  # no grids, checkpoints, FID
+        trainer = Trainer(accelerator, config, RunDirectory(Path(run_dir)), parts, TrainerState())
         stream = batches.stream()
         for _ in range(warmup):
             trainer.train_step(stream)
@@ -247,7 +242,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict):
     """Bar chart of images/s per case (VCA orange, MHSA blue)."""
     results = report["results"]
-    figure, axis = plt.subplots(figsize=(9, 0.35 * len(results) + 1.2))
+    figure, axis = subplots(figsize=(9, 0.35 * len(results) + 1.2))
     axis.barh([r["label"] for r in results], [r["images_per_s"] for r in results],
               color=["tab:orange" if r["attention"] == "vca" else "tab:blue" for r in results])
     axis.invert_yaxis()
@@ -258,12 +253,10 @@ def plot(report: dict):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few cases, tiny batch: checks the script runs")
+    parser = benchmark_parser(__doc__, quick="a few cases, tiny batch: checks the script runs", device=False)
     parser.add_argument("--batch-size", type=int, help="default: 32 on GPU, 8 on CPU (2 with --quick)")
     parser.add_argument("--steps", type=int, help="timed steps per case (default 20 GPU, 3 CPU, 2 quick)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 5 GPU, 1 CPU/quick)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, table and plot")
     parser.add_argument("--goal-rows", action="store_true", help="only the cases of the issue's time goals")
     parser.add_argument("--rounds", type=int, default=1, help="measure every case this many times in turn; median")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the run (default: torch's)")

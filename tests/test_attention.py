@@ -3,9 +3,7 @@ cost formula of docs/VCA.md; VCA's fast path against its readable one; activatio
 
 import copy
 import itertools
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from _reference_vca import reference_mhsa, reference_vca
+from bench._harness import saved_activation_bytes
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention, build_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks' shared helpers
-from _harness import saved_activation_bytes  # noqa: E402
 
 SWITCHES = ("joint_softmax", "stage1_differential", "stage2_differential", "pooled_content")
 ALL_OPTIONS = [VCAOptions(None, *values) for values in itertools.product((True, False), repeat=4)]

@@ -29,7 +29,7 @@ SCRIPTS = {
 def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None:
     stem, rows_key, figure = SCRIPTS[script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--quick", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", f"bench.{script}", "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for suffix in (".json", ".md", ".png"):
