@@ -88,9 +88,9 @@ def run(args: argparse.Namespace) -> dict:
     settings = dict(QUICK if args.quick else FULL)
     if args.batch_size:
         settings["batch"] = args.batch_size
-    precisions, notes = dict(PRECISIONS), []
+    precisions, notes = {name: PRECISIONS[name] for name in args.precisions}, []
     skip_bf16 = bf16_skip_reason(device)
-    if skip_bf16:
+    if skip_bf16 and "bf16" in precisions:
         del precisions["bf16"]
         notes.append(skip_bf16)
     rows, models = [], {}
@@ -168,6 +168,8 @@ def main() -> None:
     parser = benchmark_parser(__doc__, quick="smoke run: tiny models, batch 4, 1/10 of the steps")
     parser.add_argument("--batch-size", type=int, help="images per batch (default 32; 4 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--precisions", nargs="+", choices=tuple(PRECISIONS), default=tuple(PRECISIONS),
+                        help="precisions to time (bf16 only where the device has native bf16)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

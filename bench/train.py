@@ -26,7 +26,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -63,11 +63,13 @@ class Case:
     contrast_grid: Optional[int]
     precision: str          # "fp32" or "bf16"
     source: str             # "latents" or "images" (online VAE encoding)
+    compiled: bool = False  # the model under torch.compile (train.compile=true)
 
     @property
     def label(self) -> str:
         grid = f" grid {self.contrast_grid}" if self.contrast_grid else ""
-        return f"{self.model} {self.image_size}px {self.attention}{grid} {self.precision} {self.source}"
+        compiled = " compiled" if self.compiled else ""
+        return f"{self.model} {self.image_size}px {self.attention}{grid} {self.precision} {self.source}{compiled}"
 
 
 def all_cases(precisions: tuple[str, ...], online: set[tuple[str, int]]) -> list[Case]:
@@ -85,10 +87,10 @@ def all_cases(precisions: tuple[str, ...], online: set[tuple[str, int]]) -> list
     return cases
 
 
-def goal_cases() -> list[Case]:
-    """The cases of TIME_GOALS and their MHSA baselines."""
+def goal_cases(precision: str = "fp32") -> list[Case]:
+    """The cases of TIME_GOALS and their MHSA baselines (the goals are written for fp32)."""
     sizes = sorted({size for size, _ in TIME_GOALS})
-    return [Case("DiT-S/2", size, attention, grid, "fp32", "latents") for size in sizes
+    return [Case("DiT-S/2", size, attention, grid, precision, "latents") for size in sizes
             for attention, grid in [("mhsa", None)] + [("vca", g) for s, g in TIME_GOALS if s == size]]
 
 
@@ -122,6 +124,8 @@ def case_config(case: Case, batch_size: int, run_dir: Path, extra: list[str]) ->
                  f"train.cpu={not torch.cuda.is_available()}"]
     if case.contrast_grid:
         overrides.append(f"model.vca.contrast_grid={case.contrast_grid}")
+    if case.compiled:
+        overrides.append("train.compile=true")
     return load_config(ROOT / "configs" / f"{family}-s2-{case.attention}.yaml", overrides)
 
 
@@ -140,6 +144,8 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
         else:
             dataset = RandomExamples((LATENT_CHANNELS, latent_side, latent_side), pool=batch_size)
         model = build_model(config, LATENT_CHANNELS, latent_side)
+        if config.train.compile:
+            model.compile()  # compiled on the first (warm-up) step, as in training.build
         ema = create_ema(model, config.train).to(device)
         optimizer, scheduler = create_optimizer(model, config)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -192,7 +198,7 @@ def median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
 def vca_speedups(results: list[dict]) -> list[dict]:
     """images/s of each VCA case over the MHSA case with the same model, size, precision and source, and the
     inverse, VCA's time per step over MHSA's (the issue's goals are written in it)."""
-    key = lambda r: (r["model"], r["image_size"], r["precision"], r["source"])
+    key = lambda r: (r["model"], r["image_size"], r["precision"], r["source"], r.get("compiled", False))
     mhsa = {key(r): r for r in results if r["attention"] == "mhsa"}
     return [{"label": r["label"], "speedup_over_mhsa": r["images_per_s"] / mhsa[key(r)]["images_per_s"],
              "time_ratio": r["seconds_per_step"] / mhsa[key(r)]["seconds_per_step"],
@@ -258,6 +264,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--steps", type=int, help="timed steps per case (default 20 GPU, 3 CPU, 2 quick)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 5 GPU, 1 CPU/quick)")
     parser.add_argument("--goal-rows", action="store_true", help="only the cases of the issue's time goals")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="precision of the --goal-rows cases (the goals are written for fp32)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every case under torch.compile (the warm-up steps include compiling)")
     parser.add_argument("--rounds", type=int, default=1, help="measure every case this many times in turn; median")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the run (default: torch's)")
     args = parser.parse_args(argv)
@@ -283,9 +293,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.quick:
         cases = [case for case in quick_cases() if case.precision in precisions]
     elif args.goal_rows:
-        cases = goal_cases()
+        cases = goal_cases(args.precision)
     else:
         cases = all_cases(precisions, online)
+    if args.compile:
+        cases += [replace(case, compiled=True) for case in cases]
     rounds = []
     extra = [f"model.depth={QUICK_DEPTH}"] if args.quick else []
     for round_index in range(args.rounds):
