@@ -38,7 +38,7 @@ from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, run_command
 from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
                                     plan_shards, save_shard, shard_reader)
-from generation.protocols import FAMILY_OF_OBJECTIVE, PROTOCOLS
+from generation.protocols import PROTOCOLS
 from generation.sample_plan import LABEL_MODES, assign_labels, sample_seeds
 
 SAMPLER_OPTIONS = ("eta", "clip_denoised", "atol", "rtol", "diffusion_form", "diffusion_norm", "last_step",
@@ -118,13 +118,14 @@ def check_args(args: argparse.Namespace) -> None:
 
 def check_against(description, args: argparse.Namespace) -> None:
     """Reject sampler and guidance settings that the checkpoint cannot serve (before any file is written)."""
+    from dit_vca.models import model_family
     from generation.objective import create_objective
 
-    kind = description.objective["kind"]
-    if args.protocol and (made_for := PROTOCOLS[args.protocol].objective) != kind:
-        suited = [name for name, protocol in PROTOCOLS.items() if protocol.objective == kind]
-        raise SystemExit(f"--protocol {args.protocol}: made for {FAMILY_OF_OBJECTIVE[made_for]} models, but "
-                         f"{args.ckpt} is a {FAMILY_OF_OBJECTIVE[kind]} model; use {' or '.join(suited)}")
+    family = model_family(description.model["name"])
+    if args.protocol and (made_for := PROTOCOLS[args.protocol].family) != family:
+        suited = [name for name, protocol in PROTOCOLS.items() if protocol.family == family]
+        raise SystemExit(f"--protocol {args.protocol}: made for {made_for} models, but {args.ckpt} is a {family} "
+                         f"model; use {' or '.join(suited)}")
     names = create_objective(description.objective).sampler_names
     if args.sampler is not None and args.sampler not in names:
         raise SystemExit(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")

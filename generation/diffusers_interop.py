@@ -215,18 +215,18 @@ def dit_scheduler(solver: str = "dpm++2m") -> SchedulerMixin:
 # Command
 # ----------------------------------------------------------------------------------------------------------------
 
-def _load_source(args: argparse.Namespace) -> nn.Module:
+def load_mhsa_model(source: str | Path, model: str | None = None, image_size: int | None = None) -> nn.Module:
     """Our MHSA model from what `generation.load_export` reads: an export / checkpoint / run folder, or an official
-    DiT `.pt` (weights_only; model and size from its name or --model / --image-size)."""
+    DiT `.pt` (weights_only; model and size from its name or `model` / `image_size`)."""
     from generation import ExportError, OfficialCheckpointError, load_export
 
     try:
-        export = load_export(args.source, args.model, args.image_size)
+        export = load_export(source, model, image_size)
     except (ExportError, OfficialCheckpointError) as error:
         raise SourceError(str(error)) from None
     kind = export.description.objective["kind"]
     if kind != "diffusion":
-        raise SourceError(f"{args.source}: objective {kind!r}; only DDPM (DiT) models run in DiTPipeline")
+        raise SourceError(f"{source}: objective {kind!r}; only DDPM (DiT) models run in DiTPipeline")
     model = build_model_from_config(export.description.model)
     model.load_state_dict(export.weights, strict=True)
     return model.eval()
@@ -244,29 +244,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-size", type=int, help="official checkpoints: image side in pixels")
     args = parser.parse_args(argv)
     try:
-        convert(args)
+        convert(args.source, args.out_dir, args.vae, args.scheduler, args.model, args.image_size)
     except SourceError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except ConversionError as error:
         parser.exit(2, f"{parser.prog}: error: {args.source}: {error}\n")
 
 
-def convert(args: argparse.Namespace) -> None:
-    """The command's work: load, convert, write OUT_DIR (whole or not at all)."""
-    if args.out_dir.exists():
-        raise SourceError(f"{args.out_dir} exists; choose a new output folder (nothing is overwritten)")
+def convert(source: str | Path, out_dir: Path, vae_name: str | None = None, solver: str = "dpm++2m",
+            model: str | None = None, image_size: int | None = None) -> None:
+    """Write the MHSA model of `source` as diffusers folders in `out_dir` (whole or not at all): `transformer/` and
+    `scheduler/`, or with `vae_name` a complete `DiTPipeline`."""
+    if out_dir.exists():
+        raise SourceError(f"{out_dir} exists; choose a new output folder (nothing is overwritten)")
     vae = None
-    if args.vae is not None:
+    if vae_name is not None:
         from generation.vae import VAEUnavailableError, load_vae
 
         try:
-            vae = load_vae(args.vae)
+            vae = load_vae(vae_name)
         except VAEUnavailableError as error:
-            raise SourceError(f"--vae {args.vae}: {error}") from None
-    transformer = to_diffusers(_load_source(args))
-    scheduler = dit_scheduler(args.scheduler)
+            raise SourceError(f"--vae {vae_name}: {error}") from None
+    transformer = to_diffusers(load_mhsa_model(source, model, image_size))
+    scheduler = dit_scheduler(solver)
     # Written beside the target and renamed once complete, so out_dir is either whole or absent.
-    staging = args.out_dir.with_name(f".{args.out_dir.name}.partial-{os.getpid()}")
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     try:
         if vae is not None:
             from diffusers import DiTPipeline
@@ -275,10 +277,10 @@ def convert(args: argparse.Namespace) -> None:
         else:
             transformer.save_pretrained(staging / "transformer")
             scheduler.save_pretrained(staging / "scheduler")
-        os.replace(staging, args.out_dir)
+        os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"wrote {args.out_dir}" + ("" if args.vae else " (transformer/ and scheduler/; add --vae for a pipeline)"))
+    print(f"wrote {out_dir}" + ("" if vae_name else " (transformer/ and scheduler/; add --vae for a pipeline)"))
 
 
 if __name__ == "__main__":

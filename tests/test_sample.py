@@ -311,7 +311,7 @@ def written(out: Path) -> list[Path]:
     ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
     ({"--vae": "stabilityai/sd-vae-ft-ema"}, "--vae .* pixel space"),
     ({"--model": "DiT-S/2"}, "--model and --image-size are only for official .pt checkpoints"),
-    ({"--protocol": "sit"}, r"--protocol sit: made for SiT \(flow\) models, but .* is a DiT \(DDPM\) model; use dit"),
+    ({"--protocol": "sit"}, r"--protocol sit: made for SiT models, but .* is a DiT model; use dit"),
     ({"--protocol": "dit"}, "--guidance-channels 3: the model predicts only 1 channels"),  # the preset is checked
 ])
 def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypatch, change, message):
