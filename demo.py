@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     trained = time.perf_counter()
 
     from atomic_files import save_npz_atomic
-    from generation import find_export, read_description
+    from generation.export import find_export, read_description
 
     export = find_export(out / "train")
     sets = {}
