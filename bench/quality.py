@@ -206,6 +206,7 @@ class Scorer:
     def real(self):
         """The Gaussian of the real images' Inception pool_3 features, cached in <out>/real-features.npz."""
         from atomic_files import save_npz_atomic
+        from fid import gaussian_of
 
         weights = self.extractor.weights.description
         if self.cache.is_file():
@@ -224,18 +225,10 @@ class Scorer:
         return extract_features(batches(images, INCEPTION_BATCH), self.extractor, keep_pool=True).pool.double().numpy()
 
     def fid(self, features: np.ndarray) -> float:
-        from fid import frechet_distance
+        from fid import frechet_distance, gaussian_of
 
         return frechet_distance(gaussian_of(features), self.real)
 
-
-def gaussian_of(features: np.ndarray):
-    """The fid Gaussian (mean, N - 1 covariance) of feature vectors (N, 2048)."""
-    from fid import FeatureMoments
-
-    moments = FeatureMoments(features.shape[1])
-    moments.update(features)
-    return moments.gaussian()
 
 
 def batches(items: np.ndarray | range, size: int) -> Iterator:

@@ -10,7 +10,7 @@ from .frechet import frechet_distance
 from .inception import InceptionFeatures, load_inception
 from .inception_score import inception_score
 from .precision_recall import precision_recall
-from .statistics import FeatureMoments, Gaussian, StatisticsFile, load_statistics, save_statistics
+from .statistics import FeatureMoments, Gaussian, StatisticsFile, gaussian_of, load_statistics, save_statistics
 
 __all__ = [
     "Evaluation",
@@ -23,6 +23,7 @@ __all__ = [
     "extract_features",
     "fid_from_batches",
     "frechet_distance",
+    "gaussian_of",
     "inception_score",
     "load_inception",
     "load_statistics",

@@ -107,6 +107,13 @@ class FeatureMoments:
         return Gaussian(mean.cpu().numpy(), cov.cpu().numpy())
 
 
+def gaussian_of(features: np.ndarray | torch.Tensor) -> Gaussian:
+    """The Gaussian (mean, N - 1 covariance, float64) of feature vectors (N, D) held in memory."""
+    moments = FeatureMoments(features.shape[1])
+    moments.update(torch.as_tensor(features))
+    return moments.gaussian()
+
+
 def load_statistics(path: str | os.PathLike) -> StatisticsFile:
     """Read the ADM statistics keys of an .npz (absent keys give None; half a pair is an error)."""
     path = Path(path)

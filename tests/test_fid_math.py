@@ -226,3 +226,12 @@ def test_precision_recall_batched_equals_unbatched():
 def test_precision_recall_needs_more_points_than_k():
     with pytest.raises(ValueError, match="more than 3 sample images, got 3"):
         precision_recall(torch.randn(10, 4), torch.randn(3, 4))
+
+
+def test_gaussian_of_features_in_memory_is_numpy_mean_and_cov():
+    from fid import gaussian_of
+
+    features = np.random.default_rng(3).normal(size=(50, 6))
+    gaussian = gaussian_of(features)
+    np.testing.assert_allclose(gaussian.mean, features.mean(axis=0), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(gaussian.cov, np.cov(features, rowvar=False), rtol=0, atol=1e-12)  # N - 1, float64
