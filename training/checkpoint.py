@@ -162,10 +162,10 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3) -> dict[str, Any]:
-    """Restore model, optimiser, scheduler, RNG states and EMA from `path` (checked by `check_checkpoint`
-    first); returns the trainer state."""
+    """Restore model, optimiser, scheduler, RNG states and EMA from `path`; returns the trainer state. Call
+    `check_checkpoint(path)` first (train.py does, before anything is built): this does not read every file twice."""
     path = Path(path)
-    state = check_checkpoint(path)
+    state = _read_trainer_state(path)
     accelerator.load_state(str(path))
     load_ema_state_dict(ema, read_weights(path / EXPORT_DIR))  # copied onto the EMA's device
     return state
