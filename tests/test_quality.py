@@ -117,6 +117,7 @@ def test_reading_calls_a_difference_within_the_seed_spread_no_difference():
 
 def test_the_full_study_meets_the_issue_minimums():
     budget = replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
-    assert checkpoint_steps(budget) == [250, 500, 750, 1000]      # 25/50/75/100 % of training
+    assert checkpoint_steps(budget) == [750, 1500, 2250, 3000]    # 25/50/75/100 % of training
+    assert load_config(CONFIG).log.checkpoint_every == 750         # what a plain train.py run of the config saves
     assert budget.final_samples >= 1000 and len(budget.seeds) >= 3 and budget.real_images is None
     assert budget.model_overrides == ()                            # the config's model, unchanged
