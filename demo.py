@@ -148,7 +148,6 @@ def real_digit_features(real_images: np.ndarray, extractor) -> np.ndarray:
     return extract_features(batches(real_images, "real digits"), extractor, keep_pool=True).pool.double().numpy()
 
 
-
 def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndarray) -> dict[str, Any]:
     """Classifier accuracy of every sample set, FID against the real digits of the FID_SCALES sets, and the FID
     between two halves of the real digits (what FID reads for two sets of real digits of about this size)."""

@@ -231,7 +231,6 @@ class Scorer:
         return frechet_distance(gaussian_of(features), self.real)
 
 
-
 def batches(items: np.ndarray | range, size: int) -> Iterator:
     for start in range(0, len(items), size):
         yield items[start:start + size]
