@@ -1,15 +1,17 @@
 """How this project's commands answer a user error: one line `error: ...` on stderr and exit status 2.
 
-Every command (train.py, sample.py, demo.py, `python -m training.latents`) ends with
+This module is the ground floor of the project: it imports nothing of it, so every package (fid and
+atomic_files included) may import it. Every command (train.py, sample.py, demo.py, `python -m fid`,
+`python -m training.latents`, ...) ends with
 
     if __name__ == "__main__":
         run_command(main)
 
 A user error is a bad argument, a bad config value, or a missing or damaged file: `SystemExit("message")`
-raised by a command, argparse's own complaints, or one of the project's error types listed in
-`user_error_types` (each names the file, key or value; a non-finite loss names the step and the settings
-to change). Anything else is a bug and keeps its traceback;
-`--debug` keeps the traceback of a user error too.
+raised by a command, argparse's own complaints, or any exception derived from `UserError`. Each package
+derives its own (ConfigError, ExportError, fid's InputError, ...), whose message names the file, key or
+value, so a new error type is recognised by deriving from the base, never by a list to keep in step.
+Anything else is a bug and keeps its traceback; `--debug` keeps the traceback of a user error too.
 """
 
 from __future__ import annotations
@@ -23,23 +25,10 @@ DEBUG_FLAG = "--debug"
 
 
 class UserError(ValueError):
-    """A bad argument or input of a command, described in one line that names it."""
+    """A user's mistake (bad argument, config value or input file), described in one line that names it.
 
-
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """The exceptions that describe a user's mistake (imported when needed: `--help` stays fast)."""
-    from atomic_files.shards import ShardFolderError
-    from generation.export import ExportError
-    from generation.official import OfficialCheckpointError
-    from generation.sample_file import DamagedShardError, SampleFilesError
-    from generation.vae import VAEUnavailableError
-    from training.checkpoint import CheckpointError
-    from training.config import ConfigError
-    from training.data import CorruptImageError
-    from training.loop import NonFiniteLossError
-
-    return (UserError, ConfigError, CheckpointError, ExportError, OfficialCheckpointError, ShardFolderError,
-            DamagedShardError, SampleFilesError, VAEUnavailableError, CorruptImageError, NonFiniteLossError)
+    The base of every user-facing error of the project. It is a ValueError, so callers that catch those keep
+    working."""
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -63,9 +52,7 @@ def run_command(main: Callable[[Optional[Sequence[str]]], Any], argv: Optional[S
         if not isinstance(exit_.code, str):  # exit status (argparse's --help, a plain exit): left alone
             raise
         _fail(exit_.code, exit_, debug=DEBUG_FLAG in argv)
-    except Exception as error:
-        if not isinstance(error, user_error_types()):
-            raise
+    except UserError as error:
         _fail(str(error), error, debug=DEBUG_FLAG in argv)
 
 

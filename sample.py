@@ -208,7 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def load_checkpoint(args: argparse.Namespace):
     """The export --ckpt names (official checkpoints are converted, hub ids fetched); user errors exit 2."""
-    from generation import ExportError, OfficialCheckpointError, load_export
+    from generation import ExportError, load_export
+    from generation.official import OfficialCheckpointError
 
     try:
         return load_export(args.ckpt, args.model, args.image_size)

@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run.clear()
         run.root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run.config, config_to_yaml(config))
-    start_trackers(accelerator, config, run, state.step, saved)  # a resumed run continues its tracker runs
+    start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
     Trainer(accelerator, config, run, parts, state,
             last_checkpoint=None if resume_from is None else str(resume_from)).fit()
 

@@ -12,12 +12,13 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from commands import UserError
 from atomic_files import atomic_output, remove_stale_temporaries, write_json_atomic
 
 SETTINGS_FILE = "settings.json"
 
 
-class ShardFolderError(ValueError):
+class ShardFolderError(UserError):
     """The folder belongs to another run, or cannot be used (the message names it)."""
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from commands import UserError, run_command
 from bench._harness import benchmark_parser, describe_device, save_results, subplots, synchronize
 from generation import ExportError, ImageGenerator, read_export
 
@@ -39,7 +40,7 @@ DEFAULT_CKPT = REPO / "results" / "demo" / "train"
 NUM_CLASSES = 10
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """--ckpt does not hold a trained digits DDPM export."""
 
 
@@ -163,21 +164,18 @@ def plot(results: dict) -> Figure:
     return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__, quick="smoke run: random tiny model, 16 samples, 2-5 steps")
     parser.add_argument("--ckpt", type=Path, default=DEFAULT_CKPT, help="digits run, checkpoint or export folder")
     parser.add_argument("--num-samples", type=int, help="samples per row (default 1000; 16 with --quick)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_samples is not None and args.num_samples < 2:
         parser.error(f"--num-samples must be at least 2 (FID needs a covariance), got {args.num_samples}")
-    try:
-        results = run(args)
-    except CheckpointError as error:
-        parser.exit(2, f"python -m bench.solvers: error: {error}\n")
+    results = run(args)  # a CheckpointError is a user error: one line from run_command
     stem = f"solvers-{torch.device(args.device).type}" + ("-quick" if args.quick else "")
     save_results(args.out, stem, results, markdown(results), plot)
     print(markdown(results))
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

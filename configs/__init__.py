@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from commands import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent
 SUFFIX = ".yaml"
 
 
-class UnknownConfigError(LookupError):
+class UnknownConfigError(UserError):
     """A bare config name that is not one of the shipped configs."""
 
 

@@ -6,7 +6,9 @@ import warnings
 from pathlib import Path
 
 from atomic_files import write_json_atomic
-from .cli import command_line
+from commands import CommandParser, run_command
+
+from .cli import one_line_warnings
 from .evaluation import BINARY_METRICS, DEFAULT_BATCH_SIZE, METRICS, evaluate
 from .reference import RESOLUTIONS
 from .weights import BUNDLED, WEIGHTS_FILENAME
@@ -25,8 +27,7 @@ status 2, before Inception is loaded."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fid", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="python -m fid", description=DESCRIPTION)
     parser.add_argument("samples", help="images (.npz or folder) or statistics (.npz) to score")
     parser.add_argument("ref", nargs="?", help="reference images or statistics, or a short name like imagenet256")
     parser.add_argument("--metrics", help=f"comma-separated subset of {','.join(METRICS)} "
@@ -43,7 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "image folders of mixed sizes")
     parser.add_argument("--skip-corrupt", action="store_true",
                         help="leave out image files of a folder that cannot be read, with a warning each")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
     return parser.parse_args(argv)
 
 
@@ -64,7 +64,7 @@ def samples_settings(samples: str) -> dict | None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    with command_line(args.debug):
+    with one_line_warnings():
         if args.metrics is None:
             metrics = BINARY_METRICS if args.ref else ()
         else:
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def command() -> None:
-    """The installed command's entry point: runs `main` and drops its return value (the report), which a
-    console script would otherwise hand to sys.exit as an error message."""
-    main()
+    """The installed command's entry point: a user error is one line and exit status 2 (`main`'s report is
+    dropped, which a console script would otherwise hand to sys.exit as an error message)."""
+    run_command(main)
 
 
 if __name__ == "__main__":
-    main()
+    command()

@@ -1,9 +1,13 @@
-"""The one error type for problems with what the user gave: a file, an argument, a value.
+"""fid's error type for problems with what the user gave: a file, an argument, a value.
 
-`python -m fid` prints an InputError as one line `error: ...` and exits with status 2; any other
-exception is a bug and keeps its traceback. It is a ValueError, so callers that catch those keep working.
+It derives from the project's one user-error base (`commands.UserError`, the ground-floor module that imports
+nothing of the project, so fid still knows nothing of models): `python -m fid` prints it as one line
+`error: ...` and exits with status 2 through `commands.run_command`; any other exception is a bug and keeps
+its traceback.
 """
 
+from commands import UserError
 
-class InputError(ValueError):
+
+class InputError(UserError):
     """A bad input file, argument or value, described in one line that names it."""

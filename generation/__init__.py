@@ -14,10 +14,9 @@ from typing import Optional
 
 from generation.export import Export, ExportDescription, ExportError, find_export, read_export, write_export
 from generation.generator import ImageGenerator
-from generation.official import OfficialCheckpointError, is_official_reference, official_export
 
-__all__ = ["Export", "ExportDescription", "ExportError", "ImageGenerator", "OfficialCheckpointError", "find_export",
-           "load_export", "read_export", "write_export"]
+__all__ = ["Export", "ExportDescription", "ExportError", "ImageGenerator", "find_export", "load_export",
+           "read_export", "write_export"]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name"
 
@@ -26,6 +25,10 @@ def load_export(source: str | Path, model: Optional[str] = None, image_size: Opt
     """The export `source` names: an export / checkpoint / run folder, an official `.pt` file or released
     checkpoint name (converted on the fly; `model` and `image_size` as in `generation.official`), or a
     Hugging Face Hub id ("owner/name") of an export pushed with `Export.push_to_hub`."""
+    # Imported here, not at the top: `python -m generation.official` imports this package first, and runpy warns
+    # when the module it is about to run is already imported.
+    from generation.official import is_official_reference, official_export
+
     text = str(source)
     if is_official_reference(text):
         return official_export(text, model, image_size)

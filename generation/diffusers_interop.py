@@ -26,16 +26,15 @@ DiT's schedule, or UniPC), and with --vae a complete `DiTPipeline` folder.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from commands import CommandParser, UserError, run_command
 from dit_vca.attention import MultiHeadSelfAttention
 from samplers.multistep import SCHEDULERS
 
@@ -65,11 +64,11 @@ DIFFUSERS_MLP_RATIO = 4  # DiTTransformer2DModel's feed-forward width is fixed a
 NORM_EPS = 1e-6  # the official DiT's LayerNorm eps (diffusers' default norm_eps is 1e-5)
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError):
     """The model cannot be expressed in the other layout (VCA attention, unsupported sizes, unequal copies)."""
 
 
-class SourceError(ValueError):
+class SourceError(UserError):
     """A bad command-line input: missing or unreadable source, bad --vae, existing output folder."""
 
 
@@ -218,7 +217,8 @@ def dit_scheduler(solver: str = "dpm++2m") -> SchedulerMixin:
 def load_mhsa_model(source: str | Path, model: str | None = None, image_size: int | None = None) -> nn.Module:
     """Our MHSA model from what `generation.load_export` reads: an export / checkpoint / run folder, or an official
     DiT `.pt` (weights_only; model and size from its name or `model` / `image_size`)."""
-    from generation import ExportError, OfficialCheckpointError, load_export
+    from generation import ExportError, load_export
+    from generation.official import OfficialCheckpointError
 
     try:
         export = load_export(source, model, image_size)
@@ -233,8 +233,8 @@ def load_mhsa_model(source: str | Path, model: str | None = None, image_size: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m generation.diffusers_interop",
-                                     description="Write a DiT (MHSA baseline) as a diffusers folder.")
+    parser = CommandParser(prog="python -m generation.diffusers_interop",
+                           description="Write a DiT (MHSA baseline) as a diffusers folder.")
     parser.add_argument("source", help="export folder, run directory, or official DiT .pt (path or released name)")
     parser.add_argument("out_dir", type=Path, help="new folder for the diffusers files (must not exist)")
     parser.add_argument("--vae", help="AutoencoderKL folder or hub id: also write a complete DiTPipeline")
@@ -245,10 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         convert(args.source, args.out_dir, args.vae, args.scheduler, args.model, args.image_size)
-    except SourceError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     except ConversionError as error:
-        parser.exit(2, f"{parser.prog}: error: {args.source}: {error}\n")
+        raise ConversionError(f"{args.source}: {error}") from None
 
 
 def convert(source: str | Path, out_dir: Path, vae_name: str | None = None, solver: str = "dpm++2m",
@@ -284,4 +282,4 @@ def convert(source: str | Path, out_dir: Path, vae_name: str | None = None, solv
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_command(main)

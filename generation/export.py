@@ -22,6 +22,7 @@ from huggingface_hub import ModelHubMixin
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from commands import UserError
 from atomic_files import atomic_output, write_json_atomic
 from dit_vca.models import current_model_config
 
@@ -33,7 +34,7 @@ FORMAT_VERSION = 2
 SPACES = ("pixels", "latents")
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """An export folder or file that is missing, incomplete or unreadable (the message names the file)."""
 
 

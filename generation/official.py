@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 import yaml
 
+from commands import CommandParser, UserError, run_command
 from dit_vca.models import MODEL_FAMILIES, all_model_names, build_model_from_config, model_family
 from generation.export import Export, ExportDescription, write_export
 from generation.objective import default_objective_spec
@@ -58,7 +59,7 @@ RELEASED = {
 }
 
 
-class OfficialCheckpointError(ValueError):
+class OfficialCheckpointError(UserError):
     """An official checkpoint that is missing, unreadable or does not fit the named model."""
 
 
@@ -197,8 +198,6 @@ def resolve_released(name: str) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from commands import CommandParser
-
     parser = CommandParser(prog="python -m generation.official", description=__doc__)
     parser.add_argument("ckpt", help=f"an official .pt file, or one of {', '.join(RELEASED)} (downloaded once)")
     parser.add_argument("--out", type=Path, required=True, help="export folder to write (must not exist yet)")
@@ -214,8 +213,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def command() -> None:
     """The installed command's entry point (and `python -m generation.official`): one line, exit 2 on a user error."""
-    from commands import run_command
-
     run_command(main)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from commands import UserError
 from atomic_files import atomic_output, remove_stale_temporaries, save_npz_atomic
 from atomic_files.shards import first_difference
 
@@ -36,11 +37,11 @@ class Shard:
         return range(self.start, self.stop)
 
 
-class DamagedShardError(ValueError):
+class DamagedShardError(UserError):
     """A shard file that cannot be read, or holds other samples than its name says."""
 
 
-class SampleFilesError(ValueError):
+class SampleFilesError(UserError):
     """An output file that another run, or something other than sample.py, wrote (the message names it)."""
 
 

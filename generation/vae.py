@@ -13,6 +13,8 @@ from typing import Mapping
 import torch
 from diffusers import AutoencoderKL
 
+from commands import UserError
+
 # The SD 1.x autoencoder (also sd-vae-ft-ema / -mse): used to build a randomly initialised twin for
 # benchmarks, so throughput can be measured without downloading the weights.
 SD_VAE_ARCHITECTURE = dict(
@@ -27,7 +29,7 @@ SD_VAE_ARCHITECTURE = dict(
 )
 
 
-class VAEUnavailableError(RuntimeError):
+class VAEUnavailableError(UserError):
     """The requested autoencoder cannot be loaded (missing folder, or offline without a cached copy)."""
 
 

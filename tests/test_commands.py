@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from commands import UserError, run_command
 from configs import CONFIG_DIR, config_names, find_config
 from training.config import ConfigError, load_config
 
@@ -57,6 +58,69 @@ def test_every_command_names_a_callable():
     for name, target in SCRIPTS.items():
         module, _, attribute = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attribute)), name
+
+
+def project_exception_classes() -> list[type[BaseException]]:
+    """Every exception class defined in the project's packages and commands (imported, so found by type)."""
+    import importlib
+    import inspect
+
+    from test_import_graph import project_modules
+
+    found = []
+    for name in sorted(project_modules()):
+        if name.endswith("__main__") or name == "demo":
+            continue
+        module = importlib.import_module(name)
+        found += [value for value in vars(module).values() if inspect.isclass(value)
+                  and issubclass(value, BaseException) and value.__module__ == module.__name__]
+    return found
+
+
+def test_every_error_of_the_project_is_a_user_error():
+    """A user-facing error is recognised by its base class, so no list of error types has to be kept in step."""
+    classes = project_exception_classes()
+    assert len(classes) >= 10 and UserError in classes
+    # A private class (leading underscore) is a signal inside one module that never reaches a user
+    # (fid.inputs._UnreadableImage becomes an InputError or a warning that names the file).
+    public = [cls for cls in classes if not cls.__name__.startswith("_")]
+    assert [cls.__qualname__ for cls in public if not issubclass(cls, UserError)] == []
+
+
+def test_run_command_answers_any_user_error_in_one_line(capsys):
+    class NewError(UserError):
+        """An error type that no list names."""
+
+    def main(argv):
+        raise NewError("data.images: /nowhere does not exist")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_command(main, [])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: data.images: /nowhere does not exist\n"
+    with pytest.raises(NewError):
+        run_command(main, ["--debug"])
+
+
+def test_run_command_keeps_the_traceback_of_a_bug():
+    def main(argv):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_command(main, [])
+
+
+def test_an_error_of_a_module_run_with_dash_m_is_one_line(tmp_path):
+    """Under `python -m generation.official` its error class is `__main__.OfficialCheckpointError`, still a
+    UserError: one line, exit 2."""
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole zip")
+    result = subprocess.run([sys.executable, "-m", "generation.official", str(tmp_path / "cut.pt"),
+                             "--out", str(tmp_path / "export"), "--model", "DiT-S/8", "--image-size", "256"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "cut.pt" in line
 
 
 def _package_files(destination: Path) -> None:

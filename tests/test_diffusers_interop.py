@@ -12,6 +12,7 @@ import torch
 from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from diffusers.models.embeddings import get_timestep_embedding
 
+import commands
 from dit_vca import create_diffusion, create_model
 from generation.diffusers_interop import (ConversionError, dit_scheduler, from_diffusers, main, to_diffusers,
                                        use_dit_timestep_frequencies)
@@ -199,7 +200,7 @@ def test_command_writes_a_diffusers_folder_from_an_export(tmp_path):
 def in_process(capsys, *args: str) -> str:
     """Run the command's main() here (faster than a subprocess); returns its error line, exit status 2 expected."""
     with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
+        commands.run_command(main, list(args))
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines

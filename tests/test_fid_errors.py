@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from commands import run_command
 import fid.weights
 from fid import evaluate, load_inception
 from fid.__main__ import main
@@ -141,7 +142,7 @@ def test_input_error_is_one_line_with_exit_status_2_before_inception(case, tmp_p
     monkeypatch.chdir(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as exit_:
-        main(arguments)
+        run_command(main, arguments)
     assert exit_.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: ")]
     assert len(errors) == 1 and errors[0].startswith("error: ") and expected in errors[0], errors
@@ -299,7 +300,8 @@ def test_cli_refuses_a_pickle_that_runs_code(malicious_weights, tmp_path, capsys
     path, marker = malicious_weights
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4))
     with pytest.raises(SystemExit) as exit_:
-        main([str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz"), "--weights", str(path)])
+        run_command(main, [str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz"),
+                           "--weights", str(path)])
     assert exit_.value.code == 2 and not marker.exists()
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {path}: not a plain state dict")
 

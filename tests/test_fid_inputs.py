@@ -6,6 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
+from commands import run_command
 import fid.weights
 from fid import Gaussian, StatisticsFile, evaluate, load_inception, load_statistics, save_statistics
 from fid.__main__ import main
@@ -149,8 +150,8 @@ def test_failed_statistics_write_keeps_the_old_file(tmp_path, monkeypatch):
 def test_cli_error_writes_nothing(tmp_path, no_inception, capsys):
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4).astype(np.int16))
     with pytest.raises(SystemExit) as exit_:
-        main([str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "out.npz"),
-              "--json", str(tmp_path / "out.json")])
+        run_command(main, [str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "out.npz"),
+                           "--json", str(tmp_path / "out.json")])
     assert exit_.value.code == 2 and "dtype int16" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.npz"]
 

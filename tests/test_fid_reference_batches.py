@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
+from commands import run_command
 import fid.reference.batches
 from fid import evaluate, extract_features, load_inception, load_statistics
 from fid.__main__ import main as fid_main
@@ -112,7 +113,7 @@ def test_offline_message_then_a_file_put_there_by_hand(cache, tmp_path, monkeypa
     monkeypatch.setattr(fid.reference.batches, "download_file", offline)
     batch = ReferenceBatch(128)
     with pytest.raises(SystemExit) as exit_:
-        main(["imagenet128"])
+        run_command(main, ["imagenet128"])
     (line,) = capsys.readouterr().err.splitlines()
     assert exit_.value.code == 2
     assert line.startswith(f"error: {batch.url} could not be downloaded (")

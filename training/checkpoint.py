@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 from torch import nn
 
+from commands import UserError
 from generation.export import (CHECKPOINT_PATTERN, EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, read_weights,
                                write_export)
 from training.ema import ema_state_dict, load_ema_state_dict
@@ -49,7 +50,7 @@ RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 RESUME_LATEST = "latest"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint to resume from that is missing or damaged (the message names the file)."""
 
 

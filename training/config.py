@@ -23,6 +23,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from commands import UserError
 from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCAOptions
 
@@ -30,7 +31,7 @@ BASE_KEY = "base"
 DEFAULT_RESULTS_DIR = "results"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override that does not fit the schema."""
 
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 # The evaluator's preprocessing: training images are cut exactly as the ADM reference batches were.
+from commands import UserError
 from fid.preprocess import center_crop_adm
 from training.config import Config
 
@@ -38,7 +39,7 @@ SHAPES_SEED = 0           # the dataset is one fixed draw, whatever the training
 Example = tuple[torch.Tensor, int]
 
 
-class CorruptImageError(RuntimeError):
+class CorruptImageError(UserError):
     """An image file that PIL cannot decode."""
 
 

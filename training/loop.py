@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from tqdm import tqdm
 
+from commands import UserError
 from generation.vae import sample_latents
 from training.build import TrainingParts
 from training.checkpoint import checkpoint_name, save_checkpoint, save_milestone_export
@@ -26,7 +27,7 @@ from training.run import RunDirectory
 from training.trackers import log_grid, tracker_state
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(UserError):
     """The loss became NaN or infinite."""
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from accelerate import Accelerator
@@ -21,9 +21,6 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 from accelerate.utils import LoggerType
 
 from training.config import Config, ConfigError, LogConfig, config_to_dict
-
-if TYPE_CHECKING:  # training.run checks the trackers with this module
-    from training.run import RunDirectory
 
 TRACKER_NAMES = tuple(kind.value for kind in LoggerType if kind is not LoggerType.ALL)  # each also its module name
 TENSORBOARD_FOLDER = "tensorboard"
@@ -47,11 +44,11 @@ def check_trackers(log: LogConfig) -> None:
                               f"(pip install {name}; for wandb also: pip install 'vca-diffusion[wandb]')")
 
 
-def run_name(log: LogConfig, run: RunDirectory) -> str:
-    return log.run_name or run.root.name
+def run_name(log: LogConfig, run_dir: Path) -> str:
+    return log.run_name or run_dir.name
 
 
-def create_trackers(log: LogConfig, run: RunDirectory, start_step: int,
+def create_trackers(log: LogConfig, run_dir: Path, start_step: int,
                     resumed: dict[str, str]) -> list[GeneralTracker]:
     """Tracker objects for `log.trackers` (nothing starts until Accelerator.init_trackers); `resumed` maps a
     tracker name to the run id a checkpoint stored."""
@@ -59,12 +56,12 @@ def create_trackers(log: LogConfig, run: RunDirectory, start_step: int,
     for name in log.trackers:
         tracker_class = LOGGER_TYPE_TO_CLASS[name]
         if name == "tensorboard":
-            trackers.append(tracker_class(TENSORBOARD_FOLDER, run.root, purge_step=start_step + 1))
+            trackers.append(tracker_class(TENSORBOARD_FOLDER, run_dir, purge_step=start_step + 1))
         elif name == "wandb":
-            trackers.append(tracker_class(log.project, name=run_name(log, run), id=resumed.get(name) or new_run_id(),
-                                          resume="allow", dir=str(run.root)))
+            trackers.append(tracker_class(log.project, name=run_name(log, run_dir), id=resumed.get(name) or new_run_id(),
+                                          resume="allow", dir=str(run_dir)))
         elif tracker_class.requires_logging_directory:
-            trackers.append(tracker_class(log.project, run.root))
+            trackers.append(tracker_class(log.project, run_dir))
         else:
             trackers.append(tracker_class(log.project))
     return trackers
@@ -75,11 +72,11 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def start_trackers(accelerator: Accelerator, config: Config, run: RunDirectory, start_step: int,
+def start_trackers(accelerator: Accelerator, config: Config, run_dir: Path, start_step: int,
                    saved_state: dict[str, Any]) -> None:
-    """Start the trackers of `config` (main process), continuing the tracker runs that `saved_state` (the
+    """Start the trackers of `config` (main process) in the run directory `run_dir`, continuing the tracker runs that `saved_state` (the
     resumed checkpoint's trainer state; {} for a fresh run) names, and record the config as hyper-parameters."""
-    accelerator.log_with = create_trackers(config.log, run, start_step, saved_state.get(STATE_KEY, {}))
+    accelerator.log_with = create_trackers(config.log, run_dir, start_step, saved_state.get(STATE_KEY, {}))
     accelerator.init_trackers(config.log.project, config=hyperparameters(config_to_dict(config)))
 
 

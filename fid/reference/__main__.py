@@ -5,24 +5,23 @@ put there by hand, and print where each one is.
     python -m fid samples.npz imagenet256          # then name it by its short name
 """
 
-import argparse
 from pathlib import Path
 
-from ..cli import command_line
+from commands import CommandParser, run_command
+
+from ..cli import one_line_warnings
 from ..errors import InputError
 from . import batches
 from .batches import RESOLUTIONS, reference_batch
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(prog="python -m fid.reference", description=__doc__ + batches.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="python -m fid.reference", description=__doc__ + batches.__doc__)
     parser.add_argument("names", nargs="+", metavar="NAME",
                         help=f"imagenet{{{','.join(map(str, RESOLUTIONS))}}} (also written adm:imagenet256)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
     args = parser.parse_args(argv)
     paths = []
-    with command_line(args.debug):
+    with one_line_warnings():
         wanted = []
         for name in args.names:
             if (batch := reference_batch(name)) is None:
@@ -35,10 +34,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
 
 def command() -> None:
-    """The installed command's entry point: runs `main` and drops its return value (the paths), which a
-    console script would otherwise hand to sys.exit as an error message."""
-    main()
+    """The installed command's entry point: a user error is one line and exit status 2 (`main`'s list of paths
+    is dropped, which a console script would otherwise hand to sys.exit as an error message)."""
+    run_command(main)
 
 
 if __name__ == "__main__":
-    main()
+    command()

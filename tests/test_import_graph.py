@@ -1,0 +1,147 @@
+"""The project's structure, held by the suite: packages import only packages on floors below their own, and no
+module imports itself back through a circle.
+
+The floors follow the README's data flow (configs -> training run -> export -> generation -> .npz -> fid), read
+as "who may use whom": a command uses training, training uses generation, generation uses the models and
+samplers. `commands` (the one user-error base and `run_command`) is the ground floor, so every package may
+raise its errors; `fid` stands alone from the models (it only reads images and statistics). Every import
+counts, also those inside functions or under `if TYPE_CHECKING:`: a circle drawn only for the type checker
+is still a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Lowest first; a package may import packages of lower floors only (and itself). Several on one floor do not
+# import each other.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("commands",),
+    ("atomic_files", "configs"),
+    ("fid", "samplers"),
+    ("dit_vca",),
+    ("sit_vca",),
+    ("generation",),
+    ("training",),
+    ("train", "sample", "demo"),
+    ("bench",),
+)
+FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the packages and top-level scripts above (tests and benchmarks' data excluded)."""
+    modules = {}
+    for path in REPO.rglob("*.py"):
+        relative = path.relative_to(REPO)
+        if relative.parts[0] in FLOOR or (len(relative.parts) == 1 and path.stem in FLOOR):
+            modules[module_name(path)] = path
+    return modules
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """The project modules that `path` (module `name`) imports, wherever the import statement stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` imports the module pkg.sub when there is one, else a name of pkg
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a name inside a module: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imported_modules(path, name, set(modules)) for name, path in modules.items()}
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_project_package_has_a_floor():
+    tops = {path.parts[0] if len(path.parts) > 1 else path.stem
+            for path in (p.relative_to(REPO) for p in REPO.glob("*/__init__.py"))} | {"train", "sample", "demo"}
+    assert tops - {"tests"} <= set(FLOOR), f"packages without a floor in FLOORS: {sorted(tops - set(FLOOR))}"
+
+
+def test_packages_import_only_packages_below_them():
+    arrows_up = sorted(f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
+                       if top(target) != top(module) and FLOOR[top(target)] >= FLOOR[top(module)])
+    assert not arrows_up, "imports that run sideways or back up:\n" + "\n".join(arrows_up)
+
+
+def test_fid_knows_nothing_of_models():
+    graph = import_graph()
+    outside = {top(target) for module, targets in graph.items() if top(module) == "fid" for target in targets}
+    assert outside <= {"fid", "commands", "atomic_files"}, outside
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of the graph as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (circle := visit(target)):
+                return circle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (circle := visit(node)):
+            return circle
+    return None
+
+
+def test_no_module_imports_itself_through_a_circle():
+    circle = find_circle(import_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+])
+def test_find_circle_finds_circles(graph, expected):
+    assert find_circle(graph) == expected
+
+
+def test_the_graph_sees_imports_inside_functions_and_type_checking(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.run import X\n"
+                      "def f():\n    from generation.export import Export\n    import dit_vca.models\n")
+    known = {"training.run", "generation.export", "dit_vca.models", "dit_vca", "training", "generation"}
+    assert imported_modules(source, "training.trackers", known) == {"training.run", "generation.export",
+                                                                    "dit_vca.models"}
