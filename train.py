@@ -8,6 +8,10 @@ Overrides are `section.key=value` (see training/config.py for every key). The ru
 (default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
 checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every).
 
+SIGTERM, SIGUSR1 or SIGINT (Slurm's preemption and time-limit signals, Ctrl-C) stop the run after the current
+optimiser step on every process, with a checkpoint; the command then exits with status 75 (STOPPED_STATUS),
+which a requeue script tests before relaunching with --resume latest. A second signal ends it at once.
+
 A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
 continued only with --resume and replaced only with --overwrite.
@@ -26,6 +30,7 @@ from training.checkpoint import check_checkpoint, load_checkpoint, resolve_resum
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
 from training.run import RunDirectory, create_accelerator
+from training.stop_signals import STOPPED_STATUS
 from training.trackers import start_trackers
 
 
@@ -71,8 +76,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run.config, config_to_yaml(config))
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
-    Trainer(accelerator, config, run, parts, state,
-            last_checkpoint=None if resume_from is None else str(resume_from)).fit()
+    stopped_by = Trainer(accelerator, config, run, parts, state,
+                         last_checkpoint=None if resume_from is None else str(resume_from)).fit()
+    if stopped_by is not None:
+        raise SystemExit(STOPPED_STATUS)
 
 
 def command() -> None:

@@ -25,6 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from generation import ImageGenerator, read_export
 from training.checkpoint import CheckpointError
 from training.config import ConfigError
+from training.loop import NonFiniteLossError
 from generation.vae import VAEUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,7 +252,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
     monkeypatch.setattr(training.build, "create_objective", poisoned_objective)
     run_dir = tmp_path / "run"
     expected = r"not finite at step 7; .*step-0000005, is intact.*train.mixed_precision=fp32"
-    with pytest.raises(FloatingPointError, match=expected):
+    with pytest.raises(NonFiniteLossError, match=expected):
         train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=20", "log.every=5",
                            "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]

@@ -1,0 +1,156 @@
+"""Faults users meet on clusters (issue 21): stop signals, full and read-only disks, resumes with changed
+settings, outputs that are inputs. The faults come from tests/faults.py.
+
+The principle every case checks: a command checks what it can before it writes anything, and what it leaves
+after a failure is a whole earlier state or nothing.
+"""
+
+import errno
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+
+from atomic_files import OutputError
+from faults import failing_writes, signal_at_step
+from training.stop_signals import STOPPED_STATUS
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "configs" / "digits.yaml"
+TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "train.global_batch_size=64",
+        "train.warmup_steps=5", "log.sample_count=8", "log.sample_steps=5", "log.trackers=[]"]
+ONE_PROCESS = ["--config", str(DIGITS), *TINY, "log.every=2", "log.checkpoint_every=4", "log.sample_every=0",
+               "train.max_steps=8"]
+
+
+def subprocess_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
+
+@pytest.fixture
+def train_script():
+    """train.py as a module; Accelerate's process-wide state is reset after each run."""
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(*arguments: str) -> None:
+        try:
+            module.main([*arguments])
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A one-process run of 8 steps: the reference a stopped and resumed run must equal."""
+    spec = importlib.util.spec_from_file_location("train_reference", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    try:
+        module.main([*ONE_PROCESS, f"run.dir={run_dir}"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return run_dir
+
+
+def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
+    """Byte for byte: weights, EMA, optimiser and scheduler state, trainer state."""
+    for name in ("model.safetensors", "export/ema.safetensors", "optimizer.bin", "scheduler.bin",
+                 "trainer_state.json"):
+        if name.endswith(".safetensors"):  # the header records no time, but compare tensors for a clear message
+            a, b = load_file(ours / name), load_file(theirs / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), name
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
+# --------------------------------------------------------------------------------------------------
+#                                          Stop signals
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninterrupted_one(
+        train_script, uninterrupted, tmp_path, monkeypatch, name):
+    run_dir = tmp_path / "run"
+    handler_before = signal.getsignal(getattr(signal, name))
+    signal_at_step(monkeypatch, step=3, signals=[name])
+    with pytest.raises(SystemExit) as exited:
+        train_script(*ONE_PROCESS, f"run.dir={run_dir}")
+    assert exited.value.code == STOPPED_STATUS == 75
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000003"]  # the step in progress
+    assert signal.getsignal(getattr(signal, name)) is handler_before  # the handlers are put back
+
+    monkeypatch.undo()
+    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+    assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", uninterrupted / "checkpoints" / "step-0000008")
+
+
+def test_a_second_signal_ends_the_process_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
+                          cwd=ROOT, env={**subprocess_env(), "FAULT_SIGNAL": "3:*:SIGTERM+SIGTERM:self"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+TWO_PROCESS = ["--config", str(DIGITS), *TINY, "train.cpu=true", "train.grad_accum_steps=2", "train.max_steps=8",
+               "log.every=2", "log.checkpoint_every=4", "log.sample_every=0"]
+
+
+def torchrun(run_dir: Path, *extra: str, script: Path = ROOT / "train.py", launcher: tuple = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launcher,
+            str(script), *TWO_PROCESS, f"run.dir={run_dir}", *extra]
+
+
+def launch(command: list[str], fault: str = "", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, env={**subprocess_env(), "FAULT_SIGNAL": fault, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_resumes_exactly(tmp_path):
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    done = launch(torchrun(reference))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py"), fault="3:1:SIGUSR1:self")
+    # The first worker to finish exits 75; torchrun then ends the other one (its checkpoint part is written:
+    # save_checkpoint returns after a barrier) and reports the failure with its own status 1.
+    assert stopped.returncode == 1 and f"exitcode  : {STOPPED_STATUS}" in stopped.stderr, stopped.stderr[-3000:]
+    assert "stopped by a signal to another process after step 3" in stopped.stdout  # rank 0 was told by rank 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000003"]
+    assert json.loads((run_dir / "checkpoints" / "step-0000003" / "trainer_state.json").read_text())["step"] == 3
+
+    resumed = launch(torchrun(run_dir, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", reference / "checkpoints" / "step-0000008")
+
+
+def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):
+    # torchrun forwards the signals it handles to its workers; SIGUSR1 (Slurm's early warning) is added as the
+    # README's batch script does (without it SIGUSR1 ends torchrun and the workers train on, orphaned). Rank 0
+    # signals torchrun after step 3; both workers stop after the same step.
+    run_dir = tmp_path / "run"
+    stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py",
+                              launcher=("--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1")), fault="3:0:SIGUSR1:parent")
+    assert stopped.returncode != 0 and "stopped by SIGUSR1 after step" in stopped.stdout, stopped.stderr[-3000:]
+    found = list((run_dir / "checkpoints").iterdir())
+    assert len(found) == 1, (found, stopped.stdout, stopped.stderr[-3000:])
+    [checkpoint] = found
+    step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    assert 3 <= step < 8 and checkpoint.name == f"step-{step:07d}"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
