@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from atomic_files import write_json_atomic
+from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, run_command
 from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
@@ -114,6 +114,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
     if not args.out.parent.is_dir():
         raise SystemExit(f"--out {args.out}: folder {args.out.parent} does not exist")
+    check_writable(args.out.parent)
 
 
 def check_against(description, args: argparse.Namespace) -> None:
@@ -177,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     set_matmul_precision(precision)
     labels = assign_labels(args.num_samples, export.description.num_classes, args.labels, args.seed)
     shards = plan_shards(args.num_samples, args.shard_size)
+    generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
+                                      compile=args.compile)  # the model and VAE load before the folder is claimed
     folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings)
     try:
         pending = [shards[index] for index in folder.claim(accelerator)]
@@ -185,8 +188,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process and len(pending) < len(shards):
         print(f"sample.py: resuming, {len(shards) - len(pending)} of {len(shards)} shards already in {folder.folder}")
 
-    generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
-                                      compile=args.compile)
     mine = pending[accelerator.process_index::accelerator.num_processes]
     started = time.perf_counter()
     sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_main_process)

@@ -23,7 +23,7 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from atomic_files import write_text_atomic
+from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
 from training.build import build_training
 from training.checkpoint import check_checkpoint, load_checkpoint, resolve_resume
@@ -54,7 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if resume_from is not None:
         check_checkpoint(resume_from)                             # a damaged one,
     elif args.resume is None and not args.overwrite:
-        run.check_new()                                           # and a run directory already in use
+        run.check_new()                                           # and a run directory already in use,
+    check_writable(run.root)                                      # or one where nothing can be written
     accelerator = create_accelerator(config, run)
     parts = build_training(config, accelerator)
 

@@ -98,7 +98,8 @@ def atomic_output(path: str | os.PathLike, needed: Optional[int] = None) -> Iter
             yield temporary
             commit(temporary, path)
         finally:
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only folder: its error, not this one, is the story
+                temporary.unlink(missing_ok=True)
 
 
 def staging_folder(path: str | os.PathLike) -> Path:
@@ -144,9 +145,12 @@ def atomic_folder(path: str | os.PathLike, needed: Optional[int] = None) -> Iter
 
 
 def check_writable(folder: str | os.PathLike) -> None:
-    """Raise OutputError now if files cannot be written in `folder` (created if missing), before a command
-    spends time on work it could not save."""
-    folder = Path(folder)
+    """Raise OutputError now if files cannot be written in `folder` (or, when it does not exist yet, in its
+    nearest existing parent, where it would be created), before a command spends time on work it could not
+    save. Nothing is left behind."""
+    folder = Path(folder).absolute()
+    while not folder.exists():
+        folder = folder.parent
     probe = folder / f".write-probe{TEMPORARY_MARK}{os.getpid()}"
     with _failing_as_output_error(folder, None):
         with atomic_output(probe) as temporary:

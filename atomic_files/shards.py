@@ -73,7 +73,7 @@ class ShardFolder:
             remove_stale_temporaries(self.folder / name)
         record = self.folder / SETTINGS_FILE
         pending = self.pending_here()
-        if len(pending) == len(self.shard_names) and not record.exists():  # nothing finished: nothing to protect
+        if len(pending) == len(self.shard_names):  # no shard finished: nothing to protect, whoever claimed it
             write_json_atomic(record, self.settings)
             return pending
         if not record.exists():

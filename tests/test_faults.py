@@ -154,3 +154,112 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path
     step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
     assert 3 <= step < 8 and checkpoint.name == f"step-{step:07d}"
     assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 Full and read-only disks (tests/faults.py)
+# --------------------------------------------------------------------------------------------------
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def test_a_full_disk_during_a_checkpoint_leaves_the_earlier_one_to_resume(train_script, uninterrupted, tmp_path,
+                                                                         monkeypatch):
+    run_dir = tmp_path / "run"
+    # Room for config.yaml and the checkpoint of step 4, and half of the one of step 8.
+    room = len((uninterrupted / "config.yaml").read_bytes()) + folder_bytes(uninterrupted / "checkpoints" /
+                                                                             "step-0000004")
+    budget = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=room + folder_bytes(
+        uninterrupted / "checkpoints" / "step-0000008") // 2)
+    with pytest.raises(OutputError) as raised:
+        train_script(*ONE_PROCESS, f"run.dir={run_dir}")
+    message = str(raised.value)
+    assert f"cannot write {run_dir / 'checkpoints' / 'step-0000008'}: no space left on its disk (" in message
+    assert "bytes needed" in message and "step-0000004, is intact" in message and "\n" not in message
+    assert budget.failures and [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-0000004"]  # no .tmp
+
+    monkeypatch.undo()
+    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+    assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", uninterrupted / "checkpoints" / "step-0000008")
+
+
+def test_training_into_a_read_only_folder_fails_before_the_model_is_built(train_script, tmp_path, monkeypatch):
+    import training.build
+
+    monkeypatch.setattr(training.build, "build_training", lambda *a: pytest.fail("the model was built"))
+    failing_writes(monkeypatch, errno.EROFS)
+    with pytest.raises(OutputError, match=r"cannot write .*: read-only file system; choose a writable place"):
+        train_script(*ONE_PROCESS, f"run.dir={tmp_path / 'run'}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def statistics(path: Path, shift: float) -> Path:
+    import numpy as np
+
+    from fid.evaluation import FEATURE_DIMS
+
+    spatial = FEATURE_DIMS["spatial"]
+    np.savez(path, mu=np.full(2048, shift), sigma=np.eye(2048), mu_s=np.zeros(spatial), sigma_s=np.eye(spatial))
+    return path
+
+
+@pytest.fixture
+def fid_inputs(tmp_path):
+    return statistics(tmp_path / "samples.npz", 0.0), statistics(tmp_path / "ref.npz", 0.1)
+
+
+@pytest.mark.parametrize("flag, target", [("--json", "samples.npz"), ("--json", "ref.npz"),
+                                          ("--save-stats", "ref.npz"), ("--save-stats", "samples.npz")])
+def test_fid_refuses_an_output_that_is_an_input(fid_inputs, flag, target):
+    import fid.__main__ as fid_command
+    from fid.errors import InputError
+
+    samples, ref = fid_inputs
+    before = {path: path.read_bytes() for path in (samples, ref)}
+    with pytest.raises(InputError, match=f"{flag} .*{target} is (SAMPLES|REF) itself; choose another file"):
+        fid_command.main([str(samples), str(ref), "--metrics", "fid", flag, str(samples.parent / target)])
+    assert {path: path.read_bytes() for path in (samples, ref)} == before
+
+
+def test_fid_replaces_only_files_it_wrote(fid_inputs, tmp_path):
+    import numpy as np
+
+    import fid.__main__ as fid_command
+    from fid.errors import InputError
+
+    samples, ref = fid_inputs
+    images, notes = tmp_path / "images.npz", tmp_path / "notes.json"
+    np.savez(images, arr_0=np.zeros((2, 8, 8, 3), np.uint8))
+    notes.write_text('{"mine": 1}\n')
+    for flag, path in (("--save-stats", images), ("--json", notes)):
+        before = path.read_bytes()
+        with pytest.raises(InputError, match=f"{flag} {path} exists and is not"):
+            fid_command.main([str(samples), str(ref), "--metrics", "fid", flag, str(path)])
+        assert path.read_bytes() == before
+    report, stats = tmp_path / "report.json", tmp_path / "stats.npz"
+    for _ in range(2):  # the second run replaces what the first one wrote
+        fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report), "--save-stats",
+                          str(stats)])
+    assert json.loads(report.read_text())["fid"] == pytest.approx(2048 * 0.1 ** 2)
+
+
+@pytest.mark.parametrize("error, message", [(errno.EROFS, "read-only file system"),
+                                            (errno.ENOSPC, "no space left on its disk")])
+def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path, monkeypatch, error, message):
+    import fid.__main__ as fid_command
+    import fid.evaluation
+
+    samples, ref = fid_inputs
+    report = tmp_path / "report.json"
+    fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report)])
+    before = report.read_bytes()
+    # a read-only folder is found before any feature is computed; a full disk when the report is written
+    evaluate = fid.evaluation.evaluate
+    monkeypatch.setattr(fid_command, "evaluate",
+                        lambda *a, **k: pytest.fail("evaluated") if error == errno.EROFS else evaluate(*a, **k))
+    failing_writes(monkeypatch, error, after_bytes=10)
+    with pytest.raises(OutputError, match=f"cannot write .*: {message}"):
+        fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report)])
+    assert report.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["ref.npz", "report.json", "samples.npz"]
