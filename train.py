@@ -14,7 +14,9 @@ which a requeue script tests before relaunching with --resume latest. A second s
 
 A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
-continued only with --resume and replaced only with --overwrite.
+continued only with --resume and replaced only with --overwrite. With --resume, the model, objective, data and
+seed stay the checkpoint's (another value is refused, naming it); every other setting, such as train.lr above,
+applies from the resume step on, and config.yaml records this launch's values.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Optional, Sequence
 from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
 from training.build import build_training
-from training.checkpoint import check_checkpoint, load_checkpoint, resolve_resume
+from training.checkpoint import (apply_optimizer_settings, check_checkpoint, check_resume_settings, load_checkpoint,
+                                 resolve_resume)
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
 from training.run import RunDirectory, create_accelerator
@@ -53,6 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint,
     if resume_from is not None:
         check_checkpoint(resume_from)                             # a damaged one,
+        check_resume_settings(config, resume_from)                # another model, objective, data or seed,
     elif args.resume is None and not args.overwrite:
         run.check_new()                                           # and a run directory already in use,
     check_writable(run.root)                                      # or one where nothing can be written
@@ -64,6 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     saved = {}
     if resume_from is not None:
         saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
+        apply_optimizer_settings(parts.optimizer, parts.scheduler, config.train)  # this launch's lr, betas, ...
         if not state.same_geometry(saved):
             accelerator.print(f"warning: {resume_from} was written with another batch geometry ({saved}); "
                               f"the data position is approximate")

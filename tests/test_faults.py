@@ -263,3 +263,52 @@ def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path,
         fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report)])
     assert report.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == \
         ["ref.npz", "report.json", "samples.npz"]
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 --resume with changed settings
+# --------------------------------------------------------------------------------------------------
+
+def copy_run(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    shutil.rmtree(target / "checkpoints" / "step-0000008")  # resume from step 4
+    return target
+
+
+def test_optimiser_settings_given_with_resume_apply_from_the_resume_step(train_script, uninterrupted, tmp_path):
+    run_dir = copy_run(uninterrupted, tmp_path / "run")
+    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "train.lr=5e-4", "train.weight_decay=0.25",
+                 "train.betas=[0.8,0.99]", "--resume", "latest")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    original = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [line["lr"] for line in lines[:2]] == [line["lr"] for line in original[:2]]  # steps 2, 4: before
+    assert [line["lr"] for line in lines[2:]] == [5e-4, 5e-4]  # steps 6, 8 (warm-up of 5 steps done)
+    groups = torch.load(run_dir / "checkpoints" / "step-0000008" / "optimizer.bin", weights_only=True)["param_groups"]
+    assert all((group["lr"], group["weight_decay"], tuple(group["betas"])) == (5e-4, 0.25, (0.8, 0.99))
+               for group in groups)
+    config = (run_dir / "config.yaml").read_text()
+    assert "lr: 0.0005" in config and "weight_decay: 0.25" in config  # config.yaml tells what was applied
+    ours = load_file(run_dir / "checkpoints" / "step-0000008" / "model.safetensors")
+    theirs = load_file(uninterrupted / "checkpoints" / "step-0000008" / "model.safetensors")
+    assert any(not torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.name=SiT-S/2", "model.name is 'DiT-S/2' in the checkpoint, not 'SiT-S/2'"),
+    ("model.hidden_size=64", "model.hidden_size is 32 in the checkpoint, not 64"),
+    ("model.vca.joint_softmax=false", "model.vca.joint_softmax is True in the checkpoint, not False"),
+    ("diffusion.learn_sigma=true", "diffusion.learn_sigma is False in the checkpoint, not True"),
+    ("data.num_classes=5", "data.num_classes is 10 in the checkpoint, not 5"),
+    ("train.seed=1", "train.seed is 0 in the checkpoint, not 1"),
+])
+def test_resume_refuses_another_model_objective_data_or_seed(train_script, uninterrupted, tmp_path, override,
+                                                             message):
+    from training.config import ConfigError
+
+    run_dir = copy_run(uninterrupted, tmp_path / "run")
+    before = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    with pytest.raises(ConfigError, match=f"--resume .*step-0000004: {message}; a resumed run keeps"):
+        train_script(*ONE_PROCESS, f"run.dir={run_dir}", override, "--resume", "latest")
+    assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == before

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
@@ -215,6 +215,33 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
     except OSError as error:
         raise CheckpointError(_damaged(path, str(error))) from None
     return state
+
+
+def check_resume_settings(config: Any, path: str | Path) -> None:
+    """Refuse to resume `path` with a model, objective, data or seed (training.config.RESUME_FIXED) other than
+    its own: one line naming the setting and the checkpoint's value, before anything is built."""
+    from training.config import ConfigError, resume_conflict
+
+    file = Path(path) / TRAIN_CONFIG
+    try:
+        conflict = resume_conflict(config, file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise CheckpointError(_damaged(Path(path), f"{file} cannot be read ({type(error).__name__})")) from None
+    if conflict is not None:
+        key, saved, ours = conflict
+        raise ConfigError(f"--resume {path}: {key} is {saved!r} in the checkpoint, not {ours!r}; a resumed run keeps "
+                          f"its model, objective, data and seed (drop the override, or start a new run.dir)")
+
+
+def apply_optimizer_settings(optimizer: Any, scheduler: Any, train: Any) -> None:
+    """After a resume, use this launch's train.lr, weight_decay and betas from the current step on (the restored
+    optimiser and scheduler states hold the old ones); the warm-up follows this launch's train.warmup_steps."""
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds the LambdaLR
+    schedule.base_lrs = [train.lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas):
+        group.update(initial_lr=train.lr, lr=train.lr * factor(schedule.last_epoch),
+                     weight_decay=train.weight_decay, betas=tuple(train.betas))
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3) -> dict[str, Any]:
