@@ -78,8 +78,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     accelerator.wait_for_everyone()  # every process has checked the run directory before anything is written
     if accelerator.is_main_process:
         if args.overwrite:
-            run.clear()
+            kept = run.clear()
+            if kept:
+                names = ", ".join(str(path.relative_to(run.root)) for path in kept)
+                accelerator.print(f"--overwrite: kept {names} (not written by a training run)")
         run.root.mkdir(parents=True, exist_ok=True)
+        run.remove_partial_saves()
         write_text_atomic(run.config, config_to_yaml(config))
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
     stopped_by = Trainer(accelerator, config, run, parts, state,

@@ -312,3 +312,43 @@ def test_resume_refuses_another_model_objective_data_or_seed(train_script, unint
     with pytest.raises(ConfigError, match=f"--resume .*step-0000004: {message}; a resumed run keeps"):
         train_script(*ONE_PROCESS, f"run.dir={run_dir}", override, "--resume", "latest")
     assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == before
+
+
+def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(train_script, uninterrupted, tmp_path, capsys):
+    run_dir = copy_run(uninterrupted, tmp_path / "run")
+    (run_dir / "samples").mkdir()
+    (run_dir / "exports").mkdir()
+    mine = [run_dir / "samples" / "holiday.png", run_dir / "exports" / "report.pdf",
+            run_dir / "checkpoints" / "mine.txt", run_dir / "notes.md"]
+    for path in mine:
+        path.write_text("the user's")
+    (run_dir / "samples" / "step-0000004.png").write_bytes(b"a grid of the earlier run")
+    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "train.max_steps=2", "log.checkpoint_every=2", "--overwrite")
+    assert all(path.read_text() == "the user's" for path in mine)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["mine.txt", "step-0000002"]
+    assert not (run_dir / "samples" / "step-0000004.png").exists()
+    assert "--overwrite: kept checkpoints/mine.txt, exports/report.pdf, samples/holiday.png (not written by a " \
+           "training run)" in capsys.readouterr().out
+
+
+def test_a_resume_removes_the_partial_folder_of_a_killed_save(train_script, uninterrupted, tmp_path):
+    run_dir = copy_run(uninterrupted, tmp_path / "run")
+    partial = run_dir / "checkpoints" / ".step-0000006.tmp"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\0" * 4096)  # what a save killed at step 6 leaves
+    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004", "step-0000008"]
+
+
+def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_path):
+    from test_data import write_latent_shards
+
+    generator = torch.Generator().manual_seed(0)
+    means, stds = torch.randn(16, 2, 4, 4, 4, generator=generator), torch.full((16, 2, 4, 4, 4), 0.1)
+    write_latent_shards(tmp_path / "latents", means, stds, torch.arange(16) % 3, shard_size=8)
+    run_dir = tmp_path / "run"
+    train_script("--config", str(DIGITS), *TINY, "data.source=latents", f"data.latents={tmp_path / 'latents'}",
+                 "data.image_size=32", "data.num_classes=3", "vae.name=not-loaded/anywhere", "vae.scale=0.5",
+                 "train.global_batch_size=4", "train.max_steps=2", "log.every=1", "log.checkpoint_every=2",
+                 "log.sample_every=0", "log.fid_every=0", f"run.dir={run_dir}")
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-0000002"]
