@@ -180,6 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     shards = plan_shards(args.num_samples, args.shard_size)
     generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
                                       compile=args.compile)  # the model and VAE load before the folder is claimed
+    try_sampler(generator, labels, args)
     folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings)
     try:
         pending = [shards[index] for index in folder.claim(accelerator)]
@@ -216,6 +217,16 @@ def load_checkpoint(args: argparse.Namespace):
         return load_export(args.ckpt, args.model, args.image_size)
     except (ExportError, OfficialCheckpointError) as error:
         raise SystemExit(f"--ckpt: {error}") from None
+
+
+def try_sampler(generator, labels: np.ndarray, args: argparse.Namespace) -> None:
+    """Draw sample 0 once with every option (sampler, steps, eta, tolerances, guidance, decoder), so that an option
+    the sampler rejects fails here, before the shard folder is claimed: the cost of one sample of N."""
+    try:
+        generator.generate(labels[:1], sample_seeds(args.seed, range(1)), **generation_options(args))
+    except ValueError as error:  # the samplers reject out-of-range options with a ValueError naming them
+        raise SystemExit(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
+    generator.model_evaluations = 0  # the summary counts the sampling work only
 
 
 def create_accelerator(args: argparse.Namespace):

@@ -352,3 +352,111 @@ def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_
                  "train.global_batch_size=4", "train.max_steps=2", "log.every=1", "log.checkpoint_every=2",
                  "log.sample_every=0", "log.fid_every=0", f"run.dir={run_dir}")
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-0000002"]
+
+
+# --------------------------------------------------------------------------------------------------
+#                          sample.py: nothing claimed before everything is checked
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    from test_sample import tiny_export
+
+    return tiny_export(tmp_path_factory.mktemp("export"))
+
+
+SAMPLE_RUN = ["--num-samples", "8", "--shard-size", "4", "--per-proc-batch-size", "4", "--grid-size", "4",
+              "--sampler", "ddim", "--steps", "3"]
+
+
+@pytest.fixture
+def sample_script():
+    import sample
+
+    def run(*arguments: str) -> None:
+        try:
+            sample.main([*arguments])
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+
+    return run
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--eta", "-1"], "DDIM eta must be >= 0, got -1.0"),
+    (["--steps", "5000"], "no integer stride gives exactly 5000 of 1000 steps"),
+])
+def test_a_sampler_option_out_of_range_fails_before_the_folder_is_claimed(sample_script, export, tmp_path, options,
+                                                                        message):
+    out = tmp_path / "samples.npz"
+    with pytest.raises(SystemExit, match=f"--sampler ddim with these options: .*{message}"):
+        sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN, *options)
+    assert list(tmp_path.iterdir()) == []
+    sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN)  # the corrected rerun
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.json", "samples.npz", "samples.png"]
+
+
+def test_a_folder_without_a_finished_shard_is_not_another_runs(tmp_path):
+    from atomic_files.shards import ShardFolder
+
+    names = ["shard-0.npz", "shard-1.npz"]
+    ShardFolder(tmp_path / "out.shards", names, {"eta": -1}).claim()  # a run that failed before any shard
+    assert ShardFolder(tmp_path / "out.shards", names, {"eta": 0}).claim() == [0, 1]
+    assert json.loads((tmp_path / "out.shards" / "settings.json").read_text()) == {"eta": 0}
+
+
+def test_an_export_with_non_finite_weights_is_refused_when_it_loads(sample_script, export, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    weights = load_file(broken / "ema.safetensors")
+    key = sorted(weights)[0]
+    weights[key] = weights[key].clone().fill_(float("nan"))
+    save_file(weights, broken / "ema.safetensors")
+    out = tmp_path / "out" / "samples.npz"
+    out.parent.mkdir()
+    with pytest.raises(SystemExit, match=f"--ckpt: .*ema.safetensors: weight '{key}' holds NaN or infinite values"):
+        sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_sampling_into_a_read_only_folder_fails_before_the_checkpoint_loads(sample_script, export, tmp_path,
+                                                                           monkeypatch):
+    import sample
+
+    monkeypatch.setattr(sample, "load_checkpoint", lambda args: pytest.fail("the checkpoint was loaded"))
+    failing_writes(monkeypatch, errno.EROFS)
+    with pytest.raises(OutputError, match="read-only file system"):
+        sample_script("--ckpt", str(export), "--out", str(tmp_path / "samples.npz"), *SAMPLE_RUN)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fail_at", ["shard", "merge"])
+def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_completes(sample_script, export, tmp_path,
+                                                                                 monkeypatch, fail_at):
+    import numpy as np
+
+    reference = tmp_path / "reference" / "samples.npz"
+    reference.parent.mkdir()
+    everything = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=10 ** 9)  # counts what a whole run writes
+    sample_script("--ckpt", str(export), "--out", str(reference), *SAMPLE_RUN)
+    written = 10 ** 9 - everything.left
+    monkeypatch.undo()
+    out = tmp_path / "run" / "samples.npz"
+    out.parent.mkdir()
+    # settings.json and half the first shard; or all but the second half of the merged file (written last)
+    room = {"shard": 700, "merge": written - reference.stat().st_size // 2}[fail_at]
+    budget = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=room)
+    with pytest.raises(OutputError, match=r"cannot write .*: no space left on its disk \("):
+        sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN)
+    assert budget.failures[-1].name.lstrip(".").startswith({"shard": "shard-000000.npz", "merge": "samples.npz"}[fail_at])
+    left = sorted(p.name for p in (out.parent / "samples.npz.shards").iterdir())
+    assert not any(".tmp-" in name for name in left)  # no partial file
+    assert not out.exists()
+    monkeypatch.undo()
+    sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN)
+    with np.load(out) as ours, np.load(reference) as theirs:
+        assert np.array_equal(ours["arr_0"], theirs["arr_0"]) and np.array_equal(ours["arr_1"], theirs["arr_1"])
