@@ -178,8 +178,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     set_matmul_precision(precision)
     labels = assign_labels(args.num_samples, export.description.num_classes, args.labels, args.seed)
     shards = plan_shards(args.num_samples, args.shard_size)
-    generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
-                                      compile=args.compile)  # the model and VAE load before the folder is claimed
+    try:
+        generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
+                                               compile=args.compile)  # model and VAE load before the folder is claimed
+    except ValueError as error:  # the backbone names the sizes that do not fit together
+        raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)
     folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings)
     try:

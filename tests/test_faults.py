@@ -460,3 +460,31 @@ def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_complete
     sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN)
     with np.load(out) as ours, np.load(reference) as theirs:
         assert np.array_equal(ours["arr_0"], theirs["arr_0"]) and np.array_equal(ours["arr_1"], theirs["arr_1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_heads=3", "hidden_size=32 is not divisible by num_heads=3"),
+    ("model.vca.contrast_grid=3", "contrast_grid=3 must be a positive divisor of the token grid side 4"),
+])
+def test_model_settings_that_build_no_model_are_one_line_before_anything_is_written(train_script, tmp_path,
+                                                                                   override, message):
+    from training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"model settings that build no model for 1x8x8 inputs: {message}"):
+        train_script(*[a for a in ONE_PROCESS if a != "model.num_heads=2"], override, f"run.dir={tmp_path / 'run'}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, export, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    description = json.loads((broken / "config.json").read_text())
+    description["model"]["num_heads"] = 3
+    (broken / "config.json").write_text(json.dumps(description))
+    out = tmp_path / "out" / "samples.npz"
+    out.parent.mkdir()
+    with pytest.raises(SystemExit, match="its description builds no model .*not divisible by num_heads=3"):
+        sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
+    assert list(out.parent.iterdir()) == []

@@ -23,7 +23,7 @@ from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
-from training.config import Config
+from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.run import micro_batch_size
@@ -79,7 +79,11 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
     for size_override in ("depth", "hidden_size", "num_heads", "mlp_ratio"):
         if getattr(model, size_override) is not None:
             arguments[size_override] = getattr(model, size_override)
-    return build_model_from_config(arguments)
+    try:
+        return build_model_from_config(arguments)
+    except ValueError as error:  # the backbone names the sizes that do not fit together
+        raise ConfigError(f"model settings that build no model for {in_channels}x{input_size}x{input_size} "
+                          f"inputs: {error}") from None
 
 
 def objective_spec(config: Config) -> dict[str, Any]:
