@@ -488,3 +488,33 @@ def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, 
     with pytest.raises(SystemExit, match="its description builds no model .*not divisible by num_heads=3"):
         sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("cut", "cannot be read"),
+    ("shape", r"holds \{'mean': \[8, 2, 4, 2, 2\]"),
+    ("labels", "holds labels 0..7; data.num_classes=3 allows 0..2"),
+])
+def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path, damage, message):
+    from safetensors.torch import save_file
+
+    from test_data import write_latent_shards
+    from training.data import LatentShardError
+
+    generator = torch.Generator().manual_seed(0)
+    means, stds = torch.randn(16, 2, 4, 4, 4, generator=generator), torch.full((16, 2, 4, 4, 4), 0.1)
+    write_latent_shards(tmp_path / "latents", means, stds, torch.arange(16) % 3, shard_size=8)
+    shard = tmp_path / "latents" / "shard-00001.safetensors"
+    if damage == "cut":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "shape":
+        save_file({"mean": means[8:, :, :, :2, :2].contiguous(), "std": stds[8:, :, :, :2, :2].contiguous(),
+                   "labels": torch.arange(8)}, shard)
+    else:
+        save_file({"mean": means[8:], "std": stds[8:], "labels": torch.arange(8)}, shard)
+    with pytest.raises(LatentShardError, match=f"latent shard {shard} {message}"):
+        train_script("--config", str(DIGITS), *TINY, "data.source=latents", f"data.latents={tmp_path / 'latents'}",
+                     "data.image_size=32", "data.num_classes=3", "vae.name=not-loaded", "vae.scale=0.5",
+                     "train.global_batch_size=4", "train.max_steps=2", "log.sample_every=0",
+                     f"run.dir={tmp_path / 'run'}")
+    assert not (tmp_path / "run").exists()
