@@ -518,3 +518,16 @@ def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path,
                      "train.global_batch_size=4", "train.max_steps=2", "log.sample_every=0",
                      f"run.dir={tmp_path / 'run'}")
     assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_files_of_another_model_are_one_line(train_script, uninterrupted, tmp_path):
+    from safetensors.torch import save_file
+
+    from training.checkpoint import CheckpointError
+
+    run_dir = copy_run(uninterrupted, tmp_path / "run")
+    weights = load_file(run_dir / "checkpoints" / "step-0000004" / "model.safetensors")
+    save_file({key: value[..., :1].contiguous() if value.ndim else value for key, value in weights.items()},
+              run_dir / "checkpoints" / "step-0000004" / "model.safetensors")  # valid file, other shapes
+    with pytest.raises(CheckpointError, match="cannot resume from .*step-0000004: its files belong to another model"):
+        train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")

@@ -249,8 +249,16 @@ def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3)
     `check_checkpoint(path)` first (train.py does, before anything is built): this does not read every file twice."""
     path = Path(path)
     state = _read_trainer_state(path)
-    accelerator.load_state(str(path))
-    load_ema_state_dict(ema, read_weights(path / EXPORT_DIR))  # copied onto the EMA's device
+    try:
+        accelerator.load_state(str(path))
+        load_ema_state_dict(ema, read_weights(path / EXPORT_DIR))  # copied onto the EMA's device
+    except UserError:
+        raise
+    except (RuntimeError, ValueError, KeyError) as error:  # torch: missing, unexpected or mis-shaped keys
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 else (lines[0] if lines else type(error).__name__)
+        raise CheckpointError(f"cannot resume from {path}: its files belong to another model than this config "
+                              f"builds ({detail[:200]})") from None
     return state
 
 
