@@ -141,13 +141,11 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_res
 
 
 def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):
-    # torchrun forwards the signals it handles to its workers; SIGUSR1 (Slurm's early warning) is added as the
-    # README's batch script does (without it SIGUSR1 ends torchrun and the workers train on, orphaned). Rank 0
-    # signals torchrun after step 3; both workers stop after the same step.
+    # torchrun (like accelerate launch) forwards SIGTERM to its workers, as the README's batch script relies on.
+    # Rank 0 signals torchrun after step 3; both workers stop after the same step.
     run_dir = tmp_path / "run"
-    stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py",
-                              launcher=("--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1")), fault="3:0:SIGUSR1:parent")
-    assert stopped.returncode != 0 and "stopped by SIGUSR1 after step" in stopped.stdout, stopped.stderr[-3000:]
+    stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py"), fault="3:0:SIGTERM:parent")
+    assert stopped.returncode != 0 and "stopped by SIGTERM after step" in stopped.stdout, stopped.stderr[-3000:]
     found = list((run_dir / "checkpoints").iterdir())
     assert len(found) == 1, (found, stopped.stdout, stopped.stderr[-3000:])
     [checkpoint] = found
