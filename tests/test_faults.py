@@ -100,9 +100,10 @@ def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninte
 
 
 def test_a_second_signal_ends_the_process_at_once(tmp_path):
+    # SIGUSR1 is noted (the process would stop after the step); the SIGTERM right after it ends the process.
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
-                          cwd=ROOT, env={**subprocess_env(), "FAULT_SIGNAL": "3:*:SIGTERM+SIGTERM:self"},
+                          cwd=ROOT, env={**subprocess_env(), "FAULT_SIGNAL": "3:*:SIGUSR1+SIGTERM:self"},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
