@@ -530,3 +530,26 @@ def test_checkpoint_files_of_another_model_are_one_line(train_script, uninterrup
               run_dir / "checkpoints" / "step-0000004" / "model.safetensors")  # valid file, other shapes
     with pytest.raises(CheckpointError, match="cannot resume from .*step-0000004: its files belong to another model"):
         train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+
+
+def test_fid_statistics_with_unreadable_arrays_are_one_line(fid_inputs, tmp_path):
+    import numpy as np
+
+    import fid.__main__ as fid_command
+    from fid.errors import InputError
+
+    samples, ref = fid_inputs
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, mu=np.array([None] * 3, dtype=object), sigma=np.eye(3))  # loads only by unpickling
+    with pytest.raises(InputError, match=f"{objects}: 'mu'/'sigma' cannot be read as numbers"):
+        fid_command.main([str(objects), str(ref), "--metrics", "fid"])
+
+
+def test_a_vae_folder_that_cannot_be_loaded_is_one_line(tmp_path):
+    from generation.vae import VAEUnavailableError, load_vae
+
+    folder = tmp_path / "vae"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # a config without its weights
+    with pytest.raises(VAEUnavailableError, match=f"VAE folder {folder} cannot be loaded \\(.*no file named"):
+        load_vae(str(folder), "cpu")
