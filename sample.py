@@ -286,6 +286,7 @@ def finish(args: argparse.Namespace, folder: ShardFolder, shards: Sequence[Shard
         save_grid(leading_images(shards, images_of, args.grid_size), files.grid)
     merge_shards(shards, images_of, labels, files.samples)
     shutil.rmtree(folder.folder)
+    folder.release()
 
 
 def command() -> None:

@@ -553,3 +553,19 @@ def test_a_vae_folder_that_cannot_be_loaded_is_one_line(tmp_path):
     (folder / "config.json").write_text("{}")  # a config without its weights
     with pytest.raises(VAEUnavailableError, match=f"VAE folder {folder} cannot be loaded \\(.*no file named"):
         load_vae(str(folder), "cpu")
+
+
+def test_a_second_run_into_a_claimed_shard_folder_is_refused_at_once(tmp_path):
+    from atomic_files.shards import ShardFolder, ShardFolderError
+
+    names = ["shard-0.npz", "shard-1.npz"]
+    first = ShardFolder(tmp_path / "out.shards", names, {"seed": 0})
+    assert first.claim() == [0, 1]
+    holder = subprocess.run(  # another process, as a second sample.py would be
+        [sys.executable, "-c", "import sys; from atomic_files.shards import ShardFolder\n"
+         "try:\n    ShardFolder(sys.argv[1], ['shard-0.npz', 'shard-1.npz'], {'seed': 0}).claim()\n"
+         "except Exception as error:\n    print(type(error).__name__, error)", str(tmp_path / "out.shards")],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert "ShardFolderError" in holder.stdout and "is being written by another run right now" in holder.stdout
+    first.release()  # the first run ends (so does its lock when the process ends)
+    assert ShardFolder(tmp_path / "out.shards", names, {"seed": 0}).claim() == [0, 1]

@@ -57,6 +57,7 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     state.wait_for_everyone()
     if state.is_main_process:
         _write_manifest(folder.folder, dataset.classes, len(shards), config)
+        folder.release()
     state.wait_for_everyone()
     return folder.folder
 
