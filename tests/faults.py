@@ -88,6 +88,22 @@ def failing_writes(monkeypatch, error: int, after_bytes: int = 0) -> WriteBudget
     return budget
 
 
+def run_train(*arguments: str) -> None:
+    """train.py's main in this process; Accelerate's process-wide state is reset after the run."""
+    import importlib.util
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    spec = importlib.util.spec_from_file_location("train_in_test", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.main(list(arguments))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 class _Patch:
     """The bit of pytest's monkeypatch that signal_at_step needs, for a script run without pytest."""
 

@@ -6,7 +6,6 @@ after a failure is a whole earlier state or nothing.
 """
 
 import errno
-import importlib.util
 import json
 import os
 import signal
@@ -16,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 from atomic_files import OutputError
-from faults import failing_writes, signal_at_step
+from faults import failing_writes, run_train, signal_at_step
 from training.stop_signals import STOPPED_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,33 +37,14 @@ def subprocess_env() -> dict:
 
 @pytest.fixture
 def train_script():
-    """train.py as a module; Accelerate's process-wide state is reset after each run."""
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-    def run(*arguments: str) -> None:
-        try:
-            module.main([*arguments])
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
-
-    return run
+    return run_train
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """A one-process run of 8 steps: the reference a stopped and resumed run must equal."""
-    spec = importlib.util.spec_from_file_location("train_reference", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    try:
-        module.main([*ONE_PROCESS, f"run.dir={run_dir}"])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    run_train(*ONE_PROCESS, f"run.dir={run_dir}")
     return run_dir
 
 

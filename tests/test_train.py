@@ -323,15 +323,10 @@ ONE_PROCESS = ["--config", str(DIGITS), *TINY, "log.every=2", "log.checkpoint_ev
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     """A one-process run with checkpoints at steps 2 and 4."""
-    spec = importlib.util.spec_from_file_location("train_for_checkpoints", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from faults import run_train
+
     run_dir = tmp_path_factory.mktemp("short") / "run"
-    try:
-        module.main([*ONE_PROCESS, "train.max_steps=4", f"run.dir={run_dir}"])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    run_train(*ONE_PROCESS, "train.max_steps=4", f"run.dir={run_dir}")
     return run_dir
 
 
