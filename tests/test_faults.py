@@ -217,10 +217,11 @@ def test_fid_replaces_only_files_it_wrote(fid_inputs, tmp_path):
             fid_command.main([str(samples), str(ref), "--metrics", "fid", flag, str(path)])
         assert path.read_bytes() == before
     report, stats = tmp_path / "report.json", tmp_path / "stats.npz"
-    for _ in range(2):  # the second run replaces what the first one wrote
-        fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report), "--save-stats",
-                          str(stats)])
-    assert json.loads(report.read_text())["fid"] == pytest.approx(2048 * 0.1 ** 2)
+    for _ in range(2):  # the second run replaces what the first one wrote (no REF: no metric, only the copy)
+        fid_command.main([str(samples), "--json", str(report), "--save-stats", str(stats)])
+    assert json.loads(report.read_text())["samples"] == str(samples)
+    with np.load(stats) as copied:
+        assert sorted(copied.files) == ["mu", "mu_s", "sigma", "sigma_s"]
 
 
 @pytest.mark.parametrize("error, message", [(errno.EROFS, "read-only file system"),
@@ -231,7 +232,8 @@ def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path,
 
     samples, ref = fid_inputs
     report = tmp_path / "report.json"
-    fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report)])
+    fid_command.main([str(samples), "--save-stats", str(tmp_path / "stats.npz"), "--json", str(report)])
+    (tmp_path / "stats.npz").unlink()
     before = report.read_bytes()
     # a read-only folder is found before any feature is computed; a full disk when the report is written
     evaluate = fid.evaluation.evaluate
@@ -239,7 +241,7 @@ def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path,
                         lambda *a, **k: pytest.fail("evaluated") if error == errno.EROFS else evaluate(*a, **k))
     failing_writes(monkeypatch, error, after_bytes=10)
     with pytest.raises(OutputError, match=f"cannot write .*: {message}"):
-        fid_command.main([str(samples), str(ref), "--metrics", "fid", "--json", str(report)])
+        fid_command.main([str(samples), "--save-stats", str(tmp_path / "stats.npz"), "--json", str(report)])
     assert report.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == \
         ["ref.npz", "report.json", "samples.npz"]
 
