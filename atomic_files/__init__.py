@@ -35,6 +35,9 @@ TEMPORARY_MARK = ".tmp-"
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 LOW_SPACE_BYTES = 1 << 20  # a writer that fails with this little left (torch's reports no errno) ran out of room
+# how writers without an errno (safetensors' Rust writer, torch's zip writer) spell the two in their messages
+MESSAGES = {errno.ENOSPC: ("No space left on device", "os error 28"),
+            errno.EROFS: ("Read-only file system", "os error 30")}
 
 
 class OutputError(UserError):
@@ -67,6 +70,9 @@ def output_error(path: Path, error: BaseException, needed: Optional[int] = None)
     """The one-line error for a write of `path` that failed with `error`, when a full disk or a read-only
     folder caused it; None for anything else (a bug keeps its traceback)."""
     code = getattr(error, "errno", None)
+    if code is None:
+        code = next((number for number, spellings in MESSAGES.items()
+                     if any(spelling in str(error) for spelling in spellings)), None)
     if code in NO_ROOM or (code is None and free_bytes(path) < LOW_SPACE_BYTES):
         return OutputError(f"cannot write {path}: no space left on its disk ({_sizes(needed, path)}); nothing "
                            f"was replaced, free some space and run the command again")
@@ -79,7 +85,9 @@ def output_error(path: Path, error: BaseException, needed: Optional[int] = None)
 def _failing_as_output_error(path: Path, needed: Optional[int]) -> Iterator[None]:
     try:
         yield
-    except (OSError, RuntimeError) as error:  # torch's writer reports a full disk as a RuntimeError
+    except Exception as error:  # writers report a full disk as OSError, RuntimeError (torch), SafetensorError
+        if isinstance(error, UserError):
+            raise
         described = output_error(path, error, needed)
         if described is None:
             raise

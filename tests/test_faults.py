@@ -551,3 +551,16 @@ def test_a_second_run_into_a_claimed_shard_folder_is_refused_at_once(tmp_path):
     assert "ShardFolderError" in holder.stdout and "is being written by another run right now" in holder.stdout
     first.release()  # the first run ends (so does its lock when the process ends)
     assert ShardFolder(tmp_path / "out.shards", names, {"seed": 0}).claim() == [0, 1]
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("Error while serializing: I/O error: No space left on device (os error 28)", "no space left on its disk"),
+    ("PytorchStreamWriter failed writing file data/0: Read-only file system (os error 30)", "read-only file system"),
+])
+def test_writers_without_an_errno_are_recognised(tmp_path, message, expected):
+    # Measured on a 560 KiB tmpfs: safetensors reports a full disk as SafetensorError with this text, no errno.
+    from atomic_files import output_error
+
+    described = output_error(tmp_path / "file", Exception(message))
+    assert isinstance(described, OutputError) and expected in str(described)
+    assert output_error(tmp_path / "file", Exception("a bug")) is None

@@ -123,7 +123,7 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: 
         shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
         temporary.mkdir(parents=True)
         if needed is not None:
-            check_room(temporary, needed)
+            check_room(final, needed)
 
     def finish() -> None:
         write_export(temporary / EXPORT_DIR, ema_state_dict(ema), replace(export, train_step=step))
@@ -131,9 +131,10 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: 
         write_json_atomic(temporary / TRAINER_STATE, trainer_state)
         replace_folder(temporary, final, needed)
 
-    _agree(accelerator, _attempt(prepare, final, needed) if main else None, temporary)
-    _agree(accelerator, _attempt(lambda: accelerator.save_state(str(temporary)), final, needed), temporary)
-    _agree(accelerator, _attempt(finish, final, needed) if main else None, temporary)
+    _agree(accelerator, _attempt(prepare, final, temporary, needed) if main else None, temporary)
+    _agree(accelerator, _attempt(lambda: accelerator.save_state(str(temporary)), final, temporary, needed),
+           temporary)
+    _agree(accelerator, _attempt(finish, final, temporary, needed) if main else None, temporary)
     if main:
         for old in rotated_away(list_checkpoints(root), final, keep):
             shutil.rmtree(old)
@@ -141,15 +142,17 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: 
     return final
 
 
-def _attempt(action: Callable[[], None], target: Path, needed: Optional[int]) -> Optional[str]:
-    """Run `action`; the message of a full-disk or read-only failure, or None when it worked (bugs raise)."""
+def _attempt(action: Callable[[], None], target: Path, temporary: Path, needed: Optional[int]) -> Optional[str]:
+    """Run `action`; the message of a full-disk or read-only failure, or None when it worked. Any other error
+    (a bug) is raised, after the partial folder is removed: a failed save leaves nothing."""
     try:
         action()
     except OutputError as error:
         return str(error)
-    except (OSError, RuntimeError) as error:
+    except Exception as error:  # writers report a full disk as OSError, RuntimeError (torch), SafetensorError
         described = output_error(target, error, needed)
         if described is None:
+            shutil.rmtree(temporary, ignore_errors=True)
             raise
         return str(described)
     return None
