@@ -564,3 +564,26 @@ def test_writers_without_an_errno_are_recognised(tmp_path, message, expected):
     described = output_error(tmp_path / "file", Exception(message))
     assert isinstance(described, OutputError) and expected in str(described)
     assert output_error(tmp_path / "file", Exception("a bug")) is None
+
+
+def test_demo_into_a_read_only_folder_fails_before_training(tmp_path, monkeypatch):
+    import demo
+
+    monkeypatch.setattr(demo, "train", lambda *a: pytest.fail("the demo trained"))
+    failing_writes(monkeypatch, errno.EROFS)
+    with pytest.raises(OutputError, match="read-only file system"):
+        demo.main(["--out", str(tmp_path / "demo")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_latent_extraction_writes_nothing_before_the_vae_has_loaded(tmp_path):
+    from test_latents import extraction_config, make_images
+    from generation.vae import VAEUnavailableError
+    from training.config import load_config
+    from training.latents import extract_latents
+
+    images = make_images(tmp_path / "images", per_class=2)
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", tmp_path / "no-vae"))
+    with pytest.raises(VAEUnavailableError, match="does not exist"):
+        extract_latents(config)
+    assert not (tmp_path / "latents").exists()
