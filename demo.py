@@ -230,6 +230,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from training.config import load_config
 
     load_config(CONFIG, args.overrides)  # a bad override stops here, in one line, before anything is written
+    from atomic_files import check_writable
+
+    check_writable(args.out)  # so does a read-only --out, before the model is built
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     started = time.perf_counter()

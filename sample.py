@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from atomic_files import write_json_atomic
+from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, run_command
 from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
@@ -114,6 +114,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
     if not args.out.parent.is_dir():
         raise SystemExit(f"--out {args.out}: folder {args.out.parent} does not exist")
+    check_writable(args.out.parent)
 
 
 def check_against(description, args: argparse.Namespace) -> None:
@@ -177,6 +178,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     set_matmul_precision(precision)
     labels = assign_labels(args.num_samples, export.description.num_classes, args.labels, args.seed)
     shards = plan_shards(args.num_samples, args.shard_size)
+    try:
+        generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
+                                               compile=args.compile)  # model and VAE load before the folder is claimed
+    except ValueError as error:  # the backbone names the sizes that do not fit together
+        raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
+    try_sampler(generator, labels, args)
     folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings)
     try:
         pending = [shards[index] for index in folder.claim(accelerator)]
@@ -185,8 +192,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process and len(pending) < len(shards):
         print(f"sample.py: resuming, {len(shards) - len(pending)} of {len(shards)} shards already in {folder.folder}")
 
-    generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
-                                      compile=args.compile)
     mine = pending[accelerator.process_index::accelerator.num_processes]
     started = time.perf_counter()
     sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_main_process)
@@ -215,6 +220,16 @@ def load_checkpoint(args: argparse.Namespace):
         return load_export(args.ckpt, args.model, args.image_size)
     except (ExportError, OfficialCheckpointError) as error:
         raise SystemExit(f"--ckpt: {error}") from None
+
+
+def try_sampler(generator, labels: np.ndarray, args: argparse.Namespace) -> None:
+    """Draw sample 0 once with every option (sampler, steps, eta, tolerances, guidance, decoder), so that an option
+    the sampler rejects fails here, before the shard folder is claimed: the cost of one sample of N."""
+    try:
+        generator.generate(labels[:1], sample_seeds(args.seed, range(1)), **generation_options(args))
+    except ValueError as error:  # the samplers reject out-of-range options with a ValueError naming them
+        raise SystemExit(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
+    generator.model_evaluations = 0  # the summary counts the sampling work only
 
 
 def create_accelerator(args: argparse.Namespace):
@@ -271,6 +286,7 @@ def finish(args: argparse.Namespace, folder: ShardFolder, shards: Sequence[Shard
         save_grid(leading_images(shards, images_of, args.grid_size), files.grid)
     merge_shards(shards, images_of, labels, files.samples)
     shutil.rmtree(folder.folder)
+    folder.release()
 
 
 def command() -> None:

@@ -8,9 +8,15 @@ Overrides are `section.key=value` (see training/config.py for every key). The ru
 (default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
 checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every).
 
+SIGTERM, SIGUSR1 or SIGINT (Slurm's preemption and time-limit signals, Ctrl-C) stop the run after the current
+optimiser step on every process, with a checkpoint; the command then exits with status 75 (STOPPED_STATUS),
+which a requeue script tests before relaunching with --resume latest. A second signal ends it at once.
+
 A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
-continued only with --resume and replaced only with --overwrite.
+continued only with --resume and replaced only with --overwrite. With --resume, the model, objective, data and
+seed stay the checkpoint's (another value is refused, naming it); every other setting, such as train.lr above,
+applies from the resume step on, and config.yaml records this launch's values.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from atomic_files import write_text_atomic
+from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
 from training.build import build_training
-from training.checkpoint import check_checkpoint, load_checkpoint, resolve_resume
+from training.checkpoint import (apply_optimizer_settings, check_checkpoint, check_resume_settings, load_checkpoint,
+                                 resolve_resume)
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
 from training.run import RunDirectory, create_accelerator
+from training.stop_signals import STOPPED_STATUS
 from training.trackers import start_trackers
 
 
@@ -48,8 +56,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint,
     if resume_from is not None:
         check_checkpoint(resume_from)                             # a damaged one,
+        check_resume_settings(config, resume_from)                # another model, objective, data or seed,
     elif args.resume is None and not args.overwrite:
-        run.check_new()                                           # and a run directory already in use
+        run.check_new()                                           # and a run directory already in use,
+    check_writable(run.root)                                      # or one where nothing can be written
     accelerator = create_accelerator(config, run)
     parts = build_training(config, accelerator)
 
@@ -58,6 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     saved = {}
     if resume_from is not None:
         saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
+        apply_optimizer_settings(parts.optimizer, parts.scheduler, config.train)  # this launch's lr, betas, ...
         if not state.same_geometry(saved):
             accelerator.print(f"warning: {resume_from} was written with another batch geometry ({saved}); "
                               f"the data position is approximate")
@@ -67,12 +78,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     accelerator.wait_for_everyone()  # every process has checked the run directory before anything is written
     if accelerator.is_main_process:
         if args.overwrite:
-            run.clear()
+            kept = run.clear()
+            if kept:
+                names = ", ".join(str(path.relative_to(run.root)) for path in kept)
+                accelerator.print(f"--overwrite: kept {names} (not written by a training run)")
         run.root.mkdir(parents=True, exist_ok=True)
+        run.remove_partial_saves()
         write_text_atomic(run.config, config_to_yaml(config))
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
-    Trainer(accelerator, config, run, parts, state,
-            last_checkpoint=None if resume_from is None else str(resume_from)).fit()
+    stopped_by = Trainer(accelerator, config, run, parts, state,
+                         last_checkpoint=None if resume_from is None else str(resume_from)).fit()
+    if stopped_by is not None:
+        raise SystemExit(STOPPED_STATUS)
 
 
 def command() -> None:

@@ -3,42 +3,174 @@
 Every file a command of this project writes goes through `atomic_output`: the bytes go to a hidden
 temporary file beside the target (`.<name>.tmp-<pid>`), which is renamed over the target only once it
 is complete. A process killed mid-write leaves at most such a temporary file; the next run of the same
-command removes it with `remove_stale_temporaries` before writing again. `atomic_files.shards` builds a
-resumable folder of shards on top (sample.py, latent extraction).
+command removes it with `remove_stale_temporaries` before writing again. `atomic_folder` does the same for a
+folder (a training checkpoint). `atomic_files.shards` builds a resumable folder of shards on top (sample.py,
+latent extraction).
+
+A write that fails because the disk is full or the folder is read-only removes its temporary file and raises
+`OutputError`, one line naming the path (and, for a full disk, the bytes free and needed when known); the file
+it would have replaced is untouched. `check_writable` and `check_room` let a command find out before it starts.
+Every rename into place goes through `commit`, the one point tests/faults.py patches to fail writes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["atomic_output", "remove_stale_temporaries", "save_npz_atomic", "write_json_atomic",
-           "write_text_atomic"]
+from commands import UserError
+
+__all__ = ["OutputError", "atomic_folder", "atomic_output", "check_room", "check_writable", "output_error",
+           "remove_stale_temporaries", "replace_folder", "staging_folder", "save_npz_atomic", "write_json_atomic", "write_text_atomic"]
 
 TEMPORARY_MARK = ".tmp-"
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+LOW_SPACE_BYTES = 1 << 20  # a writer that fails with this little left (torch's reports no errno) ran out of room
+# how writers without an errno (safetensors' Rust writer, torch's zip writer) spell the two in their messages
+MESSAGES = {errno.ENOSPC: ("No space left on device", "os error 28"),
+            errno.EROFS: ("Read-only file system", "os error 30")}
+
+
+class OutputError(UserError):
+    """An output that cannot be written: a full disk or a read-only folder (the message names the path)."""
 
 
 def _temporary_name(path: Path, pid: int) -> Path:
     return path.with_name(f".{path.name}{TEMPORARY_MARK}{pid}")
 
 
+def commit(temporary: Path, target: Path) -> None:
+    """Rename a complete temporary file or folder into place (one step on a POSIX file system)."""
+    os.replace(temporary, target)
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes free for this user on the file system of `path` (or of its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _sizes(needed: Optional[int], path: Path) -> str:
+    free = free_bytes(path)
+    return f"{needed:,} bytes needed, {free:,} free" if needed is not None else f"{free:,} bytes free"
+
+
+def output_error(path: Path, error: BaseException, needed: Optional[int] = None) -> Optional[OutputError]:
+    """The one-line error for a write of `path` that failed with `error`, when a full disk or a read-only
+    folder caused it; None for anything else (a bug keeps its traceback)."""
+    code = getattr(error, "errno", None)
+    if code is None:
+        code = next((number for number, spellings in MESSAGES.items()
+                     if any(spelling in str(error) for spelling in spellings)), None)
+    if code in NO_ROOM or (code is None and free_bytes(path) < LOW_SPACE_BYTES):
+        return OutputError(f"cannot write {path}: no space left on its disk ({_sizes(needed, path)}); nothing "
+                           f"was replaced, free some space and run the command again")
+    if code in NOT_WRITABLE:
+        return OutputError(f"cannot write {path}: {os.strerror(code).lower()}; choose a writable place")
+    return None
+
+
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; it replaces `path` on success and is removed on failure."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = _temporary_name(path, os.getpid())
+def _failing_as_output_error(path: Path, needed: Optional[int]) -> Iterator[None]:
     try:
-        yield temporary
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+        yield
+    except Exception as error:  # writers report a full disk as OSError, RuntimeError (torch), SafetensorError
+        if isinstance(error, UserError):
+            raise
+        described = output_error(path, error, needed)
+        if described is None:
+            raise
+        raise described from None
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, needed: Optional[int] = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; it replaces `path` on success and is removed on failure (a full
+    disk or a read-only folder then raises OutputError; `needed`, the expected size, goes into its message)."""
+    path = Path(path)
+    temporary = _temporary_name(path, os.getpid())
+    with _failing_as_output_error(path, needed):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield temporary
+            commit(temporary, path)
+        finally:
+            with contextlib.suppress(OSError):  # a read-only folder: its error, not this one, is the story
+                temporary.unlink(missing_ok=True)
+
+
+def staging_folder(path: str | os.PathLike) -> Path:
+    """The hidden folder beside `path` in which its new contents are assembled (see `replace_folder`)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
+def replace_folder(temporary: Path, path: Path, needed: Optional[int] = None) -> None:
+    """Rename the complete folder `temporary` to `path`; an existing `path` is removed once the new one is in
+    place, and put back if the rename fails (then the temporary folder is removed and OutputError raised)."""
+    stale = path.with_name(f".{path.name}.old")
+    with _failing_as_output_error(path, needed):
+        try:
+            if path.exists():
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(path, stale)
+            commit(temporary, path)
+        except BaseException:
+            if stale.exists() and not path.exists():
+                os.replace(stale, path)
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, needed: Optional[int] = None) -> Iterator[Path]:
+    """`atomic_output` for a folder (one process): fill the yielded hidden folder; it replaces `path` once the
+    block ends and is removed on failure."""
+    path = Path(path)
+    temporary = staging_folder(path)
+    with _failing_as_output_error(path, needed):
+        try:
+            shutil.rmtree(temporary, ignore_errors=True)  # left by a writer that was killed
+            temporary.mkdir(parents=True)
+            yield temporary
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+    replace_folder(temporary, path, needed)
+
+
+def check_writable(folder: str | os.PathLike) -> None:
+    """Raise OutputError now if files cannot be written in `folder` (or, when it does not exist yet, in its
+    nearest existing parent, where it would be created), before a command spends time on work it could not
+    save. Nothing is left behind."""
+    folder = Path(folder).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    probe = folder / f".write-probe{TEMPORARY_MARK}{os.getpid()}"
+    with _failing_as_output_error(folder, None):
+        with atomic_output(probe) as temporary:
+            temporary.write_bytes(b"")
+        probe.unlink()
+
+
+def check_room(path: str | os.PathLike, needed: int) -> None:
+    """Raise OutputError now if the file system of `path` has fewer than `needed` bytes free."""
+    if free_bytes(path) < needed:
+        raise OutputError(f"cannot write {path}: not enough space on its disk ({_sizes(needed, Path(path))}); "
+                          f"free some space and run the command again")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

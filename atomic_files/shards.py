@@ -3,12 +3,17 @@
 Used by `sample.py` (image shards merged into one .npz at the end) and by latent extraction (the shards are the
 output). A killed job is simply rerun: finished shards are kept, the others are written again. The folder's
 settings record (`settings.json`) makes sure that shards of different runs are never mixed: a rerun with other
-settings is refused, naming the first setting that differs.
+settings is refused, naming the first setting that differs. A folder in which no shard is finished belongs to
+no one: the next run claims it. The main process of the run that claims the folder holds an exclusive lock on
+it (flock, released by the kernel when the process ends, also by kill -9), so a second run started into the
+same folder is refused at once instead of doing the work twice.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,6 +21,8 @@ from commands import UserError
 from atomic_files import atomic_output, remove_stale_temporaries, write_json_atomic
 
 SETTINGS_FILE = "settings.json"
+_LOCKS: dict[Path, int] = {}  # folder -> descriptor holding its lock: one per folder and process (flock
+# conflicts between two descriptors of one process, and the runs of one process follow each other)
 
 
 class ShardFolderError(UserError):
@@ -69,11 +76,12 @@ class ShardFolder:
 
     def _claim_on_main_process(self) -> list[int]:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock_folder()
         for name in self.shard_names:
             remove_stale_temporaries(self.folder / name)
         record = self.folder / SETTINGS_FILE
         pending = self.pending_here()
-        if len(pending) == len(self.shard_names) and not record.exists():  # nothing finished: nothing to protect
+        if len(pending) == len(self.shard_names):  # no shard finished: nothing to protect, whoever claimed it
             write_json_atomic(record, self.settings)
             return pending
         if not record.exists():
@@ -88,6 +96,25 @@ class ShardFolder:
             raise ShardFolderError(f"{self.folder} belongs to a run with {key}={stored.get(key)!r}, not "
                                    f"{self.settings.get(key)!r}: remove it or choose another output")
         return pending
+
+    def _lock_folder(self) -> None:
+        key = self.folder.resolve()
+        if key in _LOCKS:
+            return
+        descriptor = os.open(self.folder, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise ShardFolderError(f"{self.folder} is being written by another run right now: wait for it to "
+                                   f"finish (its result is then kept), or choose another output") from None
+        _LOCKS[key] = descriptor
+
+    def release(self) -> None:
+        """Drop this process's lock on the folder (once its run is done; process exit drops it too)."""
+        descriptor = _LOCKS.pop(self.folder.resolve(), None)
+        if descriptor is not None:
+            os.close(descriptor)
 
     def write(self, index: int, write: Callable[[Path], None]) -> None:
         """Write shard `index` atomically: `write(temporary_path)` fills a temporary file that is then renamed."""

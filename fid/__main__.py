@@ -3,14 +3,19 @@
 import argparse
 import json
 import warnings
+import zipfile
 from pathlib import Path
 
-from atomic_files import write_json_atomic
+import numpy as np
+
+from atomic_files import check_writable, write_json_atomic
 from commands import CommandParser, run_command
 
 from .cli import one_line_warnings
+from .errors import InputError
 from .evaluation import BINARY_METRICS, DEFAULT_BATCH_SIZE, METRICS, evaluate
-from .reference import RESOLUTIONS
+from .reference import RESOLUTIONS, resolve_input
+from .statistics import STAT_KEYS
 from .weights import BUNDLED, WEIGHTS_FILENAME
 
 DESCRIPTION = f"""Score SAMPLES against REF with the Inception-v3 network of the ADM / TF evaluators.
@@ -22,8 +27,11 @@ precision/recall. Its short name (imagenet{{{','.join(map(str, RESOLUTIONS))}}})
 `python -m fid.reference imagenet256` put in the cache. The order is SAMPLES then REF (ADM's
 evaluator.py takes the reference first). REF may be left out with --save-stats or --metrics is.
 
-A user error (a missing or unreadable file, a bad argument, too few images) is one line and exit
+A user error (a missing or unreadable file, a bad argument, too few images, an output that is an
+input, a file the command did not write or a read-only output folder) is one line and exit
 status 2, before Inception is loaded."""
+
+REPORT_KEYS = ("samples", "ref", "inception_weights")  # what makes a JSON file a report of this command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +71,46 @@ def samples_settings(samples: str) -> dict | None:
     return settings
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output that is SAMPLES or REF, or an existing file this command did not write (a --json report
+    of it, or a --save-stats file of statistics only, may be replaced), and a folder where nothing can be
+    written: before any feature is computed."""
+    inputs = {}
+    for name, argument in (("SAMPLES", args.samples), ("REF", args.ref)):
+        if argument is not None:
+            inputs[resolve_input(argument).resolve()] = name
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--save-stats", args.save_stats)) if path]
+    if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
+        raise InputError(f"--json and --save-stats are both {args.json}; give two files")
+    for flag, path in outputs:
+        if path.resolve() in inputs:
+            raise InputError(f"{flag} {path} is {inputs[path.resolve()]} itself; choose another file")
+        if path.exists() and not _written_by_fid(flag, path):
+            what = "a report of python -m fid" if flag == "--json" else "a statistics file (mu, sigma, mu_s, sigma_s)"
+            raise InputError(f"{flag} {path} exists and is not {what}; choose another file (nothing was written)")
+        check_writable(path.parent)
+
+
+def _written_by_fid(flag: str, path: Path) -> bool:
+    if path.is_dir():
+        return False
+    if flag == "--json":
+        try:
+            report = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return False
+        return isinstance(report, dict) and all(key in report for key in REPORT_KEYS)
+    statistics_keys = {key for pair in STAT_KEYS.values() for key in pair}
+    try:
+        with np.load(path) as npz:
+            return bool(npz.files) and set(npz.files) <= statistics_keys
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError, TypeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_outputs(args)
     with one_line_warnings():
         metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
         evaluation = evaluate(args.samples, args.ref, metrics, weights=args.weights, device=args.device,

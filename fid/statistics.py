@@ -7,6 +7,7 @@ samples were split.
 """
 
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,7 +126,11 @@ def load_statistics(path: str | os.PathLike) -> StatisticsFile:
                 missing = cov_key if present == [mean_key] else mean_key
                 raise InputError(f"{path}: has '{present[0]}' but no '{missing}'")
             if present:
-                mean, cov = npz[mean_key].astype(np.float64), npz[cov_key].astype(np.float64)
+                try:
+                    mean, cov = npz[mean_key].astype(np.float64), npz[cov_key].astype(np.float64)
+                except (ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile) as error:  # object arrays, cuts
+                    raise InputError(f"{path}: '{mean_key}'/'{cov_key}' cannot be read as numbers "
+                                     f"({type(error).__name__}: {error})") from None
                 if mean.ndim != 1 or cov.shape != (mean.shape[0], mean.shape[0]):
                     raise InputError(
                         f"{path}: '{mean_key}' {mean.shape} and '{cov_key}' {cov.shape}; expected (D,) and (D, D)"

@@ -163,12 +163,17 @@ def read_description(folder: str | Path) -> ExportDescription:
 
 
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The EMA weights of an export folder."""
+    """The EMA weights of an export folder; weights that are NaN or infinite are refused here, before sampling
+    starts or anything is written (they could only give NaN images)."""
     path = Path(folder) / EXPORT_WEIGHTS
     try:
-        return load_file(path)
+        weights = load_file(path)
     except (SafetensorError, OSError) as error:
         raise ExportError(f"{path} cannot be read as safetensors ({error}); the export is damaged") from None
+    for key, value in weights.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ExportError(f"{path}: weight {key!r} holds NaN or infinite values; export an earlier checkpoint")
+    return weights
 
 
 def read_export(path: str | Path) -> Export:

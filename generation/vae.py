@@ -44,7 +44,12 @@ def load_vae(spec: str, device: torch.device | str | None = None) -> Autoencoder
         if not (folder / "config.json").is_file():
             raise VAEUnavailableError(f"VAE folder {folder} has no config.json; expected a folder written by "
                                       f"AutoencoderKL.save_pretrained")
-        vae = AutoencoderKL.from_pretrained(folder)
+        try:
+            vae = AutoencoderKL.from_pretrained(folder)
+        except (OSError, ValueError, RuntimeError) as error:  # missing or cut weights, a config of another model
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise VAEUnavailableError(f"VAE folder {folder} cannot be loaded ({first[:300]}); expected a folder "
+                                      f"written by AutoencoderKL.save_pretrained") from None
     elif _looks_like_path(spec):
         raise VAEUnavailableError(f"VAE folder {folder} does not exist")
     else:

@@ -25,6 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from generation import ImageGenerator, read_export
 from training.checkpoint import CheckpointError
 from training.config import ConfigError
+from training.loop import NonFiniteLossError
 from generation.vae import VAEUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,7 +252,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
     monkeypatch.setattr(training.build, "create_objective", poisoned_objective)
     run_dir = tmp_path / "run"
     expected = r"not finite at step 7; .*step-0000005, is intact.*train.mixed_precision=fp32"
-    with pytest.raises(FloatingPointError, match=expected):
+    with pytest.raises(NonFiniteLossError, match=expected):
         train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=20", "log.every=5",
                            "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]
@@ -322,15 +323,10 @@ ONE_PROCESS = ["--config", str(DIGITS), *TINY, "log.every=2", "log.checkpoint_ev
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     """A one-process run with checkpoints at steps 2 and 4."""
-    spec = importlib.util.spec_from_file_location("train_for_checkpoints", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from faults import run_train
+
     run_dir = tmp_path_factory.mktemp("short") / "run"
-    try:
-        module.main([*ONE_PROCESS, "train.max_steps=4", f"run.dir={run_dir}"])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    run_train(*ONE_PROCESS, "train.max_steps=4", f"run.dir={run_dir}")
     return run_dir
 
 

@@ -23,7 +23,7 @@ from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
-from training.config import Config
+from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.run import micro_batch_size
@@ -40,15 +40,19 @@ class TrainingParts:
     scheduler: LambdaLR
     batches: ShardedBatches
     encoder: Optional[AutoencoderKL]  # encodes images online (data.source=images); None otherwise
-    preview: ImageGenerator           # the EMA model, its objective and decoder: grids and FID
+    preview: Optional[ImageGenerator]  # the EMA model, its objective and decoder: grids and FID (None: neither)
     export: ExportDescription         # written with every checkpoint
     fid_extractor: Any                # Inception features for FID monitoring, or None
 
 
+def draws_previews(config: Config) -> bool:
+    """Sample grids or FID monitoring are on (both draw images from the EMA model)."""
+    return bool(config.log.sample_every or config.log.fid_every)
+
+
 def needs_vae(config: Config) -> bool:
     """Images are encoded online; latents are decoded for grids and FID; pixel-space data needs none."""
-    decodes = bool(config.log.sample_every or config.log.fid_every)
-    return config.data.source == "images" or (not config.data.in_pixel_space and decodes)
+    return config.data.source == "images" or (not config.data.in_pixel_space and draws_previews(config))
 
 
 def model_input_shape(config: Config, dataset: Dataset, vae: Optional[AutoencoderKL]) -> tuple[int, int]:
@@ -75,7 +79,11 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
     for size_override in ("depth", "hidden_size", "num_heads", "mlp_ratio"):
         if getattr(model, size_override) is not None:
             arguments[size_override] = getattr(model, size_override)
-    return build_model_from_config(arguments)
+    try:
+        return build_model_from_config(arguments)
+    except ValueError as error:  # the backbone names the sizes that do not fit together
+        raise ConfigError(f"model settings that build no model for {in_channels}x{input_size}x{input_size} "
+                          f"inputs: {error}") from None
 
 
 def objective_spec(config: Config) -> dict[str, Any]:
@@ -132,6 +140,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
-    preview = ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
+    preview = ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes) \
+        if draws_previews(config) else None
     return TrainingParts(model, ema, objective, optimizer, scheduler, batches,
                          vae if config.data.source == "images" else None, preview, export, fid_extractor)

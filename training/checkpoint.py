@@ -11,7 +11,8 @@
 Nothing here unpickles arbitrary objects: weights are safetensors and Accelerate reads its .bin/.pkl files
 with torch.load(weights_only=True) (tensors, numbers and NumPy RNG arrays only). Accelerate's
 `register_for_checkpointing` would pickle with weights_only=False, so the EMA is stored as safetensors instead.
-Every process writes into a hidden temporary folder that the main process renames once complete. Only the
+Every process writes into a hidden temporary folder that the main process renames once complete; a full disk
+or a read-only folder on any process stops all of them with one line, the partial folder removed. Only the
 newest `log.keep_checkpoints` are kept (never removing the one just written); milestone exports, written every
 `log.export_every` steps to `<run>/exports/step-XXXXXXX/`, are never rotated away.
 
@@ -22,13 +23,14 @@ RNG state without a word and the run would continue differently): a damaged file
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zipfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
@@ -36,6 +38,8 @@ from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 from torch import nn
 
+from atomic_files import (OutputError, atomic_folder, check_room, output_error, replace_folder, staging_folder,
+                          write_json_atomic, write_text_atomic)
 from commands import UserError
 from generation.export import (CHECKPOINT_PATTERN, EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, read_weights,
                                write_export)
@@ -103,26 +107,83 @@ def keep_plain_model_keys(accelerator: Accelerator) -> None:
 
 
 def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: ModelEmaV3,
-                    trainer_state: dict[str, Any], export: ExportDescription, config_yaml: str, keep: int) -> Path:
-    """Write checkpoint `step` under root (called on every process), then keep only the newest `keep`."""
+                    trainer_state: dict[str, Any], export: ExportDescription, config_yaml: str, keep: int,
+                    needed: Optional[int] = None) -> Path:
+    """Write checkpoint `step` under root (called on every process), then keep only the newest `keep`.
+
+    The processes agree after each phase (prepare, Accelerate's save, export and rename), so a full disk or a
+    read-only folder on any of them raises OutputError on all, with the hidden partial folder removed and the
+    earlier checkpoints untouched. `needed` (bytes, about) is checked against the free space first."""
     root = Path(root)
     final = root / checkpoint_name(step)
-    temporary = root / f".{final.name}.tmp"
-    if accelerator.is_main_process:
+    temporary = staging_folder(final)
+    main = accelerator.is_main_process
+
+    def prepare() -> None:
         shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
-        root.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(temporary))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+        temporary.mkdir(parents=True)
+        if needed is not None:
+            check_room(final, needed)
+
+    def finish() -> None:
         write_export(temporary / EXPORT_DIR, ema_state_dict(ema), replace(export, train_step=step))
-        (temporary / TRAIN_CONFIG).write_text(config_yaml)
-        (temporary / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
-        _replace_folder(temporary, final)
+        write_text_atomic(temporary / TRAIN_CONFIG, config_yaml)
+        write_json_atomic(temporary / TRAINER_STATE, trainer_state)
+        replace_folder(temporary, final, needed)
+
+    _agree(accelerator, _attempt(prepare, final, temporary, needed) if main else None, temporary)
+    _agree(accelerator, _attempt(lambda: accelerator.save_state(str(temporary)), final, temporary, needed),
+           temporary)
+    _agree(accelerator, _attempt(finish, final, temporary, needed) if main else None, temporary)
+    if main:
         for old in rotated_away(list_checkpoints(root), final, keep):
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _attempt(action: Callable[[], None], target: Path, temporary: Path, needed: Optional[int]) -> Optional[str]:
+    """Run `action`; the message of a full-disk or read-only failure, or None when it worked. Any other error
+    (a bug) is raised, after the partial folder is removed: a failed save leaves nothing."""
+    try:
+        action()
+    except OutputError as error:
+        return str(error)
+    except Exception as error:  # writers report a full disk as OSError, RuntimeError (torch), SafetensorError
+        described = output_error(target, error, needed)
+        if described is None:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        return str(described)
+    return None
+
+
+def _agree(accelerator: Accelerator, failure: Optional[str], temporary: Path) -> None:
+    """Every process learns whether any one failed; then the main one removes the partial folder and all raise."""
+    failures = [failure]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        failures = gather_object(failures)
+    first = next((message for message in failures if message is not None), None)
+    if first is not None:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise OutputError(first)
+
+
+def checkpoint_bytes(*parts: Any) -> int:
+    """About the bytes a checkpoint of these state dicts (nested dicts and lists of tensors) takes on disk."""
+    def size(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(size(item) for item in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(size(item) for item in value)
+        return 0
+
+    return sum(size(part) for part in parts)
 
 
 def rotated_away(checkpoints: list[Path], newest: Path, keep: int) -> list[Path]:
@@ -136,12 +197,9 @@ def rotated_away(checkpoints: list[Path], newest: Path, keep: int) -> list[Path]
 
 def save_milestone_export(root: str | Path, step: int, ema: ModelEmaV3, export: ExportDescription) -> Path:
     """Write the EMA export of `step` to root/step-XXXXXXX (main process only); milestones are never rotated."""
-    root = Path(root)
-    final = root / checkpoint_name(step)
-    temporary = root / f".{final.name}.tmp"
-    shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
-    write_export(temporary, ema_state_dict(ema), replace(export, train_step=step))
-    _replace_folder(temporary, final)
+    final = Path(root) / checkpoint_name(step)
+    with atomic_folder(final) as temporary:
+        write_export(temporary, ema_state_dict(ema), replace(export, train_step=step))
     return final
 
 
@@ -162,13 +220,48 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
+def check_resume_settings(config: Any, path: str | Path) -> None:
+    """Refuse to resume `path` with a model, objective, data or seed (training.config.RESUME_FIXED) other than
+    its own: one line naming the setting and the checkpoint's value, before anything is built."""
+    from training.config import ConfigError, resume_conflict
+
+    file = Path(path) / TRAIN_CONFIG
+    try:
+        conflict = resume_conflict(config, file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise CheckpointError(_damaged(Path(path), f"{file} cannot be read ({type(error).__name__})")) from None
+    if conflict is not None:
+        key, saved, ours = conflict
+        raise ConfigError(f"--resume {path}: {key} is {saved!r} in the checkpoint, not {ours!r}; a resumed run keeps "
+                          f"its model, objective, data and seed (drop the override, or start a new run.dir)")
+
+
+def apply_optimizer_settings(optimizer: Any, scheduler: Any, train: Any) -> None:
+    """After a resume, use this launch's train.lr, weight_decay and betas from the current step on (the restored
+    optimiser and scheduler states hold the old ones); the warm-up follows this launch's train.warmup_steps."""
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds the LambdaLR
+    schedule.base_lrs = [train.lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas):
+        group.update(initial_lr=train.lr, lr=train.lr * factor(schedule.last_epoch),
+                     weight_decay=train.weight_decay, betas=tuple(train.betas))
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3) -> dict[str, Any]:
     """Restore model, optimiser, scheduler, RNG states and EMA from `path`; returns the trainer state. Call
     `check_checkpoint(path)` first (train.py does, before anything is built): this does not read every file twice."""
     path = Path(path)
     state = _read_trainer_state(path)
-    accelerator.load_state(str(path))
-    load_ema_state_dict(ema, read_weights(path / EXPORT_DIR))  # copied onto the EMA's device
+    try:
+        accelerator.load_state(str(path))
+        load_ema_state_dict(ema, read_weights(path / EXPORT_DIR))  # copied onto the EMA's device
+    except UserError:
+        raise
+    except (RuntimeError, ValueError, KeyError) as error:  # torch: missing, unexpected or mis-shaped keys
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 else (lines[0] if lines else type(error).__name__)
+        raise CheckpointError(f"cannot resume from {path}: its files belong to another model than this config "
+                              f"builds ({detail[:200]})") from None
     return state
 
 
@@ -220,15 +313,3 @@ def _damaged(path: Path, problem: str) -> str:
 
 def _step(checkpoint: Path) -> int:
     return int(CHECKPOINT_PATTERN.match(checkpoint.name).group(1))
-
-
-def _replace_folder(source: Path, target: Path) -> None:
-    """Rename source to target; an existing target (a checkpoint of an abandoned timeline) is removed."""
-    if target.exists():
-        stale = target.with_name(f".{target.name}.old")
-        shutil.rmtree(stale, ignore_errors=True)
-        os.replace(target, stale)
-        os.replace(source, target)
-        shutil.rmtree(stale)
-    else:
-        os.replace(source, target)

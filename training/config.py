@@ -210,6 +210,37 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     return config
 
 
+# What a resumed run keeps from its checkpoint: the network and its objective, what the data are and the seed that
+# orders them. A change of any of these is refused (the weights or the data stream would not fit); everything else
+# (optimiser settings, steps, schedules, logging, precision, paths) applies from the resume step on.
+RESUME_FIXED = ("model.name", "model.attention", "model.class_dropout_prob", "model.vca", "model.depth",
+                "model.hidden_size", "model.num_heads", "model.mlp_ratio", "diffusion", "transport", "data.source",
+                "data.image_size", "data.num_classes", "vae.scale", "train.seed")
+
+
+def resume_conflict(config: Config, saved_yaml: str) -> Optional[tuple[str, Any, Any]]:
+    """The first RESUME_FIXED key whose value differs between `config` and a checkpoint's config.yaml, as
+    (key, checkpoint's value, this config's value), or None."""
+    saved, ours = yaml.safe_load(saved_yaml), config_to_dict(config)
+
+    def at(values: Any, key: str) -> Any:
+        for part in key.split("."):
+            values = values.get(part) if isinstance(values, dict) else None
+        return values
+
+    for group in RESUME_FIXED:
+        for key in _leaf_keys(at(ours, group), group):
+            if at(saved, key) != at(ours, key):
+                return key, at(saved, key), at(ours, key)
+    return None
+
+
+def _leaf_keys(value: Any, key: str) -> list[str]:
+    if isinstance(value, dict):
+        return [leaf for name, item in value.items() for leaf in _leaf_keys(item, f"{key}.{name}")]
+    return [key]
+
+
 def config_to_yaml(config: Config) -> str:
     """The resolved config as YAML (what is stored in the run directory and in each checkpoint)."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))

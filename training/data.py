@@ -43,6 +43,10 @@ class CorruptImageError(UserError):
     """An image file that PIL cannot decode."""
 
 
+class LatentShardError(UserError):
+    """A latent shard that is cut, of the wrong shape or with labels outside data.num_classes (named)."""
+
+
 def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A generator private to one draw of one example."""
     state = np.random.SeedSequence([seed, epoch, index]).generate_state(1, dtype=np.uint64)[0]
@@ -138,6 +142,27 @@ class LatentShardDataset(_EpochSeeded):
 
     def __len__(self) -> int:
         return self.offsets[-1]
+
+    def check_shards(self, num_classes: int) -> None:
+        """Open every shard as training will (the safetensors header covers the whole file, so a cut file fails
+        here) and check its shapes against the manifest and its labels against `num_classes`, before training."""
+        from safetensors import SafetensorError, safe_open
+
+        channels, side = self.manifest["latent_channels"], self.manifest["latent_size"]
+        for file, count in zip(self.files, np.diff(self.offsets).tolist()):
+            expected = [count, 2, channels, side, side]
+            try:
+                with safe_open(file, framework="pt") as tensors:
+                    shapes = {key: tensors.get_slice(key).get_shape() for key in ("mean", "std", "labels")}
+                    labels = tensors.get_tensor("labels")
+            except (SafetensorError, OSError) as error:
+                raise LatentShardError(f"latent shard {file} cannot be read ({error}); extract it again") from None
+            if shapes != {"mean": expected, "std": expected, "labels": [count]}:
+                raise LatentShardError(f"latent shard {file} holds {shapes}; the manifest says mean and std "
+                                       f"{expected}, labels [{count}]")
+            if count and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
+                raise LatentShardError(f"latent shard {file} holds labels {int(labels.min())}..{int(labels.max())};"
+                                       f" data.num_classes={num_classes} allows 0..{num_classes - 1}")
 
     def __getitem__(self, index: int) -> Example:
         shard = bisect.bisect_right(self.offsets, index) - 1
@@ -287,6 +312,7 @@ def build_dataset(config: Config) -> Dataset:
         raise ValueError(f"latents at {data.latents} were extracted at {manifest['image_size']} px, "
                          f"but data.image_size={data.image_size}")
     _check_num_classes(len(manifest["classes"]), data.num_classes, data.latents)
+    dataset.check_shards(data.num_classes)
     return dataset
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from atomic_files import write_text_atomic
+from atomic_files import check_writable, write_text_atomic
 from atomic_files.shards import ShardFolder
 from commands import CommandParser, run_command
 from training.config import Config, ConfigError, load_config
@@ -49,13 +49,15 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     dataset = ImageFolderDataset(data.images, data.image_size, random_flip=False, on_corrupt=data.on_corrupt)
     shards = plan_shards(len(dataset), config.extract.shard_size)
     folder = ShardFolder(data.latents, [shard_name(k) for k in range(len(shards))], _settings(config, len(dataset)))
+    check_writable(data.latents)
+    vae = load_vae(config.vae.name, device=state.device)  # an unavailable VAE fails before the folder is claimed
     todo = folder.claim(state)[state.process_index::state.num_processes]
     if todo:
-        vae = load_vae(config.vae.name, device=state.device)
         _encode_shards(vae, dataset, shards, todo, folder, config, state)
     state.wait_for_everyone()
     if state.is_main_process:
         _write_manifest(folder.folder, dataset.classes, len(shards), config)
+        folder.release()
     state.wait_for_everyone()
     return folder.folder
 

@@ -2,7 +2,8 @@
 
 One optimiser step consumes `grad_accum_steps` micro-batches on every process. After the step the EMA is
 updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
-measured. A non-finite loss stops the run before anything is saved after it.
+measured. A non-finite loss stops the run before anything is saved after it. A stop signal (SIGTERM, SIGUSR1,
+SIGINT; see training.stop_signals) ends the run after the current optimiser step, with a checkpoint of it.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import torch
 from accelerate import Accelerator
 from tqdm import tqdm
 
+from atomic_files import OutputError
 from commands import UserError
 from generation.vae import sample_latents
 from training.build import TrainingParts
-from training.checkpoint import checkpoint_name, save_checkpoint, save_milestone_export
+from training.checkpoint import checkpoint_bytes, checkpoint_name, save_checkpoint, save_milestone_export
 from training.config import Config, config_to_yaml
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
+from training.stop_signals import StopSignals
 from training.trackers import log_grid, tracker_state
 
 
@@ -69,7 +72,15 @@ class Trainer:
         self.last_checkpoint = last_checkpoint
         self.fid_log = JsonLines(run.fid)
 
-    def fit(self) -> None:
+    def fit(self) -> Optional[str]:
+        """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
+        stop = StopSignals()
+        try:
+            return self._fit(stop)
+        finally:
+            stop.restore()
+
+    def _fit(self, stop: StopSignals) -> Optional[str]:
         config, accelerator = self.config, self.accelerator
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
@@ -83,6 +94,11 @@ class Trainer:
             step = self.state.step
             metrics.record(step, loss, grad_norm, skipped)
             progress.update()
+            if step < max_steps and stop.agreed():  # every rank, after the same step (the last one ends anyway)
+                self.stop_on_signal(stop, metrics)
+                progress.close()
+                accelerator.end_training()
+                return stop.name()
             last = step == max_steps
             if step % log.every == 0 or last:
                 self.stop_if_non_finite(metrics)
@@ -100,6 +116,14 @@ class Trainer:
                 self.measure_fid()
         progress.close()
         accelerator.end_training()
+        return None
+
+    def stop_on_signal(self, stop: StopSignals, metrics: TrainingMetrics) -> None:
+        """Checkpoint the step just finished (unless its loss is not finite) and say how to continue."""
+        self.stop_if_non_finite(metrics)
+        self.save_checkpoint()
+        self.accelerator.print(f"stopped by {stop.name()} after step {self.state.step}: checkpoint "
+                               f"{self.last_checkpoint} written; continue with --resume latest")
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimiser step and the EMA update after it; returns (mean loss, grad norm, skipped files)."""
@@ -141,15 +165,23 @@ class Trainer:
     def stop_if_non_finite(self, metrics: TrainingMetrics) -> None:
         bad_step = metrics.first_non_finite_step()
         if bad_step is not None:
-            kept = f"the last checkpoint, {self.last_checkpoint}, is intact" if self.last_checkpoint \
-                else "no checkpoint was written"
-            raise NonFiniteLossError(f"the loss is not finite at step {bad_step}; training stopped and {kept} "
+            raise NonFiniteLossError(f"the loss is not finite at step {bad_step}; training stopped and {self.kept()} "
                                      f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=fp32)")
+
+    def kept(self) -> str:
+        """What a run stopped by an error leaves to resume from."""
+        return f"the last checkpoint, {self.last_checkpoint}, is intact" if self.last_checkpoint \
+            else "no checkpoint was written"
 
     def save_checkpoint(self) -> None:
         trainer_state = {**asdict(self.state), **tracker_state(self.accelerator)}  # tracker run ids for resume
-        path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, trainer_state,
-                               self.parts.export, config_to_yaml(self.config), self.config.log.keep_checkpoints)
+        needed = checkpoint_bytes(self.model.state_dict(), self.optimizer.state_dict(), self.ema.state_dict())
+        try:
+            path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, trainer_state,
+                                   self.parts.export, config_to_yaml(self.config), self.config.log.keep_checkpoints,
+                                   needed)
+        except OutputError as error:
+            raise OutputError(f"{error} (training stopped after step {self.state.step}; {self.kept()})") from None
         self.last_checkpoint = str(path)
         self.accelerator.print(f"saved checkpoint {path}")
 

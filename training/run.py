@@ -16,6 +16,7 @@ launch continues it (--resume) or replaces it (--overwrite).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ from accelerate.utils import ProjectConfiguration
 from training.checkpoint import keep_plain_model_keys, list_checkpoints
 from training.config import Config, ConfigError
 from training.trackers import TRACKER_FOLDERS, check_trackers
+
+# step-XXXXXXX (a checkpoint or export folder), step-XXXXXXX.png (a grid), and the hidden folders and files of
+# saves that were killed or failed (.step-XXXXXXX.tmp, .old, .step-XXXXXXX.png.tmp-<pid>)
+STEP_FILE = re.compile(r"^\.?step-\d{7,}(\.png)?(\.tmp|\.old|\.tmp-\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -71,12 +76,39 @@ class RunDirectory:
                               f"continue it with --resume latest, choose another run.dir=..., or pass --overwrite "
                               f"to start over (deletes them)")
 
-    def clear(self) -> None:
-        """Delete an earlier run's files (train.py --overwrite); other files in the directory are left alone."""
-        for path in (self.config, self.metrics, self.fid):
-            path.unlink(missing_ok=True)
-        for folder in (self.checkpoints, self.exports, self.samples, *(self.root / name for name in TRACKER_FOLDERS)):
-            shutil.rmtree(folder, ignore_errors=True)
+    def written_by_runs(self) -> list[Path]:
+        """What runs write here: the logs, step-XXXXXXX checkpoints and exports (and hidden ones of killed saves),
+        step-XXXXXXX.png grids and the trackers' folders; nothing else a user put into the directory."""
+        found = [path for path in (self.config, self.metrics, self.fid) if path.exists()]
+        for folder in (self.checkpoints, self.exports, self.samples):
+            if folder.is_dir():
+                found += [path for path in folder.iterdir() if STEP_FILE.match(path.name)]
+        return found + [self.root / name for name in TRACKER_FOLDERS if (self.root / name).exists()]
+
+    def remove_partial_saves(self) -> None:
+        """Delete the hidden folders of checkpoint and export saves that were killed: they may fill the disk
+        (a `.old` folder is kept: a save killed between its two renames leaves the earlier checkpoint there)."""
+        for folder in (self.checkpoints, self.exports):
+            if folder.is_dir():
+                for path in folder.iterdir():
+                    if path.name.startswith(".") and path.name.endswith(".tmp") and STEP_FILE.match(path.name):
+                        shutil.rmtree(path, ignore_errors=True)
+
+    def clear(self) -> list[Path]:
+        """Delete an earlier run's files (train.py --overwrite) and the folders they leave empty; returns the
+        files a run did not write, which stay."""
+        for path in self.written_by_runs():
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        kept = []
+        for folder in (self.checkpoints, self.exports, self.samples):
+            if folder.is_dir():
+                kept += sorted(path for path in folder.rglob("*") if not path.is_dir())
+                if not any(folder.iterdir()):
+                    folder.rmdir()
+        return kept
 
 
 def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
