@@ -116,6 +116,23 @@ class ExtractConfig:
 
 
 @dataclass
+class RepaConfig:
+    """Representation alignment (REPA, Yu et al. 2025): the tokens after block `depth` go through a projector
+    MLP and are pulled towards the patch features of a frozen encoder (training.repa; README, "REPA")."""
+    encoder: Optional[str] = None                # timm name, or a folder written by timm's save_for_hf; None: off
+    depth: int = _range(8, 1)                    # align the output of this block (1-based; 8 of SiT-XL/2's 28)
+    coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
+    projector_dim: int = _range(2048, 1)         # hidden width of the 3-layer SiLU projector
+    input_size: int = _range(224, 1)             # the encoder's input side in pixels (REPA: 224 for DINOv2-B/14)
+    mean: Optional[list[float]] = None           # input normalisation; None: the encoder's own (timm pretrained cfg)
+    std: Optional[list[float]] = _range(None, 0.0, above=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.encoder is not None
+
+
+@dataclass
 class TrainConfig:
     """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
     global_batch_size: int = _range(MISSING, 1)  # over all processes and accumulation steps
@@ -134,6 +151,7 @@ class TrainConfig:
     tf32: bool = True
     compile: bool = False
     cpu: bool = False                            # force CPU processes (gloo), e.g. under torchrun for tests
+    repa: RepaConfig = field(default_factory=RepaConfig)
 
 
 @dataclass
@@ -205,6 +223,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
                           f"and vae.scale")
+    if config.train.repa.enabled:
+        from training.repa import check_repa_config  # REPA's checks live with REPA
+
+        check_repa_config(config)
     if config.run.dir is None:
         config.run.dir = str(Path(DEFAULT_RESULTS_DIR) / path.stem)
     return config
