@@ -26,7 +26,7 @@ from generation.vae import latent_downsampling, load_vae
 from training.config import Config
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
-from training.repa import RepresentationAlignment, build_projector, load_encoder
+from training.repa import RepresentationAlignment, build_projector, check_encoder_name, load_encoder
 from training.run import micro_batch_size
 
 
@@ -120,9 +120,11 @@ def create_optimizer(model: torch.nn.Module, config: Config,
 
 def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     """Build and prepare every part. Data, VAE and FID reference come first, so that a missing file or an
-    unavailable VAE fails before the model is built; every process starts from identical weights."""
+    unavailable VAE or REPA encoder fails before the model is built; every process starts from identical weights."""
     from training.preview import load_fid_extractor
 
+    if config.train.repa.enabled:
+        check_encoder_name(config.train.repa.encoder)  # before the data is read
     dataset = build_dataset(config)
     vae = load_vae(config.vae.name, accelerator.device) if needs_vae(config) else None
     fid_extractor = load_fid_extractor(config.log, accelerator.device)

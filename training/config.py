@@ -224,9 +224,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
                           f"and vae.scale")
     if config.train.repa.enabled:
-        from training.repa import check_repa_config  # REPA's checks live with REPA
-
-        check_repa_config(config)
+        _check_repa(config)
     if config.run.dir is None:
         config.run.dir = str(Path(DEFAULT_RESULTS_DIR) / path.stem)
     return config
@@ -349,6 +347,19 @@ def _in_range(number: float, minimum: float, maximum: float, above: bool) -> boo
 def _describe_range(minimum: float, maximum: float, above: bool) -> str:
     low = f"> {minimum:g}" if above else f">= {minimum:g}"
     return f"a finite value {low}" + ("" if maximum == math.inf else f" and <= {maximum:g}")
+
+
+def _check_repa(config: Config) -> None:
+    """The aligned block exists; mean and std agree (the encoder itself is checked by training.repa)."""
+    from dit_vca.models import name_size
+
+    repa = config.train.repa
+    depth = config.model.depth or name_size(config.model.name)[0][0]
+    if repa.depth > depth:
+        raise ConfigError(f"'train.repa.depth' is {repa.depth}, but {config.model.name} with model.depth={depth} "
+                          f"has {depth} blocks; expected 1..{depth}")
+    if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
+        raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
 
 
 def _check_model_name(name: str) -> None:

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from training.config import Config, ConfigError, RepaConfig
+from training.config import ConfigError, RepaConfig
 
 ENCODER_CONFIG, ENCODER_WEIGHTS = "config.json", "model.safetensors"  # timm's save_for_hf layout
 STRUCTURAL_KEYS = ("encoder", "depth", "projector_dim")  # what the projector's weights and optimiser state depend on
@@ -45,19 +45,9 @@ class EncoderUnavailableError(ConfigError):
 #                                     Checks before anything is built
 # --------------------------------------------------------------------------------------------------
 
-def check_repa_config(config: Config) -> None:
-    """What the config alone decides: the aligned block exists and the encoder is a timm name or a folder."""
-    from dit_vca.models import name_size
-
-    repa = config.train.repa
-    (default_depth, _, _), _ = name_size(config.model.name)
-    depth = config.model.depth or default_depth
-    if repa.depth > depth:
-        raise ConfigError(f"'train.repa.depth' is {repa.depth}, but {config.model.name} with model.depth={depth} "
-                          f"has {depth} blocks; expected 1..{depth}")
-    if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
-        raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
-    _encoder_source(repa.encoder)
+def check_encoder_name(spec: str) -> None:
+    """`train.repa.encoder` is a timm model name or a folder in timm's save_for_hf layout (no weights read)."""
+    _encoder_source(spec)
 
 
 def check_grids(encoder_grid: int, model_grid: int) -> None:
