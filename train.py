@@ -25,7 +25,7 @@ from training.build import build_training
 from training.checkpoint import TRAIN_CONFIG, check_checkpoint, load_checkpoint, resolve_resume
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
-from training.repa import check_resume
+from training.repa import check_repa_resume
 from training.run import RunDirectory, create_accelerator
 from training.trackers import start_trackers
 
@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint,
     if resume_from is not None:
         check_checkpoint(resume_from)                             # a damaged one,
-        check_resume(resume_from / TRAIN_CONFIG, config.train.repa)  # other REPA structure,
+        check_repa_resume(resume_from / TRAIN_CONFIG, config.train.repa)  # other REPA structure,
     elif args.resume is None and not args.overwrite:
         run.check_new()                                           # and a run directory already in use
     accelerator = create_accelerator(config, run)

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import yaml
 from omegaconf import OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -58,14 +59,14 @@ def check_grids(encoder_grid: int, model_grid: int) -> None:
                           f"train.repa.input_size (a multiple of the encoder's patch size)")
 
 
-def check_resume(saved_config: Path, repa: RepaConfig) -> None:
+def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
     """Refuse, in one line, a resume whose REPA settings change what the checkpoint holds (the projector and
     its optimiser state); the coefficient and the encoder's input settings may change and apply at once."""
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_config)).get("train", {}).get("repa") or {}
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read {saved_config} to compare REPA settings ({error})") from None
-    current = {"encoder": repa.encoder, "depth": repa.depth, "projector_dim": repa.projector_dim}
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read {saved_config} to compare REPA settings ({type(error).__name__})") from None
+    current = {key: getattr(repa, key) for key in STRUCTURAL_KEYS}
     before = {key: saved.get(key) for key in STRUCTURAL_KEYS}
     if before["encoder"] is None and current["encoder"] is None:
         return
