@@ -20,6 +20,7 @@ import timm
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from timm.models import save_for_hf
 
 from dit_vca import create_diffusion
@@ -235,10 +236,13 @@ def test_repa_trains_logs_the_alignment_loss_and_keeps_the_projector_out_of_expo
     run_dir = tmp_path / "run"
     train_script.main(["--config", str(DIGITS), *TINY, f"model.name={model}", f"model.attention={attention}",
                        f"train.repa.encoder={encoder_folder}", "train.max_steps=4", "log.every=2",
-                       "log.checkpoint_every=4", f"run.dir={run_dir}"])
+                       "log.checkpoint_every=4", "log.trackers=[tensorboard]", f"run.dir={run_dir}"])
     lines = metrics(run_dir)
     assert [line["step"] for line in lines] == [2, 4]
     assert all(-1 <= line["alignment_loss"] <= 1 for line in lines)
+    scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    logged = [(event.step, event.value) for event in scalars.Scalars("train/alignment_loss")]
+    assert logged == [(line["step"], pytest.approx(line["alignment_loss"], rel=1e-6)) for line in lines]
     checkpoint = run_dir / "checkpoints" / "step-0000004"
     projector = load_file(checkpoint / "model_1.safetensors")
     assert sorted(projector) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
