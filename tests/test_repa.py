@@ -343,6 +343,8 @@ for name, module in (("model", parts.model), ("projector", parts.alignment.proje
     copies = accelerator.gather(flat)                                   # (processes, P)
     assert torch.equal(copies[0], copies[1]), name
     accelerator.print(name, "identical on", len(copies), "processes")
+accelerator.wait_for_everyone()
+accelerator.end_training()  # destroys the process group, as train.py does: no gloo thread left at exit
 """
 
 
