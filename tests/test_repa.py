@@ -27,6 +27,7 @@ from dit_vca import create_diffusion
 from dit_vca.models import create_model
 from generation import ImageGenerator, read_export
 from sit_vca import create_transport
+from training.checkpoint import CheckpointError
 from training.config import ConfigError, RepaConfig, load_config
 from training.repa import (AlignmentEncoder, EncoderUnavailableError, RepresentationAlignment, alignment_loss,
                            build_projector, check_grids, load_encoder, match_grid)
@@ -286,6 +287,13 @@ def test_resume_with_repa_is_bit_identical_and_refuses_other_structure(train_scr
         with pytest.raises(ConfigError, match="cannot change on resume") as raised:
             train_script.main([*arguments, f"run.dir={resumed}", "--resume", "latest", changed])
         assert message in str(raised.value)
+    broken = resumed / "checkpoints" / "step-0000003"
+    (broken / "model_1.safetensors").write_bytes(b"cut")  # damaged: named by the checkpoint check
+    with pytest.raises(CheckpointError, match="model_1.safetensors cannot be read"):
+        train_script.main([*arguments, f"run.dir={resumed}", "--resume", str(broken)])
+    (broken / "model_1.safetensors").unlink()  # missing
+    with pytest.raises(ConfigError, match="REPA's projector model_1.safetensors is missing"):
+        train_script.main([*arguments, f"run.dir={resumed}", "--resume", str(broken)])
     # The coefficient only weighs the loss: a resume with another one applies it.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

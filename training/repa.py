@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from training.config import ConfigError, RepaConfig
 
 ENCODER_CONFIG, ENCODER_WEIGHTS = "config.json", "model.safetensors"  # timm's save_for_hf layout
+PROJECTOR_WEIGHTS = "model_1.safetensors"  # Accelerate's name for the second prepared model (training.build)
 STRUCTURAL_KEYS = ("encoder", "depth", "projector_dim")  # what the projector's weights and optimiser state depend on
 
 
@@ -76,6 +77,8 @@ def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
         raise ConfigError(f"{saved_config.parent} was trained with train.repa.{key}={before[key]!r}, this launch "
                           f"has {current[key]!r}: REPA's encoder, depth and projector_dim cannot change on resume "
                           f"(start a new run.dir)")
+    if not (saved_config.parent / PROJECTOR_WEIGHTS).is_file():
+        raise ConfigError(f"cannot resume from {saved_config.parent}: REPA's projector {PROJECTOR_WEIGHTS} is missing")
 
 
 # --------------------------------------------------------------------------------------------------
