@@ -1,6 +1,6 @@
 """The offline stand-in for DINOv2 in the REPA digits study: a small timm ViT classifier trained on the digits.
 
-    python -m bench.digits_encoder          # writes bench/digits_encoder/ (config.json, model.safetensors, training.json)
+    python -m bench.digits_encoder   # writes bench/digits_encoder/: config.json, model.safetensors, training.json
 
 REPA aligns a diffusion model's tokens with the patch features of a pretrained vision encoder (DINOv2 ViT-B/14 in
 the paper). No such encoder for 8x8 digits exists offline, so this trains one once on scikit-learn's digits

@@ -220,7 +220,8 @@ class DiT(nn.Module):
         x = x.reshape(x.shape[0], grid, grid, p, p, c)  # (B, h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, grid * p, grid * p)  # (B, c, H, W)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor, hidden_after: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, t: Tensor, y: Tensor,
+                hidden_after: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """The prediction (B, out, H, W); with `hidden_after=k` also the tokens (B, N, C) after block k (1-based),
         which representation alignment (training.repa) trains towards an encoder's features."""
         x = self.x_embedder(x) + self.pos_embed  # (B, N, C)

@@ -194,7 +194,8 @@ def test_latents_are_paired_with_their_own_image_under_the_same_flip(tmp_path, v
     # A skipped corrupt image shifts every later latent against the folder: the stored indices keep the pairs.
     images = make_images(tmp_path / "images", per_class=5)
     (images / "ant" / "1.png").write_bytes(b"not a png")
-    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder), ["data.on_corrupt=skip"])
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder),
+                         ["data.on_corrupt=skip"])
     out = extract_latents(config, single_process)
     indices = torch.cat([load_file(out / shard_name(k))["indices"] for k in range(3)])
     assert indices.tolist() == [0, 2, 3, 4, 5, 6, 7, 8, 9]

@@ -283,7 +283,8 @@ def test_resume_with_repa_is_bit_identical_and_refuses_other_structure(train_scr
     assert strip(metrics(resumed))[-1] == strip(metrics(reference))[-1]
 
     for changed, message in [("train.repa.depth=2", "train.repa.depth=1, this launch has 2"),
-                             ("train.repa.encoder=null", f"train.repa.encoder='{encoder_folder}', this launch has None")]:
+                             ("train.repa.encoder=null",
+                              f"train.repa.encoder='{encoder_folder}', this launch has None")]:
         with pytest.raises(ConfigError, match="cannot change on resume") as raised:
             train_script.main([*arguments, f"run.dir={resumed}", "--resume", "latest", changed])
         assert message in str(raised.value)

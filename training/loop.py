@@ -140,7 +140,8 @@ class Trainer:
         self.step_terms = {"alignment_loss": torch.stack(alignments).mean()} if alignments else {}
         return torch.stack(losses).mean(), grad_norm.detach().float(), skipped
 
-    def losses(self, x: torch.Tensor, y: torch.Tensor, images: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def losses(self, x: torch.Tensor, y: torch.Tensor,
+               images: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(loss to minimise, REPA's alignment loss or None) of one micro-batch; `images` are the examples' own
         images, which REPA's encoder sees."""
         alignment = self.parts.alignment
