@@ -28,10 +28,11 @@ from typing import Optional, Sequence
 from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
 from training.build import build_training
-from training.checkpoint import (apply_optimizer_settings, check_checkpoint, check_resume_settings, load_checkpoint,
-                                 resolve_resume)
+from training.checkpoint import (TRAIN_CONFIG, apply_optimizer_settings, check_checkpoint, check_resume_settings,
+                                 load_checkpoint, resolve_resume)
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
+from training.repa import check_repa_resume
 from training.run import RunDirectory, create_accelerator
 from training.stop_signals import STOPPED_STATUS
 from training.trackers import start_trackers
@@ -57,6 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if resume_from is not None:
         check_checkpoint(resume_from)                             # a damaged one,
         check_resume_settings(config, resume_from)                # another model, objective, data or seed,
+        check_repa_resume(resume_from / TRAIN_CONFIG, config.train.repa)  # another REPA structure,
     elif args.resume is None and not args.overwrite:
         run.check_new()                                           # and a run directory already in use,
     check_writable(run.root)                                      # or one where nothing can be written

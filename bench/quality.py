@@ -135,15 +135,15 @@ def checkpoint_steps(budget: Budget) -> list[int]:
     return [round(fraction * budget.max_steps) for fraction in CHECKPOINT_FRACTIONS]
 
 
-def train_run(arm: Arm, seed: int, budget: Budget, out: Path) -> Path:
-    """Train (or resume, or skip when finished) one run with train.py; returns its run directory."""
+def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path = CONFIG) -> Path:
+    """Train (or resume, or skip when finished) one run of `config` with train.py; returns its run directory."""
     from training.checkpoint import checkpoint_name
 
     run_dir = out / "runs" / run_name(arm, seed)
     if (run_dir / "checkpoints" / checkpoint_name(budget.max_steps)).is_dir():
         return run_dir
     every = checkpoint_steps(budget)[0]
-    command = [sys.executable, str(REPO / "train.py"), "--config", str(CONFIG), "--resume", "latest",
+    command = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--resume", "latest",
                f"run.dir={run_dir}", f"train.seed={seed}", f"train.max_steps={budget.max_steps}",
                f"log.checkpoint_every={every}", f"log.keep_checkpoints={KEPT_CHECKPOINTS}",
                *budget.model_overrides, *arm.overrides]
@@ -297,8 +297,9 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
 
 
 def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, int], list[dict]],
-              budget: Budget, seconds: dict[str, float]) -> dict[str, Any]:
-    """The stage's results: per arm the final FID and accuracy over seeds, and every run's FID curve."""
+              budget: Budget, seconds: dict[str, float], config: Path = CONFIG) -> dict[str, Any]:
+    """The stage's results: per arm the final FID and accuracy over seeds, and every run's FID and accuracy
+    curves."""
     from bench._harness import describe_device
     import torch
 
@@ -306,17 +307,18 @@ def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, i
     for arm, seed in runs:
         final = scores[(arm.name, seed)][-1]
         entry = arms.setdefault(arm.name, {"label": arm.label, "overrides": list(arm.overrides), "seeds": [],
-                                           "fid": [], "accuracy": [], "curves": {}})
+                                           "fid": [], "accuracy": [], "curves": {}, "accuracy_curves": {}})
         entry["seeds"].append(seed)
         entry["fid"].append(final["fid"])
         entry["accuracy"].append(final["accuracy"])
         entry["curves"][str(seed)] = [[row["step"], row["fid_curve"]] for row in scores[(arm.name, seed)]]
+        entry["accuracy_curves"][str(seed)] = [[row["step"], row["accuracy"]] for row in scores[(arm.name, seed)]]
     for entry in arms.values():
         entry["fid"], entry["accuracy"] = spread(entry["fid"]), spread(entry["accuracy"])
     some = scores[(runs[0][0].name, runs[0][1])][-1]
     scoring = {"real_images": some["settings"]["real_images"], "inception": some["inception_weights"],
                "classifier_held_out_accuracy": some["classifier_held_out_accuracy"]}
-    return {"stage": stage, "config": str(CONFIG.relative_to(REPO)), "budget": budget.__dict__, "arms": arms,
+    return {"stage": stage, "config": str(config.relative_to(REPO)), "budget": budget.__dict__, "arms": arms,
             "scoring": scoring, "device": describe_device(torch.device("cpu")),
             "seconds": {name: round(value, 1) for name, value in seconds.items()}}
 
@@ -353,7 +355,29 @@ def render_markdown(results: dict[str, Any]) -> str:
                   f"{len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''}** "
                   f"({budget['final_samples']} samples per model, {budget['max_steps']} training steps). "
                   + reading(a["fid"], b["fid"], a["label"], b["label"]), ""]
-    lines += ["| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) "
+    lines += score_tables(results)
+    seconds = results["seconds"]
+    lines += ["", f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
+              f"every arm the same recipe, only its attention overrides and seed differ. Sampling: DDIM "
+              f"{budget['sampler_steps']['diffusion']} steps (DiT) / Heun {budget['sampler_steps']['transport']} "
+              f"steps (SiT), class-balanced, no guidance. FID: Inception-v3 pool_3 ({scoring['inception']}) against "
+              f"{scoring['real_images']} real shapes. Classifier: logistic regression on centred pixels, "
+              f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real shapes.",
+              f"Device: {results['device']}. {wall_time(seconds)}"]
+    return "\n".join(lines) + "\n"
+
+
+def wall_time(seconds: dict[str, float]) -> str:
+    return (f"Wall time recorded over all invocations for these runs: training {seconds['train'] / 60:.1f} min, "
+            f"sampling {seconds['sample'] / 60:.1f} min, Inception, FID and classifier {seconds['score'] / 60:.1f} "
+            f"min (the real images' features, computed once, not included).")
+
+
+def score_tables(results: dict[str, Any], accuracy_curves: bool = False) -> list[str]:
+    """Markdown lines: per arm the final FID and accuracy over seeds, then FID (and, if asked, classifier accuracy)
+    per checkpoint of every run."""
+    arms, budget = results["arms"], results["budget"]
+    lines = ["| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) "
               "| accuracy per seed |", "|---|---|---|---|---|---|"]
     for entry in arms.values():
         lines.append(f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {_fmt(entry['fid'])} | "
@@ -367,18 +391,15 @@ def render_markdown(results: dict[str, Any]) -> str:
     for entry in arms.values():
         for seed, curve in entry["curves"].items():
             lines.append(f"| {entry['label']} | {seed} | " + " | ".join(f"{fid:.2f}" for _, fid in curve) + " |")
-    seconds = results["seconds"]
-    lines += ["", f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
-              f"every arm the same recipe, only its attention overrides and seed differ. Sampling: DDIM "
-              f"{budget['sampler_steps']['diffusion']} steps (DiT) / Heun {budget['sampler_steps']['transport']} "
-              f"steps (SiT), class-balanced, no guidance. FID: Inception-v3 pool_3 ({scoring['inception']}) against "
-              f"{scoring['real_images']} real shapes. Classifier: logistic regression on centred pixels, "
-              f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real shapes.",
-              f"Device: {results['device']}. Wall time recorded over all invocations for these runs: training "
-              f"{seconds['train'] / 60:.1f} min, sampling {seconds['sample'] / 60:.1f} min, Inception, FID and "
-              f"classifier {seconds['score'] / 60:.1f} min (the real images' features, computed once, not "
-              f"included)."]
-    return "\n".join(lines) + "\n"
+    if accuracy_curves:
+        lines += ["", "Classifier accuracy against training step (the same samples):", "",
+                  "| arm | seed | " + " | ".join(f"step {step}" for step in steps) + " |",
+                  "|---|---|" + "---|" * len(steps)]
+        for entry in arms.values():
+            for seed, curve in entry["accuracy_curves"].items():
+                lines.append(f"| {entry['label']} | {seed} | "
+                             + " | ".join(f"{100 * value:.1f} %" for _, value in curve) + " |")
+    return lines
 
 
 def _fmt(stats: dict[str, Any], percent: bool = False) -> str:
@@ -387,7 +408,7 @@ def _fmt(stats: dict[str, Any], percent: bool = False) -> str:
     return f"{scale * stats['mean']:.{1 if percent else 2}f}{sd}{unit}"
 
 
-def plot(results: dict[str, Any]):
+def plot(results: dict[str, Any], title: Optional[str] = None):
     """FID (curve samples) against training step: one colour per arm, thin lines per seed, a thick mean."""
     from bench._harness import subplots
 
@@ -401,7 +422,7 @@ def plot(results: dict[str, Any]):
                   label=f"{entry['label']} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
     axis.set_xlabel("training step")
     axis.set_ylabel(f"FID ({results['budget']['curve_samples']} samples)")
-    axis.set_title(f"bench.quality, stage {results['stage']}: FID against training step")
+    axis.set_title(title or f"bench.quality, stage {results['stage']}: FID against training step")
     axis.legend()
     axis.grid(alpha=0.3)
     figure.tight_layout()
@@ -417,8 +438,19 @@ def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[s
     from bench._harness import save_results
 
     runs = stage_runs(stage, budget)
-    run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out) for arm, seed in runs}
-    scorer = Scorer(out, budget)
+    scores, seconds = train_and_score(runs, budget, out, Scorer(out, budget), CONFIG)
+    results = summarise(stage, runs, scores, budget, seconds)
+    markdown = render_markdown(results)
+    save_results(report_dir, f"quality-{stage}", results, markdown, plot)
+    print(markdown, flush=True)
+    return results
+
+
+def train_and_score(runs: list[tuple[Arm, int]], budget: Budget, out: Path, scorer: Scorer,
+                    config: Path) -> tuple[dict[tuple[str, int], list[dict]], dict[str, float]]:
+    """Train every run of `config`, score each of its checkpoints (skipping finished work); returns the scores
+    per (arm, seed) and the wall time spent on training, sampling and scoring."""
+    run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, config) for arm, seed in runs}
     scores = {}
     for arm, seed in runs:
         steps = checkpoint_steps(budget)
@@ -430,11 +462,7 @@ def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[s
     trainings = [train_record(out, arm, seed) for arm, seed in runs]
     seconds = {"train": sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()),
                "sample": sum(row["sample"] for row in recorded), "score": sum(row["score"] for row in recorded)}
-    results = summarise(stage, runs, scores, budget, seconds)
-    markdown = render_markdown(results)
-    save_results(report_dir, f"quality-{stage}", results, markdown, plot)
-    print(markdown, flush=True)
-    return results
+    return scores, seconds
 
 
 def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:

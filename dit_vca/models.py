@@ -220,15 +220,22 @@ class DiT(nn.Module):
         x = x.reshape(x.shape[0], grid, grid, p, p, c)  # (B, h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, grid * p, grid * p)  # (B, c, H, W)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, y: Tensor,
+                hidden_after: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """The prediction (B, out, H, W); with `hidden_after=k` also the tokens (B, N, C) after block k (1-based),
+        which representation alignment (training.repa) trains towards an encoder's features."""
         x = self.x_embedder(x) + self.pos_embed  # (B, N, C)
         c = self.t_embedder(t) + self.y_embedder(y)  # (B, C)
-        for block in self.blocks:
+        hidden = None
+        for index, block in enumerate(self.blocks, start=1):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, c, use_reentrant=False)  # (B, N, C)
             else:
                 x = block(x, c)  # (B, N, C)
-        return self.unpatchify(self.final_layer(x, c))  # (B, out, H, W)
+            if index == hidden_after:
+                hidden = x  # (B, N, C)
+        output = self.unpatchify(self.final_layer(x, c))  # (B, out, H, W)
+        return output if hidden_after is None else (output, hidden)
 
 
 #################################################################################
@@ -271,6 +278,12 @@ def model_family(name: str) -> str:
     return family
 
 
+def name_size(name: str) -> tuple[tuple[int, int, int], int]:
+    """((depth, width, heads), patch size) that a valid model name such as "SiT-XL/2" stands for."""
+    size, patch = name.split("-", 1)[1].split("/")
+    return MODEL_SIZES[size], int(patch)
+
+
 def create_backbone(
     family: str,
     name: str,
@@ -297,8 +310,7 @@ def create_backbone(
     """
     if model_family(name) != family:
         raise ValueError(f"model name {name!r} is not a {family} name; valid names: {', '.join(model_names(family))}")
-    size, patch = name.removeprefix(f"{family}-").split("/")
-    default_depth, default_width, default_heads = MODEL_SIZES[size]
+    (default_depth, default_width, default_heads), patch = name_size(name)
     vca_options = VCAOptions(**vca) if isinstance(vca, dict) else vca or VCAOptions()
     config = dict(
         name=name,
@@ -317,7 +329,7 @@ def create_backbone(
     )
     model = DiT(
         input_size=input_size,
-        patch_size=int(patch),
+        patch_size=patch,
         in_channels=in_channels,
         hidden_size=config["hidden_size"],
         depth=config["depth"],

@@ -188,3 +188,68 @@ def test_killed_extraction_keeps_finished_shards_and_completes_identically(tmp_p
     for k in range(24):
         ours, theirs = load_file(folder / shard_name(k)), load_file(reference / shard_name(k))
         assert all(torch.equal(ours[key], theirs[key]) for key in ("mean", "std", "labels"))
+
+
+def test_latents_are_paired_with_their_own_image_under_the_same_flip(tmp_path, vae_folder, single_process):
+    # A skipped corrupt image shifts every later latent against the folder: the stored indices keep the pairs.
+    images = make_images(tmp_path / "images", per_class=5)
+    (images / "ant" / "1.png").write_bytes(b"not a png")
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder),
+                         ["data.on_corrupt=skip"])
+    out = extract_latents(config, single_process)
+    indices = torch.cat([load_file(out / shard_name(k))["indices"] for k in range(3)])
+    assert indices.tolist() == [0, 2, 3, 4, 5, 6, 7, 8, 9]
+
+    from training.data import ImageFolderDataset
+    folder = ImageFolderDataset(images, 32, random_flip=False, on_corrupt="skip")
+    latents = LatentShardDataset(out, scale=0.5, random_flip=True, seed=3, images=folder)
+    vae = load_vae(str(vae_folder))
+    flips = []
+    for index in range(len(latents)):
+        z, label, image = latents[index]
+        original = folder[int(indices[index])][0]
+        flip = not torch.equal(image, original)
+        assert torch.equal(image, original.flip(-1) if flip else original) and label == (index >= 4)
+        mean, std = encode_posterior(vae, image[None])  # the latent is a posterior sample of this very image
+        assert ((z / 0.5 - mean[0]) / std[0]).abs().max() < 6
+        flips.append(flip)
+    assert 0 < sum(flips) < len(flips)  # both flips drawn (seed 3)
+
+
+def test_repa_trains_on_latents_and_on_images(tmp_path, vae_folder, single_process):
+    import importlib.util
+
+    from accelerate.state import AcceleratorState, GradientState
+    from timm.models import save_for_hf
+    import timm
+
+    images = make_images(tmp_path / "images", per_class=8)
+    config = extraction_config(tmp_path, images, tmp_path / "latents", vae_folder)
+    extract_latents(load_config(config), single_process)
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=2, embed_dim=24,
+                            depth=1, num_heads=2, num_classes=0)
+    save_for_hf(vit, tmp_path / "encoder", safe_serialization=True)
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    PartialState._reset_state()
+    # 32 px images, 2x VAE: 16 x 16 latents, 8 x 8 tokens at patch 2; the encoder sees 16 px: 8 x 8 patches.
+    common = [f"train.repa.encoder={tmp_path / 'encoder'}", "train.repa.input_size=16", "train.repa.depth=1",
+              "train.repa.projector_dim=16", "model.depth=1", "model.hidden_size=32", "model.num_heads=2",
+              "train.max_steps=2", "log.every=1", "log.trackers=[]"]
+    for source in ("latents", "images"):
+        run_dir = tmp_path / f"run-{source}"
+        try:
+            train_script.main(["--config", str(config), *common, f"data.source={source}", f"run.dir={run_dir}"])
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [line["step"] for line in lines] == [1, 2] and all(-1 <= l["alignment_loss"] <= 1 for l in lines)
+
+    format_1 = json.loads((tmp_path / "latents" / "manifest.json").read_text())
+    format_1["format"] = 1
+    (tmp_path / "latents" / "manifest.json").write_text(json.dumps(format_1))
+    with pytest.raises(ValueError, match="hold no image indices .format 1.: REPA pairs each latent"):
+        train_script.main(["--config", str(config), *common, "data.source=latents", f"run.dir={tmp_path / 'x'}"])

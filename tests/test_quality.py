@@ -1,15 +1,14 @@
 """bench/quality.py, the VCA-vs-MHSA study: its --quick smoke run end to end, resumption, and the reading."""
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _study import run_quick as run_study_quick
 
 from bench.quality import (ABLATIONS, CONFIG, FULL, MHSA, QUICK, SIT, VCA, checkpoint_steps, parse_arguments, reading,
                            run_name, spread, stage_runs)
@@ -21,11 +20,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def run_quick(out: Path) -> str:
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "bench.quality", "--quick", "--out", str(out)], cwd=REPO,
-                          env=environment, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_study_quick("bench.quality", out)
 
 
 def test_quick_study_reports_and_a_rerun_redoes_only_missing_work(tmp_path):

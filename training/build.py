@@ -18,7 +18,7 @@ from timm.utils import ModelEmaV3
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from dit_vca.models import DiT, MODEL_FAMILIES, build_model_from_config, model_family
+from dit_vca.models import DiT, MODEL_FAMILIES, build_model_from_config, model_family, name_size
 from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
@@ -26,6 +26,7 @@ from generation.vae import latent_downsampling, load_vae
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
+from training.repa import RepresentationAlignment, build_projector, check_encoder_name, load_encoder
 from training.run import micro_batch_size
 
 
@@ -43,6 +44,12 @@ class TrainingParts:
     preview: Optional[ImageGenerator]  # the EMA model, its objective and decoder: grids and FID (None: neither)
     export: ExportDescription         # written with every checkpoint
     fid_extractor: Any                # Inception features for FID monitoring, or None
+    alignment: Optional[RepresentationAlignment] = None  # REPA (train.repa.encoder set); its projector is prepared
+
+    @property
+    def trained_modules(self) -> list[torch.nn.Module]:
+        """The prepared modules the optimiser trains: the model, and REPA's projector when on."""
+        return [self.model] + ([self.alignment.projector] if self.alignment is not None else [])
 
 
 def draws_previews(config: Config) -> bool:
@@ -106,10 +113,13 @@ def export_description(config: Config, model: DiT) -> ExportDescription:
         vae=None if pixels else config.vae.name, latent_scale=None if pixels else config.vae.scale)
 
 
-def create_optimizer(model: torch.nn.Module, config: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over the trainable parameters, with a linear warm-up to a constant learning rate."""
+def create_optimizer(model: torch.nn.Module, config: Config,
+                     extra: Optional[torch.nn.Module] = None) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the trainable parameters of `model` (and `extra`, REPA's projector), with a linear warm-up to a
+    constant learning rate."""
     train = config.train
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.lr,
+    parameters = [*model.parameters(), *(extra.parameters() if extra is not None else ())]
+    optimizer = torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=train.lr,
                                   betas=tuple(train.betas), weight_decay=train.weight_decay)
     warmup = train.warmup_steps
     scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
@@ -118,13 +128,19 @@ def create_optimizer(model: torch.nn.Module, config: Config) -> tuple[torch.opti
 
 def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     """Build and prepare every part. Data, VAE and FID reference come first, so that a missing file or an
-    unavailable VAE fails before the model is built; every process starts from identical weights."""
+    unavailable VAE or REPA encoder fails before the model is built; every process starts from identical weights."""
     from training.preview import load_fid_extractor
 
+    if config.train.repa.enabled:
+        check_encoder_name(config.train.repa.encoder)  # before the data is read
     dataset = build_dataset(config)
     vae = load_vae(config.vae.name, accelerator.device) if needs_vae(config) else None
     fid_extractor = load_fid_extractor(config.log, accelerator.device)
     in_channels, input_size = model_input_shape(config, dataset, vae)
+    model_grid = input_size // name_size(config.model.name)[1]
+    image_channels = in_channels if config.data.in_pixel_space else 3  # what REPA's encoder sees: the images
+    encoder = load_encoder(config.train.repa, image_channels, model_grid, accelerator.device) \
+        if config.train.repa.enabled else None  # checked against the data and the model's grid here
     batches = ShardedBatches(dataset, micro_batch_size(config, accelerator.num_processes), accelerator.process_index,
                              accelerator.num_processes, config.train.seed, config.data.num_workers,
                              pin_memory=accelerator.device.type == "cuda")
@@ -134,13 +150,20 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     ema = create_ema(model, config.train).to(accelerator.device)
     objective = create_objective(objective_spec(config))
     export = export_description(config, model)
+    projector = build_projector(model.config["hidden_size"], config.train.repa.projector_dim, encoder.width) \
+        if encoder is not None else None
     if config.train.compile:
         model.compile()
-    optimizer, scheduler = create_optimizer(model, config)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    optimizer, scheduler = create_optimizer(model, config, projector)
+    if projector is None:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    else:  # the projector is saved as model_1.safetensors in checkpoints, never in exports
+        model, projector, optimizer, scheduler = accelerator.prepare(model, projector, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
     preview = ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes) \
         if draws_previews(config) else None
+    alignment = RepresentationAlignment(encoder, projector, config.train.repa, model_grid) \
+        if encoder is not None else None
     return TrainingParts(model, ema, objective, optimizer, scheduler, batches,
-                         vae if config.data.source == "images" else None, preview, export, fid_extractor)
+                         vae if config.data.source == "images" else None, preview, export, fid_extractor, alignment)

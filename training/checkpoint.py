@@ -2,6 +2,7 @@
 
     <run>/checkpoints/step-0000020/
         model.safetensors            weights (Accelerate save_state; the model's own keys, no DDP prefix)
+        model_1.safetensors          REPA's projector, when train.repa is on (never in the export)
         optimizer.bin, scheduler.bin optimiser and learning-rate state (Accelerate; plain tensors and numbers)
         random_states_<rank>.pkl     every process's RNG states (Accelerate)
         trainer_state.json           step and data position
@@ -209,7 +210,8 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     state = _read_trainer_state(path)
     try:
-        for file in (path / MODEL_WEIGHTS, path / EXPORT_DIR / EXPORT_WEIGHTS):
+        extra_models = sorted(path.glob(MODEL_WEIGHTS.replace(".", "_*.")))  # REPA's projector: model_1.safetensors
+        for file in (path / MODEL_WEIGHTS, *extra_models, path / EXPORT_DIR / EXPORT_WEIGHTS):
             _check_safetensors(file)
         for name in (OPTIMIZER_STATE, SCHEDULER_STATE):
             _check_zip(path / name)

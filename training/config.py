@@ -116,6 +116,23 @@ class ExtractConfig:
 
 
 @dataclass
+class RepaConfig:
+    """Representation alignment (REPA, Yu et al. 2025): the tokens after block `depth` go through a projector
+    MLP and are pulled towards the patch features of a frozen encoder (training.repa; README, "REPA")."""
+    encoder: Optional[str] = None                # timm name, or a folder written by timm's save_for_hf; None: off
+    depth: int = _range(8, 1)                    # align the output of this block (1-based; 8 of SiT-XL/2's 28)
+    coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
+    projector_dim: int = _range(2048, 1)         # hidden width of the 3-layer SiLU projector
+    input_size: int = _range(224, 1)             # the encoder's input side in pixels (REPA: 224 for DINOv2-B/14)
+    mean: Optional[list[float]] = None           # input normalisation; None: the encoder's own (timm pretrained cfg)
+    std: Optional[list[float]] = _range(None, 0.0, above=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.encoder is not None
+
+
+@dataclass
 class TrainConfig:
     """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
     global_batch_size: int = _range(MISSING, 1)  # over all processes and accumulation steps
@@ -134,6 +151,7 @@ class TrainConfig:
     tf32: bool = True
     compile: bool = False
     cpu: bool = False                            # force CPU processes (gloo), e.g. under torchrun for tests
+    repa: RepaConfig = field(default_factory=RepaConfig)
 
 
 @dataclass
@@ -205,6 +223,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
                           f"and vae.scale")
+    if config.train.repa.enabled:
+        _check_repa(config)
     if config.run.dir is None:
         config.run.dir = str(Path(DEFAULT_RESULTS_DIR) / path.stem)
     return config
@@ -358,6 +378,19 @@ def _in_range(number: float, minimum: float, maximum: float, above: bool) -> boo
 def _describe_range(minimum: float, maximum: float, above: bool) -> str:
     low = f"> {minimum:g}" if above else f">= {minimum:g}"
     return f"a finite value {low}" + ("" if maximum == math.inf else f" and <= {maximum:g}")
+
+
+def _check_repa(config: Config) -> None:
+    """The aligned block exists; mean and std agree (the encoder itself is checked by training.repa)."""
+    from dit_vca.models import name_size
+
+    repa = config.train.repa
+    depth = config.model.depth or name_size(config.model.name)[0][0]
+    if repa.depth > depth:
+        raise ConfigError(f"'train.repa.depth' is {repa.depth}, but {config.model.name} with model.depth={depth} "
+                          f"has {depth} blocks; expected 1..{depth}")
+    if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
+        raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
 
 
 def _check_model_name(name: str) -> None:

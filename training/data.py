@@ -127,11 +127,15 @@ class LatentShardDataset(_EpochSeeded):
     """Pre-extracted posteriors; each item is a fresh sample scale * (mean + std * eps) of a random flip.
 
     Shards hold "mean" and "std" of shape (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped
-    image) and "labels" (n,).
+    image), "labels" (n,) and (format 2) "indices" (n,), each latent's position in the image folder.
+    With `images` (the folder, unflipped; REPA), items are (latent, label, image) with the image flipped as
+    the latent was, so an alignment encoder sees the very image the latent encodes.
     """
 
-    def __init__(self, root: str | Path, scale: float, random_flip: bool, seed: int = 0) -> None:
+    def __init__(self, root: str | Path, scale: float, random_flip: bool, seed: int = 0,
+                 images: Optional["ImageFolderDataset"] = None) -> None:
         super().__init__(seed)
+        self.images = images
         self.root = Path(root)
         self.manifest = read_manifest(root)
         self.files = [self.root / shard["file"] for shard in self.manifest["shards"]]
@@ -173,7 +177,11 @@ class LatentShardDataset(_EpochSeeded):
         mean = tensors.get_slice("mean")[row, flip].float()                  # (C, h, w)
         std = tensors.get_slice("std")[row, flip].float()                    # (C, h, w)
         latent = mean + std * torch.randn(mean.shape, generator=generator)   # (C, h, w)
-        return self.scale * latent, int(tensors.get_slice("labels")[row])
+        label = int(tensors.get_slice("labels")[row])
+        if self.images is None:
+            return self.scale * latent, label
+        image = self.images[int(tensors.get_slice("indices")[row])][0]      # (3, S, S) in [-1, 1]
+        return self.scale * latent, label, image.flip(-1) if flip else image
 
     def __getstate__(self) -> dict:
         # open file handles do not cross into worker processes; each worker reopens what it reads
@@ -306,7 +314,8 @@ def build_dataset(config: Config) -> Dataset:
         return dataset
     if data.latents is None:
         raise ValueError("data.source=latents needs data.latents=<folder written by python -m training.latents>")
-    dataset = LatentShardDataset(data.latents, config.vae.scale, data.random_flip, seed=config.train.seed)
+    dataset = LatentShardDataset(data.latents, config.vae.scale, data.random_flip, seed=config.train.seed,
+                                 images=paired_images(config) if config.train.repa.enabled else None)
     manifest = dataset.manifest
     if manifest["image_size"] != data.image_size:
         raise ValueError(f"latents at {data.latents} were extracted at {manifest['image_size']} px, "
@@ -316,19 +325,39 @@ def build_dataset(config: Config) -> Dataset:
     return dataset
 
 
+def paired_images(config: Config) -> "ImageFolderDataset":
+    """The image folder the latents were extracted from, for REPA: checked to still hold what was encoded."""
+    data = config.data
+    manifest = read_manifest(data.latents)
+    if manifest.get("format", 1) < 2:
+        raise UserError(f"latents at {data.latents} hold no image indices (format 1): REPA pairs each latent with "
+                        f"its image; extract them again with `python -m training.latents`")
+    if data.images is None or not Path(data.images).is_dir():
+        raise UserError(f"train.repa with data.source=latents needs data.images=<the folder the latents at "
+                        f"{data.latents} were extracted from>, got {data.images}")
+    images = ImageFolderDataset(data.images, data.image_size, random_flip=False)
+    encoded = manifest["num_images"] + manifest["num_skipped"]
+    if len(images) != encoded:
+        raise UserError(f"data.images={data.images} holds {len(images)} images, but the latents at {data.latents} "
+                        f"were extracted from {encoded}: not the same folder")
+    return images
+
+
 def _check_num_classes(found: int, expected: int, where: str) -> None:
     if found != expected:
         raise ValueError(f"{where} holds {found} classes but data.num_classes={expected}")
 
 
-def collate_examples(items: list[Optional[Example]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stack examples into (x (B, ...), y (B,), number of skipped corrupt files); B may be 0."""
+def collate_examples(items: list[Optional[Example]]) -> tuple:
+    """Stack examples into (x (B, ...), y (B,), number of skipped corrupt files); B may be 0. Items that carry
+    their image as a third element (latents paired for REPA) add the images (B, 3, S, S) as a fourth."""
     kept = [item for item in items if item is not None]
     if not kept:
         return torch.empty(0), torch.empty(0, dtype=torch.long), len(items)
     x = torch.stack([item[0] for item in kept])
     y = torch.tensor([item[1] for item in kept], dtype=torch.long)
-    return x, y, len(items) - len(kept)
+    paired = (torch.stack([item[2] for item in kept]),) if len(kept[0]) > 2 else ()
+    return (x, y, len(items) - len(kept), *paired)
 
 
 class ShardedBatches:

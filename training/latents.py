@@ -4,7 +4,8 @@
     accelerate launch -m training.latents --config configs/dit-s2-vca.yaml  # shards spread over GPUs
 
 Reads data.images, writes data.latents/shard-XXXXX.safetensors with the posterior mean and std of every
-image and of its mirror image, then manifest.json once all shards exist. Each shard is written to a
+image and of its mirror image and the image's index in data.images (so that REPA can pair each latent with its
+own image), then manifest.json once all shards exist. Each shard is written to a
 temporary file and renamed, so a killed run leaves only whole shards; rerunning skips them.
 """
 
@@ -28,7 +29,7 @@ from training.config import Config, ConfigError, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
 from generation.vae import encode_posterior, latent_downsampling, load_vae
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards hold "indices", each latent's position in the image folder
 
 
 def shard_name(index: int) -> str:
@@ -73,20 +74,22 @@ def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: 
     batch_size = config.extract.batch_size
     batches = [(shard, indices) for shard in todo for indices in _chunks(shards[shard], batch_size)]
     loader = DataLoader(dataset, batch_sampler=[indices for _, indices in batches],
-                        num_workers=config.data.num_workers, collate_fn=collate_examples)
+                        num_workers=config.data.num_workers, collate_fn=_collate_with_kept)
     dtype = getattr(torch, config.extract.dtype)
     side = config.data.image_size // latent_downsampling(vae.config)
     empty = torch.empty(0, 2, vae.config.latent_channels, side, side, dtype=dtype)  # a shard's start
-    pending = {"mean": [empty], "std": [empty], "labels": [torch.empty(0, dtype=torch.long)]}
+    pending = {"mean": [empty], "std": [empty], "labels": [torch.empty(0, dtype=torch.long)],
+               "indices": [torch.empty(0, dtype=torch.long)]}
     skipped = 0
     progress = tqdm(total=len(batches), desc="encoding", disable=not state.is_local_main_process)
-    for (shard, indices), (images, labels, batch_skipped) in zip(batches, loader):
+    for (shard, indices), ((images, labels, batch_skipped), kept) in zip(batches, loader):
         if len(labels):  # every image of a batch may have been corrupt (and skipped)
             images = images.to(state.device)
             mean, std = encode_posterior(vae, torch.cat([images, images.flip(-1)]))       # (2B, C, h, w) each
             pending["mean"].append(torch.stack(mean.chunk(2), dim=1).to("cpu", dtype))  # (B, 2, C, h, w)
             pending["std"].append(torch.stack(std.chunk(2), dim=1).to("cpu", dtype))    # (B, 2, C, h, w)
             pending["labels"].append(labels)
+            pending["indices"].append(torch.tensor([i for i, k in zip(indices, kept) if k], dtype=torch.long))
         skipped += batch_skipped
         progress.update()
         if indices[-1] == shards[shard][-1]:  # last batch of this shard
@@ -95,6 +98,11 @@ def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: 
             progress.write(f"wrote {shard_name(shard)} ({len(tensors['labels'])} images, {skipped} skipped)")
             pending, skipped = {key: values[:1] for key, values in pending.items()}, 0
     progress.close()
+
+
+def _collate_with_kept(items: list) -> tuple:
+    """`collate_examples` and which items were kept (a skipped corrupt image is None)."""
+    return collate_examples(items), [item is not None for item in items]
 
 
 def _chunks(indices: range, size: int) -> Iterator[list[int]]:

@@ -71,6 +71,7 @@ class Trainer:
         self.state = state
         self.last_checkpoint = last_checkpoint
         self.fid_log = JsonLines(run.fid)
+        self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
 
     def fit(self) -> Optional[str]:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
@@ -92,7 +93,7 @@ class Trainer:
         while self.state.step < max_steps:
             loss, grad_norm, skipped = self.train_step(stream)
             step = self.state.step
-            metrics.record(step, loss, grad_norm, skipped)
+            metrics.record(step, loss, grad_norm, skipped, **self.step_terms)
             progress.update()
             if step < max_steps and stop.agreed():  # every rank, after the same step (the last one ends anyway)
                 self.stop_on_signal(stop, metrics)
@@ -134,30 +135,46 @@ class Trainer:
     def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Accumulate gradients over micro-batches and step; returns (mean loss, grad norm, skipped files)."""
         accelerator, train = self.accelerator, self.config.train
-        losses, skipped = [], 0
+        losses, alignments, skipped = [], [], 0
         for _ in range(train.grad_accum_steps):
-            x, y, batch_skipped = next(stream)
+            x, y, batch_skipped, *paired = next(stream)  # paired: the latents' own images, for REPA
             self.state.examples_seen += self.batches.loader.batch_size * accelerator.num_processes
             if len(y) == 0:
                 raise CorruptImageError(f"every image of a micro-batch was corrupt (step {self.state.step + 1}); "
                                         f"check data.images")
             x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
+            images = paired[0].to(accelerator.device, non_blocking=True) if paired else x  # before VAE encoding
             if self.parts.encoder is not None:
                 with accelerator.autocast():
                     x = sample_latents(self.parts.encoder, x, self.config.vae.scale)  # (B, 4, h, w)
-            with accelerator.accumulate(self.model):
-                loss = self.objective.training_losses(self.model, x, y)["loss"].mean()
+            with accelerator.accumulate(*self.parts.trained_modules):
+                loss, alignment = self.losses(x, y, images)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), train.max_grad_norm or math.inf)
+                    parameters = [p for module in self.parts.trained_modules for p in module.parameters()]
+                    grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm or math.inf)
                 self.optimizer.step()
                 if accelerator.sync_gradients:
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
+            alignments += [alignment.detach()] if alignment is not None else []
             skipped += batch_skipped
         self.state.step += 1
+        self.step_terms = {"alignment_loss": torch.stack(alignments).mean()} if alignments else {}
         return torch.stack(losses).mean(), grad_norm.detach().float(), skipped
+
+    def losses(self, x: torch.Tensor, y: torch.Tensor,
+               images: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(loss to minimise, REPA's alignment loss or None) of one micro-batch; `images` are the examples' own
+        images, which REPA's encoder sees."""
+        alignment = self.parts.alignment
+        if alignment is None:
+            return self.objective.training_losses(self.model, x, y)["loss"].mean(), None
+        with self.accelerator.autocast():
+            targets = alignment.targets(images)  # (B, N, D) float32, no_grad
+        objective, aligned = alignment.losses(self.objective.training_losses, self.model, x, y, targets)
+        return objective.mean() + alignment.coefficient * aligned.mean(), aligned.mean()
 
     def epoch(self) -> float:
         return self.state.stream_position / self.batches.batches_per_epoch

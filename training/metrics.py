@@ -52,12 +52,16 @@ class TrainingMetrics:
         self.first_bad_step = torch.full((), NO_BAD_STEP, device=device)
         self.steps = 0
         self.skipped_images = 0
+        self.term_sums: dict[str, torch.Tensor] = {}  # extra loss terms, e.g. REPA's alignment_loss
         self.clock, self.clock_step = time.perf_counter(), start_step
         if accelerator.is_main_process:
             self.log.drop_after(start_step)
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int) -> None:
-        """Add one optimiser step (loss and grad_norm are 0-d tensors on the device)."""
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int,
+               **terms: torch.Tensor) -> None:
+        """Add one optimiser step (loss, grad_norm and the named loss `terms` are 0-d tensors on the device)."""
+        for name, value in terms.items():
+            self.term_sums[name] = self.term_sums.get(name, torch.zeros_like(self.loss_sum)) + value
         self.loss_sum += loss
         self.grad_norm_sum += grad_norm
         bad = torch.full_like(self.first_bad_step, step)
@@ -73,16 +77,19 @@ class TrainingMetrics:
 
     def write(self, step: int, **extra: Any) -> dict[str, Any]:
         """Reduce over processes, append one line to metrics.jsonl and the trackers, start a new window."""
+        names = sorted(self.term_sums)
         local = torch.stack([self.loss_sum / self.steps, self.grad_norm_sum / self.steps,
-                             torch.tensor(float(self.skipped_images), device=self.loss_sum.device)])
-        gathered = self.accelerator.gather(local[None]).cpu()            # (processes, 3)
+                             torch.tensor(float(self.skipped_images), device=self.loss_sum.device),
+                             *(self.term_sums[name] / self.steps for name in names)])
+        gathered = self.accelerator.gather(local[None]).cpu()            # (processes, 3 + terms)
         now = time.perf_counter()
         steps_per_s = (step - self.clock_step) / (now - self.clock)
         per_process = gathered[:, 0].tolist()
         line = {"step": step, "loss": sum(per_process) / len(per_process), "loss_per_process": per_process,
                 "grad_norm": gathered[0, 1].item(),  # identical on every process once gradients are all-reduced
                 "steps_per_s": steps_per_s, "images_per_s": steps_per_s * self.images_per_step,
-                "skipped_images": int(gathered[:, 2].sum().item()), **extra}  # corrupt files skipped in the window
+                "skipped_images": int(gathered[:, 2].sum().item()),  # corrupt files skipped in the window
+                **{name: gathered[:, 3 + k].mean().item() for k, name in enumerate(names)}, **extra}
         if self.accelerator.is_main_process:
             self.log.append(line)
             self.accelerator.log({f"train/{key}": value for key, value in line.items()
@@ -90,6 +97,7 @@ class TrainingMetrics:
         self.loss_sum.zero_()
         self.grad_norm_sum.zero_()
         self.steps = self.skipped_images = 0
+        self.term_sums = {}
         self.clock, self.clock_step = now, step
         return line
 

