@@ -147,7 +147,7 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
         if config.train.compile:
             model.compile()  # compiled on the first (warm-up) step, as in training.build
         ema = create_ema(model, config.train).to(device)
-        optimizer, scheduler = create_optimizer(model, config)
+        optimizer, scheduler = create_optimizer(model, config, device)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         batches = ShardedBatches(dataset, batch_size, 0, 1, seed=0, num_workers=0)
         parts = TrainingParts(model, ema, create_objective(objective_spec(config)), optimizer, scheduler, batches,

@@ -98,11 +98,15 @@ def export_description(config: Config, model: DiT) -> ExportDescription:
         vae=None if pixels else config.vae.name, latent_scale=None if pixels else config.vae.scale)
 
 
-def create_optimizer(model: torch.nn.Module, config: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over the trainable parameters, with a linear warm-up to a constant learning rate."""
+def create_optimizer(model: torch.nn.Module, config: Config, device: torch.device) -> tuple[torch.optim.Optimizer,
+                                                                                           LambdaLR]:
+    """AdamW over the trainable parameters, with a linear warm-up to a constant learning rate. On CUDA
+    (`device`, where training runs) AdamW is fused: one kernel for all parameters instead of several per
+    tensor, with its step counts on the GPU. Elsewhere torch's default (bit-identical to earlier runs)."""
     train = config.train
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.lr,
-                                  betas=tuple(train.betas), weight_decay=train.weight_decay)
+                                  betas=tuple(train.betas), weight_decay=train.weight_decay,
+                                  fused=True if device.type == "cuda" else None)
     warmup = train.warmup_steps
     scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
     return optimizer, scheduler
@@ -128,7 +132,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     export = export_description(config, model)
     if config.train.compile:
         model.compile()
-    optimizer, scheduler = create_optimizer(model, config)
+    optimizer, scheduler = create_optimizer(model, config, accelerator.device)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
