@@ -27,8 +27,9 @@ bench: $(STAMP)
 	$(CPU_ALLOCATOR) $(PY) -m bench.train
 	$(CPU_ALLOCATOR) $(PY) -m bench.fid
 
-bench-gpu: $(STAMP)
-	$(PY) -m bench.gpu
+# The GPU runbook runs with the machine's own interpreter, never the package index (README: GPU runbook).
+bench-gpu:
+	PYTHONPATH=. python3 -m bench.gpu
 
 quality: $(STAMP)
 	$(CPU_ALLOCATOR) $(PY) -m bench.quality --stage all

@@ -25,9 +25,9 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -35,6 +35,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench._harness import (benchmark_parser, bf16_skip_reason, cpu_vector_flags, describe_device, save_results,
                             saved_activation_bytes, subplots, synchronize)
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
 FIXED_CONTRAST = 64  # n = 64, an 8×8 contrast grid
@@ -278,7 +281,7 @@ def markdown(results: dict, table: list[dict]) -> str:
     return "\n".join(lines + ([""] + ["Goals (forward+backward, n = 64):"] + goals if goals else [])) + "\n"
 
 
-def plot(results: dict) -> Figure:
+def plot(results: dict) -> "Figure":
     widths = sorted({(row["width"], row["heads"]) for row in results["rows"]})
     dtypes = [name for name in DTYPES if name in results["matmul_gflops"]]
     fig, axes = subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)
