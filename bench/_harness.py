@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
 from atomic_files import atomic_output
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback

@@ -265,7 +265,8 @@ def markdown(results: dict, table: list[dict]) -> str:
         f"{results['allocator']}).",
         f"Times in ms ({results['clock']}, median of interleaved rounds); ratio = VCA / faster MHSA; "
         f"readable = VCA's reference path (n = 64); SDPA II = VCA (n = 64) with Stage II as SDPA calls; % peak = "
-        f"layer GFLOP/s over a large matmul's ({peaks} GFLOP/s); saved = MiB of activations saved for backward (MHSA SDPA / VCA n=64 / VCA readable).",
+        f"layer GFLOP/s over a large matmul's ({peaks} GFLOP/s); saved = MiB of activations saved for backward "
+        f"(MHSA SDPA / VCA n=64 / VCA readable).",
         "",
         "| N | C / h | dtype | pass | MHSA SDPA | MHSA bmm | VCA n=64 | VCA n=N/4 | VCA readable | VCA n=64 SDPA II "
         "| VCA64/MHSA | VCA(N/4)/MHSA | readable/MHSA | SDPA II/MHSA | % peak MHSA | % peak VCA64 | saved MiB |",

@@ -106,12 +106,12 @@ def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) 
                 steps = {name: layer_step(layer, x, torch_dtype, backward=True) for name, layer in layers.items()}
                 seconds = interleaved_median_seconds(steps, device, settings.min_time, 20)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                    saved = {name: saved_activation_bytes(lambda: layer(x), layer.parameters()) / 2**20
+                    saved = {name: saved_activation_bytes(lambda layer=layer: layer(x), layer.parameters()) / 2**20
                              for name, layer in layers.items()}
                 yield {"case": "layer", "tokens": tokens, "width": width, "heads": heads, "batch": batch,
                        "dtype": dtype, "mode": "fwd+bwd", "ms": {name: 1e3 * s for name, s in seconds.items()},
                        "saved_mib": saved}
-                del layers, steps, x
+                del layers, steps
 
 
 def sampler_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
