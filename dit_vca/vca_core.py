@@ -318,9 +318,8 @@ def _sum_to_fp32(t: Tensor, dim) -> Tensor:
 
 def _rms_norm_backward(grad: Tensor, normed: Tensor, inverse_rms: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients of y = normed·weight, normed = x·inverse_rms(x), with respect to x and to weight (the latter
-    in float32)."""
-    wide = torch.promote_types(grad.dtype, torch.float32)
-    grad_weight = (grad.flatten(0, -2).to(wide) * normed.flatten(0, -2)).sum(0)  # (d,)
+    summed in float32; the products stay in grad's dtype, |normed| ≤ √d)."""
+    grad_weight = _sum_to_fp32((grad * normed).flatten(0, -2), 0)  # (d,)
     grad_normed = grad * weight
     grad_x = (grad_normed - normed * (grad_normed * normed).mean(dim=-1, keepdim=True)) * inverse_rms
     return grad_x, grad_weight
