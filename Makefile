@@ -27,8 +27,11 @@ bench: $(STAMP)
 	$(CPU_ALLOCATOR) $(PY) -m bench.train
 	$(CPU_ALLOCATOR) $(PY) -m bench.fid
 
-bench-gpu: $(STAMP)
-	$(PY) -m bench.gpu
+# The GPU runbook runs with the machine's own interpreter, never the package index; the wheels it lacks are
+# installed into GPU_WHEELS first (README: GPU runbook).
+GPU_WHEELS ?= /tmp/vca-wheels
+bench-gpu:
+	PYTHONPATH=.:$(GPU_WHEELS) python3 -m bench.gpu
 
 quality: $(STAMP)
 	$(CPU_ALLOCATOR) $(PY) -m bench.quality --stage all

@@ -1,6 +1,9 @@
 """Shared benchmark plumbing: what machine a result came from, whether bf16 is worth timing there, how many
 bytes of activations a forward pass saves for backward, and saving a result as JSON, a Markdown table and a
-PNG plot (each replaced atomically)."""
+PNG plot (each replaced atomically). matplotlib is imported only to draw: the GPU runbook (bench.gpu) runs
+where it is not installed."""
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -8,11 +11,14 @@ import platform
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 
 from atomic_files import atomic_output
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback
@@ -102,6 +108,8 @@ def saved_activation_bytes(forward: Callable[[], object], parameters: Iterable[t
 
 def subplots(rows: int = 1, columns: int = 1, *, figsize: tuple[float, float], **options):
     """(figure, axes) like pyplot.subplots, without pyplot: no display backend is chosen or needed (servers)."""
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=figsize)
     return figure, figure.subplots(rows, columns, **options)
 

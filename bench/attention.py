@@ -2,8 +2,9 @@
 
 For every token count N, width C / heads h, dtype and pass (forward, forward+backward) it times MHSA on SDPA,
 MHSA as plain bmm–softmax–bmm (faster than the CPU SDPA kernel in bf16), VCA with n = 64 and n = N/4 contrast
-tokens, and VCA's readable reference path with n = 64 (the implementation before the fused kernel), and
-compares VCA with the faster MHSA. The methods of one row are timed interleaved (one call of each in turn,
+tokens, VCA's readable reference path with n = 64 (the implementation before the fused kernel) and VCA with
+n = 64 whose Stage II runs as SDPA calls instead of the device's default (GEMMs on the CPU), and compares VCA
+with the faster MHSA. The methods of one row are timed interleaved (one call of each in turn,
 medians over the rounds), so a machine shared with other jobs slows them alike. Whole layers are timed, q/k/v
 and output projections included, since that is what a model swaps. bf16 runs under autocast, as training does.
 A large matmul timed in the same run gives the machine's peak, so each row also says which fraction of it the
@@ -25,9 +26,9 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,9 +37,12 @@ from bench._harness import (benchmark_parser, bf16_skip_reason, cpu_vector_flags
                             saved_activation_bytes, subplots, synchronize)
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
 FIXED_CONTRAST = 64  # n = 64, an 8×8 contrast grid
-METHODS = ("mhsa-sdpa", "mhsa-bmm", "vca-64", "vca-N/4", "vca-64-readable")
+METHODS = ("mhsa-sdpa", "mhsa-bmm", "vca-64", "vca-N/4", "vca-64-readable", "vca-64-sdpa2")
 MEMORY_GOALS = {256: 1.0, 1024: 0.5, 4096: 0.5}  # VCA / MHSA saved activations: ≤ at N = 256, well below beyond
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -67,7 +71,10 @@ def build_layer(method: str, width: int, heads: int, tokens: int) -> nn.Module:
         return MatmulSelfAttention(width, heads)
     contrast_grid = None if method == "vca-N/4" else 8  # None: H/2, n = N/4
     layer_class = ReadableVCA if method == "vca-64-readable" else VisualContrastAttention
-    return layer_class(width, heads, grid, block_index=0, options=VCAOptions(contrast_grid=contrast_grid))
+    layer = layer_class(width, heads, grid, block_index=0, options=VCAOptions(contrast_grid=contrast_grid))
+    if method == "vca-64-sdpa2":  # Stage II as SDPA calls; the other VCA rows use the device's default
+        layer.stage2_sdpa = True
+    return layer
 
 
 def median_seconds(step, device: torch.device, min_time: float, max_repeats: int) -> float:
@@ -213,7 +220,8 @@ def comparisons(results: dict) -> list[dict]:
                      vca64_peak_fraction=by_method["vca-64"]["peak_fraction"],
                      ratio_64=by_method["vca-64"]["ms"] / mhsa["ms"],
                      ratio_quarter=by_method["vca-N/4"]["ms"] / mhsa["ms"],
-                     ratio_readable=by_method["vca-64-readable"]["ms"] / mhsa["ms"])
+                     ratio_readable=by_method["vca-64-readable"]["ms"] / mhsa["ms"],
+                     ratio_sdpa2=by_method["vca-64-sdpa2"]["ms"] / mhsa["ms"])
         if mode == "fwd+bwd":
             entry["saved_mib"] = {method: row["saved_mib"] for method, row in by_method.items()}
             entry["saved_mib_vca64_recompute_qkv"] = by_method["vca-64"]["saved_mib_recompute_qkv"]
@@ -256,12 +264,13 @@ def markdown(results: dict, table: list[dict]) -> str:
         f"torch {results['torch']}, {results['tokens_per_batch']} tokens per batch, allocator env "
         f"{results['allocator']}).",
         f"Times in ms ({results['clock']}, median of interleaved rounds); ratio = VCA / faster MHSA; "
-        f"readable = VCA's reference path (n = 64); % peak = layer GFLOP/s over a large matmul's ({peaks} "
-        f"GFLOP/s); saved = MiB of activations saved for backward (MHSA SDPA / VCA n=64 / VCA readable).",
+        f"readable = VCA's reference path (n = 64); SDPA II = VCA (n = 64) with Stage II as SDPA calls; % peak = "
+        f"layer GFLOP/s over a large matmul's ({peaks} GFLOP/s); saved = MiB of activations saved for backward "
+        f"(MHSA SDPA / VCA n=64 / VCA readable).",
         "",
-        "| N | C / h | dtype | pass | MHSA SDPA | MHSA bmm | VCA n=64 | VCA n=N/4 | VCA readable | VCA64/MHSA "
-        "| VCA(N/4)/MHSA | readable/MHSA | % peak MHSA | % peak VCA64 | saved MiB |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| N | C / h | dtype | pass | MHSA SDPA | MHSA bmm | VCA n=64 | VCA n=N/4 | VCA readable | VCA n=64 SDPA II "
+        "| VCA64/MHSA | VCA(N/4)/MHSA | readable/MHSA | SDPA II/MHSA | % peak MHSA | % peak VCA64 | saved MiB |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for e in table:
         ms = e["ms"]
@@ -270,7 +279,8 @@ def markdown(results: dict, table: list[dict]) -> str:
         lines.append(
             f"| {e['tokens']} | {e['width']} / {e['heads']} | {e['dtype']} | {e['mode']} | {ms['mhsa-sdpa']:.2f} "
             f"| {ms['mhsa-bmm']:.2f} | {ms['vca-64']:.2f} | {ms['vca-N/4']:.2f} | {ms['vca-64-readable']:.2f} "
-            f"| **{e['ratio_64']:.2f}** | {e['ratio_quarter']:.2f} | {e['ratio_readable']:.2f} "
+            f"| {ms['vca-64-sdpa2']:.2f} | **{e['ratio_64']:.2f}** | {e['ratio_quarter']:.2f} "
+            f"| {e['ratio_readable']:.2f} | {e['ratio_sdpa2']:.2f} "
             f"| {100 * e['mhsa_peak_fraction']:.0f} | {100 * e['vca64_peak_fraction']:.0f} | {saved} |"
         )
     lines += [""] + [f"Note: {note}." for note in results["notes"]] if results["notes"] else []
@@ -278,7 +288,7 @@ def markdown(results: dict, table: list[dict]) -> str:
     return "\n".join(lines + ([""] + ["Goals (forward+backward, n = 64):"] + goals if goals else [])) + "\n"
 
 
-def plot(results: dict) -> Figure:
+def plot(results: dict) -> "Figure":
     widths = sorted({(row["width"], row["heads"]) for row in results["rows"]})
     dtypes = [name for name in DTYPES if name in results["matmul_gflops"]]
     fig, axes = subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)

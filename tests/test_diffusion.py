@@ -278,6 +278,9 @@ def test_unknown_decoder_cdf_is_rejected():
 # ----------------------------------------------------------------------------------------------------------------
 
 def test_hybrid_loss_trains_the_mean_by_mse_and_the_variance_by_vb(diffusion):
+    # Seeded: at t = 0 a decoder-NLL bin probability can hit its 1e-12 floor, whose gradient is exactly 0 (7 %
+    # of seeds 0-199, which made the last assertion depend on the RNG state earlier tests left).
+    torch.manual_seed(0)
     x = torch.randn(3, 4, 2, 2)
     noise = torch.randn_like(x)
     t = torch.tensor([0, 17, 999])
