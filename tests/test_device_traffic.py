@@ -64,7 +64,7 @@ def test_a_training_step_moves_nothing_between_host_and_device(family, objective
     optimizer, scheduler = create_optimizer(model, config, META)
     batches = SimpleNamespace(loader=SimpleNamespace(batch_size=BATCH))
     parts = SimpleNamespace(model=model, ema=ema, objective=objective(), optimizer=optimizer, scheduler=scheduler,
-                            batches=batches, encoder=None)
+                            batches=batches, encoder=None, alignment=None, trained_modules=[model])
     trainer = Trainer(meta_accelerator, config, RunDirectory(tmp_path), parts, TrainerState())
     images = torch.zeros(BATCH, 1, 8, 8, device=META)
     labels = torch.zeros(BATCH, dtype=torch.long, device=META)
