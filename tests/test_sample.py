@@ -163,20 +163,23 @@ SAMPLING = ["--sampler", "ddpm", "--steps", "12", "--cfg-scale", "2", "--seed", 
 RUN = ["--num-samples", "16", "--shard-size", "4", "--per-proc-batch-size", "2", "--grid-size", "9", *SAMPLING]
 
 
-def tiny_export(folder: Path, class_dropout_prob: float = 0.1) -> Path:
-    """A 1-block DiT-VCA on 8x8 one-channel pixels with random (not zero-initialised) output layers."""
-    from dit_vca import create_model
+def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "DiT") -> Path:
+    """A 1-block DiT-VCA (or SiT-VCA) on 8x8 one-channel pixels with random (not zero-initialised) output layers."""
+    import dit_vca
+    import sit_vca
     from generation import ExportDescription, write_export
 
-    model = create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
+    create_model = {"DiT": dit_vca.create_model, "SiT": sit_vca.create_model}[family]
+    model = create_model(f"{family}-S/2", depth=1, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
                          num_classes=NUM_CLASSES, class_dropout_prob=class_dropout_prob)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight
                 parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    description = ExportDescription(model=model.config, objective={"kind": "diffusion", "learn_sigma": True},
-                                    space="pixels", image_size=8, num_classes=NUM_CLASSES)
+    objective = {"kind": "diffusion", "learn_sigma": True} if family == "DiT" else {"kind": "transport"}
+    description = ExportDescription(model=model.config, objective=objective, space="pixels", image_size=8,
+                                    num_classes=NUM_CLASSES)
     write_export(folder, model.state_dict(), description)
     return folder
 
@@ -249,6 +252,22 @@ def test_two_processes_give_the_same_file(export, reference, tmp_path):
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])
         np.testing.assert_array_equal(data["arr_1"], reference["arr_1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", [["--sampler", "sde-euler", "--steps", "6"], ["--sampler", "heun", "--steps", "3"]],
+                         ids=["sde-euler", "heun"])
+def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tmp_path):
+    """What the README promises for SiT's ODE and SDE: the same bytes from 1 and 2 processes when both run one
+    thread per process (environment()) and the same per-process batch; the noise per sample is the same anyway."""
+    export = tiny_export(tmp_path / "sit-export", family="SiT")
+    command = [sys.executable, str(REPO / "sample.py"), "--ckpt", str(export), "--num-samples", "8", "--shard-size",
+               "2", "--per-proc-batch-size", "2", "--grid-size", "0", "--cfg-scale", "2", *sampler]
+    run([*command, "--out", str(tmp_path / "one.npz")])
+    run([*TORCHRUN, *command[1:], "--cpu", "--out", str(tmp_path / "two.npz")])
+    with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
+        np.testing.assert_array_equal(one["arr_1"], two["arr_1"])
+        np.testing.assert_array_equal(one["arr_0"], two["arr_0"])
 
 
 def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(export, tmp_path):
