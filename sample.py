@@ -37,7 +37,7 @@ import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, run_command
+from commands import CommandParser, LaunchError, run_command
 from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
                                     plan_shards, save_shard, shard_reader)
 from generation.protocols import PROTOCOLS
@@ -268,8 +268,8 @@ def create_accelerator(args: argparse.Namespace):
     accelerator = Accelerator(cpu=args.cpu)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes == 1 and launched > 1:  # each process would sample everything alone
-        raise SystemExit(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
-                         f"pass --cpu")
+        raise LaunchError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
+                          f"pass --cpu")
     return accelerator
 
 

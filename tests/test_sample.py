@@ -276,6 +276,7 @@ def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(expo
     result = subprocess.run([*TORCHRUN, *sample_command(export, out)[1:]], env=cpu_only,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs pass --cpu" in result.stderr
+    assert result.stderr.count("Accelerate sees one") == 1, result.stderr  # rank 0 says it, once
     assert list(tmp_path.iterdir()) == []
 
 
