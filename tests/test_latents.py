@@ -255,3 +255,16 @@ def test_hub_offline_mode_sends_no_request(tmp_path, vae_folder, dead_hub):
                                  "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2 and "the hub is offline (HF_HUB_OFFLINE=1)" in result.stderr, result.stderr
     assert requests == [] and not output.exists()
+
+
+def test_a_rerun_says_how_many_finished_shards_it_kept(tmp_path, vae_folder, single_process, capsys):
+    images = make_images(tmp_path / "images", 3)  # 6 images in shards of 2: 3 shards
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder, shard_size=2))
+    out = extract_latents(config, single_process)
+    assert "kept" not in capsys.readouterr().out  # a first run keeps nothing
+    (out / shard_name(1)).unlink()  # as a run killed before it wrote shard 1 leaves the folder
+    (out / "manifest.json").unlink()
+    extract_latents(config, single_process)
+    assert f"{out}: kept 2 of 3 finished shards, encoding the other 1" in capsys.readouterr().out
+    extract_latents(config, single_process)
+    assert f"{out}: kept 3 of 3 finished shards, encoding the other 0" in capsys.readouterr().out

@@ -94,3 +94,11 @@ def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
     assert ("error: launched 2 processes but Accelerate sees one: on a machine without GPUs set train.cpu=true\n"
             in result.stderr)
     assert not (tmp_path / "run").exists()
+
+
+def test_more_loader_workers_than_cpus_is_said_once(tmp_path):
+    workers = len(os.sched_getaffinity(0)) + 1  # torch warns from the loader and from its iterator
+    result = launch([sys.executable, "train.py", *TINY, "train.max_steps=2", f"data.num_workers={workers}",
+                     f"run.dir={tmp_path}/run"])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count(f"This DataLoader will create {workers} worker processes") == 1, result.stderr

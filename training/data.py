@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -24,6 +25,10 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from commands import UserError
 from fid.preprocess import center_crop_adm
 from training.config import Config
+
+# torch warns of more loader workers than this process has CPUs from two places (creating the loader and its
+# first iterator): said once, not twice.
+warnings.filterwarnings("once", message="This DataLoader will create", category=UserWarning)
 
 LATENT_MANIFEST = "manifest.json"
 DIGITS_SIZE = 8           # scikit-learn's digits are 8 x 8 ...
