@@ -10,9 +10,9 @@ released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0
 int64 labels), a preview grid `<out>.png` and `<out>.json` (settings and speed), never replacing files that an
 earlier sample.py run with other settings (unless --overwrite), or anything else, wrote. Given a run or checkpoint
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
-(`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the
-official evaluations used (generation/protocols.py); flags given explicitly win, and `<out>.json` records the
-protocol with the resolved settings.
+(`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
+(generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
+settings.
 
 Sample i gets label i % num_classes ("balanced") or a seeded draw ("uniform") and draws all its noise from its
 own stream seeded by (--seed, i), so the file depends neither on the number of processes nor (up to float

@@ -6,7 +6,9 @@
 
 Overrides are `section.key=value` (see training/config.py for every key). The run lives in run.dir
 (default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
-checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every).
+checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every). Before the first
+step the launch prints what it will do (training.summary: model, data, batch geometry, precision, devices, resume
+point) and keeps it as startup.txt.
 
 SIGTERM, SIGUSR1 or SIGINT (Slurm's preemption and time-limit signals, Ctrl-C) stop the run after the current
 optimiser step on every process, with a checkpoint; the command then exits with status 75 (STOPPED_STATUS),
