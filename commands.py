@@ -17,6 +17,7 @@ Anything else is a bug and keeps its traceback; `--debug` keeps the traceback of
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
@@ -29,6 +30,12 @@ class UserError(ValueError):
 
     The base of every user-facing error of the project. It is a ValueError, so callers that catch those keep
     working."""
+
+
+class LaunchError(UserError):
+    """A launch that cannot work, which every process of it finds alike (several processes where Accelerate sees
+    one, or one where several were asked for): only rank 0 prints the line, the other processes exit with the
+    same status silently, so that the launcher's merged output holds it once."""
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -53,6 +60,8 @@ def run_command(main: Callable[[Optional[Sequence[str]]], Any], argv: Optional[S
             raise
         _fail(exit_.code, exit_, debug=DEBUG_FLAG in argv)
     except UserError as error:
+        if isinstance(error, LaunchError) and os.environ.get("RANK", "0") != "0" and DEBUG_FLAG not in argv:
+            raise SystemExit(USER_ERROR_STATUS) from None  # rank 0 says it
         _fail(str(error), error, debug=DEBUG_FLAG in argv)
 
 

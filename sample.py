@@ -8,9 +8,11 @@
 `--ckpt` is an export folder, a checkpoint or run folder, an official DiT/SiT `.pt` (a path, or the bare name of a
 released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0` uint8 (N, H, W, 3), `arr_1`
 int64 labels), a preview grid `<out>.png` and `<out>.json` (settings and speed), never replacing files that an
-earlier sample.py run with other settings, or anything else, wrote. `--protocol dit|sit|sit-ode` sets what the
-official evaluations used (generation/protocols.py); flags given explicitly win, and `<out>.json` records the
-protocol with the resolved settings.
+earlier sample.py run with other settings (unless --overwrite), or anything else, wrote. Given a run or checkpoint
+folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
+(`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
+(generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
+settings.
 
 Sample i gets label i % num_classes ("balanced") or a seeded draw ("uniform") and draws all its noise from its
 own stream seeded by (--seed, i), so the file depends neither on the number of processes nor (up to float
@@ -35,7 +37,7 @@ import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, run_command
+from commands import CommandParser, LaunchError, run_command
 from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
                                     plan_shards, save_shard, shard_reader)
 from generation.protocols import PROTOCOLS
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
     add("--cpu", action="store_true", help="CPU processes (needed for torchrun on a machine without GPUs)")
     add("--progress", action="store_true", help="also show a progress bar over the sampler's steps")
+    add("--overwrite", action="store_true", help="replace the outputs and shards of an earlier sample.py run with "
+        "other settings at --out (only files sample.py wrote are deleted)")
     return parser
 
 
@@ -152,11 +156,27 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting that changes the output: shards and files of one run are never mixed with another's."""
     ckpt = Path(args.ckpt)
     protocol = {"protocol": args.protocol} if args.protocol else {}  # runs from before protocols keep matching
-    return {**protocol, "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt, "model": args.model,
+    export = resolved_export(ckpt)  # a run folder's newest export: a rerun after more training is another run
+    newest = {"export": str(export)} if export is not None else {}
+    return {**protocol, "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt, **newest, "model": args.model,
             "image_size": args.image_size, "vae": args.vae, "num_samples": args.num_samples, "labels": args.labels,
             "seed": args.seed, "per_proc_batch_size": args.per_proc_batch_size, "shard_size": args.shard_size,
             **{key: value for key, value in generation_options(args).items() if key != "guidance_interval"},
             "guidance_interval": args.guidance_interval, "precision": args.precision, "compile": args.compile}
+
+
+def resolved_export(ckpt: Path) -> Optional[Path]:
+    """The export folder that a run or checkpoint folder --ckpt stands for (a run's newest); None for an export
+    folder itself, a file or a hub id."""
+    from generation import ExportError
+    from generation.export import EXPORT_CONFIG, find_export
+
+    if not ckpt.is_dir() or (ckpt / EXPORT_CONFIG).is_file():
+        return None
+    try:
+        return find_export(ckpt).resolve()
+    except ExportError as error:
+        raise SystemExit(f"--ckpt: {error}") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -165,12 +185,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_args(args)
     settings = run_settings(args)
     files = SampleFiles(args.out)
-    if files.claim(settings):
+    if files.claim(settings, overwrite=args.overwrite):
         print(f"sample.py: {args.out} is already complete")
         return
     export = load_checkpoint(args)  # nothing is written before the checkpoint has loaded
     check_against(export.description, args)
     accelerator = create_accelerator(args)
+    if "export" in settings:
+        accelerator.print(f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step "
+                          f"{export.description.train_step})")
     from generation import ImageGenerator
     from generation.generator import default_precision, set_matmul_precision
 
@@ -184,7 +207,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ValueError as error:  # the backbone names the sizes that do not fit together
         raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)
-    folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings)
+    if args.overwrite and accelerator.is_main_process:
+        removed = files.remove_other_run(settings)
+        if removed:
+            print(f"sample.py: --overwrite: removed {', '.join(path.name for path in removed)} of a run with other "
+                  f"settings")
+    folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings,
+                         replace_other_run=args.overwrite)
     try:
         pending = [shards[index] for index in folder.claim(accelerator)]
     except ShardFolderError as error:
@@ -205,7 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    "new_images": new_images, "images_per_process": per_process, "seconds": round(seconds, 3),
                    "images_per_second": round(new_images / seconds, 3),
                    "main_process_model_evaluations": generator.model_evaluations,
-                   "model": export.description.model, "source": export.description.source}
+                   "model": export.description.model, "source": export.description.source,
+                   "train_step": export.description.train_step}
         finish(args, folder, shards, labels, summary, generator)
         print(f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
               f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)")
@@ -238,8 +268,8 @@ def create_accelerator(args: argparse.Namespace):
     accelerator = Accelerator(cpu=args.cpu)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes == 1 and launched > 1:  # each process would sample everything alone
-        raise SystemExit(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
-                         f"pass --cpu")
+        raise LaunchError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
+                          f"pass --cpu")
     return accelerator
 
 

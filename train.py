@@ -6,7 +6,9 @@
 
 Overrides are `section.key=value` (see training/config.py for every key). The run lives in run.dir
 (default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
-checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every).
+checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every). Before the first
+step the launch prints what it will do (training.summary: model, data, batch geometry, precision, devices, resume
+point) and keeps it as startup.txt.
 
 SIGTERM, SIGUSR1 or SIGINT (Slurm's preemption and time-limit signals, Ctrl-C) stop the run after the current
 optimiser step on every process, with a checkpoint; the command then exits with status 75 (STOPPED_STATUS),
@@ -35,6 +37,7 @@ from training.loop import Trainer, TrainerState
 from training.repa import check_repa_resume
 from training.run import RunDirectory, create_accelerator
 from training.stop_signals import STOPPED_STATUS
+from training.summary import startup_summary
 from training.trackers import start_trackers
 
 
@@ -71,12 +74,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if resume_from is not None:
         saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
         apply_optimizer_settings(parts.optimizer, parts.scheduler, config.train)  # this launch's lr, betas, ...
-        if not state.same_geometry(saved):
-            accelerator.print(f"warning: {resume_from} was written with another batch geometry ({saved}); "
-                              f"the data position is approximate")
         state = state.resumed(saved)
-        accelerator.print(f"resumed from {resume_from} at step {state.step}")
 
+    summary = startup_summary(config, accelerator, parts, state, run.root, resume_from, saved)
+    accelerator.print(summary, end="")
     accelerator.wait_for_everyone()  # every process has checked the run directory before anything is written
     if accelerator.is_main_process:
         if args.overwrite:
@@ -87,6 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.root.mkdir(parents=True, exist_ok=True)
         run.remove_partial_saves()
         write_text_atomic(run.config, config_to_yaml(config))
+        write_text_atomic(run.startup, summary)
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
     stopped_by = Trainer(accelerator, config, run, parts, state,
                          last_checkpoint=None if resume_from is None else str(resume_from)).fit()

@@ -40,10 +40,13 @@ def first_difference(stored: dict[str, Any], settings: dict[str, Any]) -> str | 
 class ShardFolder:
     """`folder`/<shard_names[i]> for i = 0..K-1, plus `folder`/settings.json."""
 
-    def __init__(self, folder: str | Path, shard_names: Sequence[str], settings: dict[str, Any]) -> None:
+    def __init__(self, folder: str | Path, shard_names: Sequence[str], settings: dict[str, Any],
+                 replace_other_run: bool = False) -> None:
         self.folder = Path(folder)
         self.shard_names = list(shard_names)
         self.settings = settings
+        self.replace_other_run = replace_other_run  # empty a folder of other settings instead of refusing it
+        self.kept = 0  # finished shards found by `claim`
 
     def path(self, index: int) -> Path:
         return self.folder / self.shard_names[index]
@@ -72,6 +75,7 @@ class ShardFolder:
         pending, error = message
         if error is not None:
             raise ShardFolderError(error)
+        self.kept = len(self.shard_names) - len(pending)
         return pending
 
     def _claim_on_main_process(self) -> list[int]:
@@ -92,6 +96,11 @@ class ShardFolder:
         except json.JSONDecodeError as error:
             raise ShardFolderError(f"{record} is not valid JSON ({error}): remove {self.folder}") from None
         key = first_difference(stored, self.settings)
+        if key is not None and self.replace_other_run:  # settings.json says the whole folder is that run's
+            for path in self.folder.iterdir():
+                path.unlink()
+            write_json_atomic(record, self.settings)
+            return self.pending_here()
         if key is not None:
             raise ShardFolderError(f"{self.folder} belongs to a run with {key}={stored.get(key)!r}, not "
                                    f"{self.settings.get(key)!r}: remove it or choose another output")

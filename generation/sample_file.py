@@ -64,10 +64,11 @@ class SampleFiles:
     def shards(self) -> Path:
         return self.samples.with_name(self.samples.name + ".shards")
 
-    def claim(self, settings: dict[str, Any]) -> bool:
-        """True when the samples are already complete for these settings. Files of another run, or files the
-        summary does not vouch for, raise SampleFilesError; temporary files of a killed run are removed."""
-        ours = False
+    def claim(self, settings: dict[str, Any], overwrite: bool = False) -> bool:
+        """True when the samples are already complete for these settings. Files of another run (unless
+        `overwrite`: `remove_other_run` deletes them once the model has loaded), or files the summary does not
+        vouch for, raise SampleFilesError; temporary files of a killed run are removed."""
+        ours, key = False, None
         if self.summary.exists():
             try:
                 stored = json.loads(self.summary.read_text()).get("settings")
@@ -77,7 +78,7 @@ class SampleFiles:
                 raise SampleFilesError(f"{self.summary} exists and was not written by sample.py; choose another "
                                        f"--out")
             key = first_difference(stored, settings)
-            if key is not None:
+            if key is not None and not overwrite:
                 raise SampleFilesError(f"{self.summary} belongs to a run with {key}={stored.get(key)!r}, not "
                                        f"{settings.get(key)!r}: remove it or choose another --out")
             ours = True
@@ -86,7 +87,19 @@ class SampleFiles:
                 raise SampleFilesError(f"{path} exists and was not written by sample.py; choose another --out")
         for path in (self.samples, self.summary, self.grid):
             remove_stale_temporaries(path)
-        return self.samples.exists()
+        return self.samples.exists() and key is None
+
+    def remove_other_run(self, settings: dict[str, Any]) -> list[Path]:
+        """`sample.py --overwrite`: delete the .npz, grid and summary of a sample.py run with other settings
+        (`claim` made sure the summary is sample.py's), the samples first, so that a kill midway never leaves a
+        summary vouching for another run's samples. Returns what was deleted."""
+        if not self.summary.exists() or first_difference(json.loads(self.summary.read_text())["settings"],
+                                                         settings) is None:
+            return []
+        removed = [path for path in (self.samples, self.grid, self.summary) if path.exists()]
+        for path in removed:
+            path.unlink()
+        return removed
 
 
 def plan_shards(num_samples: int, shard_size: int) -> list[Shard]:

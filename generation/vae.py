@@ -7,6 +7,7 @@ config (0.18215 for the SD VAEs), never from a constant here.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -29,6 +30,9 @@ SD_VAE_ARCHITECTURE = dict(
 )
 
 
+HUB_PROBE_SECONDS = 5.0  # one request to the hub's API before downloading (the downloads retry with back-off)
+
+
 class VAEUnavailableError(UserError):
     """The requested autoencoder cannot be loaded (missing folder, or offline without a cached copy)."""
 
@@ -37,7 +41,8 @@ def load_vae(spec: str, device: torch.device | str | None = None) -> Autoencoder
     """A frozen AutoencoderKL from a local folder (written by `save_pretrained`) or a hub id.
 
     A hub id is looked up in the local Hugging Face cache first; the network is only tried when the hub is
-    not marked offline (HF_HUB_OFFLINE=1), so offline runs fail at once instead of retrying.
+    not marked offline (HF_HUB_OFFLINE=1), and only once one request to the hub has answered, so offline runs
+    fail at once, naming the cause, instead of retrying.
     """
     folder = Path(spec).expanduser()
     if folder.is_dir():
@@ -92,18 +97,52 @@ def _load_from_hub(repo_id: str) -> AutoencoderKL:
         return AutoencoderKL.from_pretrained(repo_id, local_files_only=True)
     except OSError:
         pass  # not cached: download below, unless offline
-    how_to = (f"To provide it, on a machine with internet run\n"
-              f"  python -c \"from diffusers import AutoencoderKL; "
-              f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('vae/{repo_id.split('/')[-1]}')\"\n"
+    how_to = (f"To provide it, on a machine with internet run "
+              f"`python -c \"from diffusers import AutoencoderKL; "
+              f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('vae/{repo_id.split('/')[-1]}')\"`, "
               f"copy the folder here and set vae.name=vae/{repo_id.split('/')[-1]} "
               f"(or copy the Hugging Face cache into $HF_HOME).")
     if _hub_offline():
         raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and the hub is "
                                   f"offline (HF_HUB_OFFLINE=1). {how_to}")
+    _probe_hub(repo_id, how_to)
     try:
         return AutoencoderKL.from_pretrained(repo_id)
     except OSError as error:
         raise VAEUnavailableError(f"VAE '{repo_id}' could not be downloaded ({error}). {how_to}") from error
+
+
+def _probe_hub(repo_id: str, how_to: str) -> None:
+    """Ask the hub once, with a short timeout, whether `repo_id` exists; raise VAEUnavailableError naming the cause
+    when it cannot be reached or has no such model. Without this, diffusers' download of an unreachable hub
+    retries with back-off for about 30 s and then reports "no file named config.json"."""
+    from huggingface_hub import constants, model_info
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        model_info(repo_id, timeout=HUB_PROBE_SECONDS)
+    except RepositoryNotFoundError:
+        raise VAEUnavailableError(f"vae.name '{repo_id}': {constants.ENDPOINT} has no such model (or it is private "
+                                  f"and no token is set)") from None
+    except HfHubHTTPError as error:
+        raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and {constants.ENDPOINT} "
+                                  f"answered {_first_line(error)}. {how_to}") from None
+    except _network_errors() as error:
+        raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and {constants.ENDPOINT} "
+                                  f"cannot be reached ({type(error).__name__}: {_first_line(error)}); no internet? "
+                                  f"{how_to}") from None
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    # huggingface_hub < 1.0 uses requests, whose errors are OSErrors; later versions use httpx (or its fork
+    # httpx2), whose transport errors derive from its HTTPError: whichever the hub imported is the one raised.
+    clients = (sys.modules.get(name) for name in ("httpx", "httpx2"))
+    return (OSError, *(client.HTTPError for client in clients if client is not None))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ demo.py). Two rows run as real subprocesses; the rest call the commands' `main` 
 as their `__main__` does. Damaged resume checkpoints are in tests/test_train.py (they need a trained run)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -62,10 +63,22 @@ def inputs(tmp_path_factory) -> Path:
         (root / folder / name).write_text("the user's own file")
     (root / "used-run").mkdir()
     (root / "used-run" / "metrics.jsonl").write_text('{"step": 100, "loss": 0.5}\n')
+    from PIL import Image
+
+    for name in ("n01440764", "n01443537", "n01484850"):  # an ImageNet-style folder of 3 classes
+        (root / "images" / name).mkdir(parents=True)
+        Image.new("RGB", (20, 24), (90, 40, 10)).save(root / "images" / name / "a.png")
+    (root / "latents-32").mkdir()  # what python -m training.latents writes last, for 32 px images
+    (root / "latents-32" / "manifest.json").write_text(json.dumps(
+        {"format": 1, "image_size": 32, "classes": ["a", "b"], "latent_channels": 4, "latent_size": 4,
+         "num_images": 0, "shards": []}))
     return root
 
 
 TRAIN = ["--config", str(DIGITS), *TINY, "run.dir={tmp}/run"]
+NO_VAE = ["vae.name={tmp}/no-vae", "vae.scale=0.5"]
+ON_IMAGES = [*TRAIN, *NO_VAE, "data.source=images"]
+ON_LATENTS = [*TRAIN, *NO_VAE, "data.source=latents"]
 SAMPLE = ["--ckpt", "{tmp}/export", "--out", "{tmp}/samples.npz", "--num-samples", "4"]
 
 CASES = [  # (id, command, arguments, text the one line must contain)
@@ -91,6 +104,19 @@ CASES = [  # (id, command, arguments, text the one line must contain)
     ("run-in-use", "train", ["--config", str(DIGITS), "run.dir={tmp}/used-run"],
      "run.dir {tmp}/used-run already holds a run (metrics.jsonl): continue it with --resume latest, choose another "
      "run.dir=..., or pass --overwrite"),
+    # data mismatches (issue 20): named before any model is built (an unloadable vae.name is never reached)
+    ("no-data-images", "train", [*ON_IMAGES], "data.source=images needs data.images=<folder with one sub-folder"),
+    ("no-image-folder", "train", [*ON_IMAGES, "data.images={tmp}/nowhere"],
+     "data.images={tmp}/nowhere: the image folder does not exist"),
+    ("num-classes", "train", [*ON_IMAGES, "data.images={tmp}/images"],
+     "data.num_classes=10, but the image folder {tmp}/images holds 3 classes (n01440764, n01443537, n01484850): "
+     "set data.num_classes=3"),
+    ("latents-image-size", "train", [*ON_LATENTS, "data.latents={tmp}/latents-32", "data.image_size=16"],
+     "data.image_size=16, but the latents in {tmp}/latents-32/manifest.json were extracted at 32 px"),
+    ("latents-num-classes", "train", [*ON_LATENTS, "data.latents={tmp}/latents-32", "data.image_size=32"],
+     "data.num_classes=10, but {tmp}/latents-32/manifest.json holds 2 classes (a, b): set data.num_classes=2"),
+    ("no-manifest", "train", [*ON_LATENTS, "data.latents={tmp}/images"],
+     "data.latents={tmp}/images: {tmp}/images/manifest.json not found"),
     ("latents-no-folders", "latents", ["--config", str(DIGITS)], "latent extraction needs data.images="),
     ("latents-bad-value", "latents", ["--config", str(DIGITS), "extract.batch_size=0"], "'extract.batch_size' is 0"),
     ("demo-num-samples", "demo", ["--out", "{tmp}/demo", "--num-samples", "0"], "--num-samples must be positive"),

@@ -253,3 +253,83 @@ def test_repa_trains_on_latents_and_on_images(tmp_path, vae_folder, single_proce
     (tmp_path / "latents" / "manifest.json").write_text(json.dumps(format_1))
     with pytest.raises(ValueError, match="hold no image indices .format 1.: REPA pairs each latent"):
         train_script.main(["--config", str(config), *common, "data.source=latents", f"run.dir={tmp_path / 'x'}"])
+
+
+@pytest.fixture
+def dead_hub():
+    """A hub endpoint that accepts connections and closes them at once (a proxy or firewall that drops them):
+    yields (url, request lines about the VAE). The downloader retries such errors with back-off; the probe does not."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    requests = []
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:  # the server socket was closed: the test is over
+                return
+            with connection:
+                request = connection.recv(4096).decode(errors="replace").split("\r\n")[0]
+            if "sd-vae-ft-ema" in request:  # huggingface_hub may send requests of its own too
+                requests.append(request)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", requests
+    server.close()
+
+
+def offline_commands(tmp_path: Path, vae_folder: Path) -> dict[str, tuple[list[str], Path]]:
+    """Each command that loads a hub VAE (latent extraction, training on images, sampling a latent-space export),
+    with the output it must not create."""
+    from test_diffusers_interop import write_tiny_export
+
+    config = extraction_config(tmp_path, make_images(tmp_path / "images", 2), tmp_path / "latents", vae_folder)
+    write_tiny_export(tmp_path / "export")  # a latent-space export naming vae=stabilityai/sd-vae-ft-ema
+    hub = ["vae.name=stabilityai/sd-vae-ft-ema"]
+    return {"latents": (["-m", "training.latents", "--config", str(config), *hub], tmp_path / "latents"),
+            "train": (["train.py", "--config", str(config), *hub, f"run.dir={tmp_path}/run"], tmp_path / "run"),
+            "sample": (["sample.py", "--ckpt", str(tmp_path / "export"), "--num-samples", "2", "--out",
+                        str(tmp_path / "samples.npz")], tmp_path / "samples.shards")}
+
+
+@pytest.mark.parametrize("command", ["latents", "train", "sample"])
+def test_an_unreachable_hub_is_one_line_naming_it_after_one_request(tmp_path, vae_folder, dead_hub, command):
+    url, requests = dead_hub
+    arguments, output = offline_commands(tmp_path, vae_folder)[command]
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    result = subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**env, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf-home"),
+                                 "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert f"not in the local Hugging Face cache and {url} cannot be reached" in errors[0]
+    assert "vae.name=vae/sd-vae-ft-ema" in errors[0]
+    assert requests == ["GET /api/models/stabilityai/sd-vae-ft-ema HTTP/1.1"]  # one request, no retries
+    assert not output.exists() and not (tmp_path / "samples.npz").exists()
+
+
+def test_hub_offline_mode_sends_no_request(tmp_path, vae_folder, dead_hub):
+    url, requests = dead_hub
+    arguments, output = offline_commands(tmp_path, vae_folder)["latents"]
+    result = subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": url,
+                                 "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and "the hub is offline (HF_HUB_OFFLINE=1)" in result.stderr, result.stderr
+    assert requests == [] and not output.exists()
+
+
+def test_a_rerun_says_how_many_finished_shards_it_kept(tmp_path, vae_folder, single_process, capsys):
+    images = make_images(tmp_path / "images", 3)  # 6 images in shards of 2: 3 shards
+    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder, shard_size=2))
+    out = extract_latents(config, single_process)
+    assert "kept" not in capsys.readouterr().out  # a first run keeps nothing
+    (out / shard_name(1)).unlink()  # as a run killed before it wrote shard 1 leaves the folder
+    (out / "manifest.json").unlink()
+    extract_latents(config, single_process)
+    assert f"{out}: kept 2 of 3 finished shards, encoding the other 1" in capsys.readouterr().out
+    extract_latents(config, single_process)
+    assert f"{out}: kept 3 of 3 finished shards, encoding the other 0" in capsys.readouterr().out

@@ -276,6 +276,7 @@ def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(expo
     result = subprocess.run([*TORCHRUN, *sample_command(export, out)[1:]], env=cpu_only,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs pass --cpu" in result.stderr
+    assert result.stderr.count("Accelerate sees one") == 1, result.stderr  # rank 0 says it, once
     assert list(tmp_path.iterdir()) == []
 
 
@@ -535,3 +536,51 @@ def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(export, ref
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])  # the same samples as a clean run
     assert not SampleFiles(out).shards.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A run folder as --ckpt; --overwrite
+# ----------------------------------------------------------------------------------------------
+
+def test_a_run_folder_is_sampled_from_its_newest_export_which_is_printed_and_recorded(export, tmp_path, capsys,
+                                                                                      one_thread):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    for step in (2, 5):  # two checkpoints, as training leaves them
+        folder = run_dir / "checkpoints" / f"step-{step:07d}" / "export"
+        shutil.copytree(export, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "train_step": step}))
+    out = tmp_path / "samples.npz"
+    sample.main(["--ckpt", str(run_dir), "--out", str(out), "--num-samples", "2", "--grid-size", "0", *SAMPLING])
+    newest = (run_dir / "checkpoints" / "step-0000005" / "export").resolve()
+    assert f"sample.py: --ckpt {run_dir}: using {newest} (training step 5)" in capsys.readouterr().out
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["train_step"] == 5 and summary["settings"]["export"] == str(newest)
+
+
+def test_overwrite_replaces_only_what_an_earlier_sample_run_wrote(export, tmp_path, capsys, one_thread):
+    out = tmp_path / "samples.npz"
+    command = ["--ckpt", str(export), "--out", str(out), "--num-samples", "4", "--grid-size", "4", *SAMPLING]
+    sample.main([*command, "--seed", "1"])
+    first = np.load(out)["arr_0"]
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    shards = SampleFiles(out).shards  # the shard folder of a third run, killed after one shard
+    shards.mkdir()
+    (shards / "settings.json").write_text(json.dumps({"seed": 5}))
+    (shards / "shard-000000.npz").write_bytes(b"another run's shard")
+    with pytest.raises(SampleFilesError, match="run with seed=1, not 2"):
+        sample.main([*command, "--seed", "2"])
+    capsys.readouterr()
+    sample.main([*command, "--seed", "2", "--overwrite"])
+    assert ("--overwrite: removed samples.npz, samples.png, samples.json of a run with other settings"
+            in capsys.readouterr().out)
+    assert json.loads(out.with_suffix(".json").read_text())["settings"]["seed"] == 2
+    assert not np.array_equal(np.load(out)["arr_0"], first) and not shards.exists()
+    assert (tmp_path / "notes.txt").read_text() == "the user's own file"
+    foreign = tmp_path / "foreign.npz"  # a summary sample.py did not write stays, --overwrite or not
+    foreign.with_suffix(".json").write_text('{"mine": true}')
+    with pytest.raises(SampleFilesError, match="foreign.json exists and was not written by sample.py"):
+        sample.main([*command[:2], "--out", str(foreign), *command[4:], "--overwrite"])
+    assert foreign.with_suffix(".json").read_text() == '{"mine": true}'

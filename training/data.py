@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -24,6 +25,10 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from commands import UserError
 from fid.preprocess import center_crop_adm
 from training.config import Config
+
+# torch warns of more loader workers than this process has CPUs from two places (creating the loader and its
+# first iterator): said once, not twice.
+warnings.filterwarnings("once", message="This DataLoader will create", category=UserWarning)
 
 LATENT_MANIFEST = "manifest.json"
 DIGITS_SIZE = 8           # scikit-learn's digits are 8 x 8 ...
@@ -45,6 +50,11 @@ class CorruptImageError(UserError):
 
 class LatentShardError(UserError):
     """A latent shard that is cut, of the wrong shape or with labels outside data.num_classes (named)."""
+
+
+class DataMismatchError(UserError):
+    """data.* settings that do not match the files they point to: a missing folder or manifest, latents of
+    another image size, another number of classes (the message names the key, the file and both values)."""
 
 
 def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -83,8 +93,12 @@ class ImageFolderDataset(_EpochSeeded):
         super().__init__(seed)
         root = Path(root)
         if not root.is_dir():
-            raise FileNotFoundError(f"image folder {root} does not exist")
-        self.classes, class_to_index = find_classes(str(root))
+            raise DataMismatchError(f"data.images={root}: the image folder does not exist")
+        try:
+            self.classes, class_to_index = find_classes(str(root))
+        except FileNotFoundError:  # torchvision's "Couldn't find any class folder"
+            raise DataMismatchError(f"data.images={root}: the folder holds no class folders; expected "
+                                    f"<folder>/<class name>/<image>") from None
         self.samples = make_dataset(str(root), class_to_index, extensions=IMG_EXTENSIONS)
         self.image_size = image_size
         self.random_flip = random_flip
@@ -118,7 +132,7 @@ def read_manifest(root: str | Path) -> dict:
     """The description written by `python -m training.latents` once every shard exists."""
     path = Path(root) / LATENT_MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the latents at {root} are missing or incomplete; "
+        raise DataMismatchError(f"data.latents={root}: {path} not found, so the latents are missing or incomplete; "
                                 f"(re)run `python -m training.latents --config <config>` to finish them")
     return json.loads(path.read_text())
 
@@ -297,30 +311,33 @@ def build_dataset(config: Config) -> Dataset:
     data = config.data
     if data.source == "digits":
         if (data.image_size, data.num_classes) != (DIGITS_SIZE, DIGITS_CLASSES):
-            raise ValueError(f"data.source=digits needs data.image_size={DIGITS_SIZE} and "
+            raise DataMismatchError(f"data.source=digits needs data.image_size={DIGITS_SIZE} and "
                              f"data.num_classes={DIGITS_CLASSES}, got {data.image_size} and {data.num_classes}")
         return DigitsDataset(random_flip=data.random_flip, seed=config.train.seed)
     if data.source == "shapes":
         if (data.image_size, data.num_classes) != (SHAPES_SIZE, SHAPES_CLASSES):
-            raise ValueError(f"data.source=shapes needs data.image_size={SHAPES_SIZE} and "
+            raise DataMismatchError(f"data.source=shapes needs data.image_size={SHAPES_SIZE} and "
                              f"data.num_classes={SHAPES_CLASSES}, got {data.image_size} and {data.num_classes}")
         return ShapesDataset(random_flip=data.random_flip, seed=config.train.seed)
     if data.source == "images":
         if data.images is None:
-            raise ValueError("data.source=images needs data.images=<folder with one sub-folder per class>")
+            raise DataMismatchError("data.source=images needs data.images=<folder with one sub-folder per class>, "
+                                    "which is not set")
         dataset = ImageFolderDataset(data.images, data.image_size, data.random_flip, data.on_corrupt,
                                      seed=config.train.seed)
-        _check_num_classes(len(dataset.classes), data.num_classes, data.images)
+        _check_num_classes(dataset.classes, data.num_classes, f"the image folder {data.images}")
         return dataset
     if data.latents is None:
-        raise ValueError("data.source=latents needs data.latents=<folder written by python -m training.latents>")
+        raise DataMismatchError("data.source=latents needs data.latents=<folder written by python -m "
+                                "training.latents>, which is not set")
     dataset = LatentShardDataset(data.latents, config.vae.scale, data.random_flip, seed=config.train.seed,
                                  images=paired_images(config) if config.train.repa.enabled else None)
     manifest = dataset.manifest
     if manifest["image_size"] != data.image_size:
-        raise ValueError(f"latents at {data.latents} were extracted at {manifest['image_size']} px, "
-                         f"but data.image_size={data.image_size}")
-    _check_num_classes(len(manifest["classes"]), data.num_classes, data.latents)
+        raise DataMismatchError(f"data.image_size={data.image_size}, but the latents in "
+                                f"{Path(data.latents) / LATENT_MANIFEST} were extracted at {manifest['image_size']} "
+                                f"px: set data.image_size={manifest['image_size']} or extract them again")
+    _check_num_classes(manifest["classes"], data.num_classes, Path(data.latents) / LATENT_MANIFEST)
     dataset.check_shards(data.num_classes)
     return dataset
 
@@ -343,9 +360,12 @@ def paired_images(config: Config) -> "ImageFolderDataset":
     return images
 
 
-def _check_num_classes(found: int, expected: int, where: str) -> None:
-    if found != expected:
-        raise ValueError(f"{where} holds {found} classes but data.num_classes={expected}")
+def _check_num_classes(classes: list[str], expected: int, where: str | Path) -> None:
+    """Refuse a data.num_classes other than the number of class folders (the model's label table would not fit)."""
+    if len(classes) != expected:
+        names = ", ".join(classes[:3]) + (", ..." if len(classes) > 3 else "")
+        raise DataMismatchError(f"data.num_classes={expected}, but {where} holds {len(classes)} classes "
+                                f"({names}): set data.num_classes={len(classes)}")
 
 
 def collate_examples(items: list[Optional[Example]]) -> tuple:

@@ -52,7 +52,11 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     folder = ShardFolder(data.latents, [shard_name(k) for k in range(len(shards))], _settings(config, len(dataset)))
     check_writable(data.latents)
     vae = load_vae(config.vae.name, device=state.device)  # an unavailable VAE fails before the folder is claimed
-    todo = folder.claim(state)[state.process_index::state.num_processes]
+    pending = folder.claim(state)
+    if folder.kept and state.is_main_process:
+        print(f"{folder.folder}: kept {folder.kept} of {len(shards)} finished shards, encoding the other "
+              f"{len(pending)}")
+    todo = pending[state.process_index::state.num_processes]
     if todo:
         _encode_shards(vae, dataset, shards, todo, folder, config, state)
     state.wait_for_everyone()

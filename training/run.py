@@ -2,6 +2,7 @@
 
     results/<run>/
         config.yaml          resolved config of the latest launch
+        startup.txt          what the latest launch said it would do (training.summary)
         metrics.jsonl        one JSON line per logging step (main process only)
         fid.jsonl            FID of EMA samples, when log.fid_every > 0
         samples/step-XXXXXXX.png   EMA sample grids
@@ -25,6 +26,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from commands import LaunchError
 from training.checkpoint import keep_plain_model_keys, list_checkpoints
 from training.config import Config, ConfigError
 from training.trackers import TRACKER_FOLDERS, check_trackers
@@ -49,6 +51,10 @@ class RunDirectory:
     @property
     def fid(self) -> Path:
         return self.root / "fid.jsonl"
+
+    @property
+    def startup(self) -> Path:
+        return self.root / "startup.txt"
 
     @property
     def samples(self) -> Path:
@@ -79,7 +85,7 @@ class RunDirectory:
     def written_by_runs(self) -> list[Path]:
         """What runs write here: the logs, step-XXXXXXX checkpoints and exports (and hidden ones of killed saves),
         step-XXXXXXX.png grids and the trackers' folders; nothing else a user put into the directory."""
-        found = [path for path in (self.config, self.metrics, self.fid) if path.exists()]
+        found = [path for path in (self.config, self.startup, self.metrics, self.fid) if path.exists()]
         for folder in (self.checkpoints, self.exports, self.samples):
             if folder.is_dir():
                 found += [path for path in folder.iterdir() if STEP_FILE.match(path.name)]
@@ -126,12 +132,39 @@ def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
     )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes == 1 and launched > 1:  # each process would train alone in the same folder
-        raise ConfigError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
+        raise LaunchError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
                           f"set train.cpu=true")
+    asked = accelerate_launch_processes()
+    if accelerator.num_processes == 1 and asked > 1:  # `accelerate launch --cpu` always starts a single process
+        raise LaunchError(f"accelerate launch --num_processes {asked} started one process (with --cpu, Accelerate "
+                          f"uses its single-process launcher); for {asked} CPU processes run `torchrun "
+                          f"--nproc_per_node {asked} train.py ... train.cpu=true`")
     keep_plain_model_keys(accelerator)
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
     return accelerator
+
+
+def accelerate_launch_processes() -> int:
+    """The --num_processes of the `accelerate launch` command that started this process (its parent), else 1.
+
+    `accelerate launch --cpu --num_processes 2` runs one process and tells it nothing of the 2 it was asked
+    for, so the parent's command line (Linux /proc) is read with Accelerate's own launch parser."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:  # not Linux, or the parent is gone
+        return 1
+    starts = [index for index, token in enumerate(argv)
+              if token == "launch" or token.endswith("accelerate.commands.launch")]
+    if not starts or not any(Path(token).name.startswith("accelerate") for token in argv[:starts[0] + 1]):
+        return 1
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        options, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1:])
+    except SystemExit:  # a command line that is not accelerate's after all
+        return 1
+    return options.num_processes or 1
 
 
 def micro_batch_size(config: Config, num_processes: int) -> int:
