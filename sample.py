@@ -239,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         finish(args, folder, shards, labels, summary, generator)
         print(f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
               f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)")
+    accelerator.wait_for_everyone()  # the merge is done ...
+    accelerator.end_training()  # ... and the process group ends here: no gloo thread is left to abort the exit
 
 
 def load_checkpoint(args: argparse.Namespace):

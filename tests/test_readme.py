@@ -68,7 +68,7 @@ def documented_commands() -> list[DocumentedCommand]:
                 continue
             joined = body.replace("\\\n", " ")
             for offset, line in enumerate(joined.split("\n")):
-                for part in re.split(r"&&|;", line.split(" #")[0] if not line.startswith("#") else ""):
+                for part in re.split(r"&&|;|&$|& ", line.split(" #")[0] if not line.startswith("#") else ""):
                     if COMMAND_START.match(part.strip()):
                         found.append(DocumentedCommand(name, first + offset, part.strip(), inline=False))
         prose = re.sub(r"^( *)```.*?^\1```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
@@ -191,9 +191,12 @@ def test_the_pages_document_commands():
 
 
 def whole_command(command: DocumentedCommand) -> bool:
-    """A command line to parse: from a code block, or a code span with options and no placeholders (a span
-    like `python -m fid SAMPLES REF` or a bare command name only names a command: see the next test)."""
-    return not command.inline or ("--" in command.text and not PLACEHOLDER.search(command.text))
+    """A command line to parse: from a code block (unless it elides a part with …), or a code span with options
+    and no placeholders (a span like `python -m fid SAMPLES REF` or a bare command name only names a command, and
+    so does a block line like `srun bash -c 'accelerate launch … train.py --config …'`: see the next test)."""
+    if not command.inline:
+        return "…" not in command.text
+    return "--" in command.text and not PLACEHOLDER.search(command.text)
 
 
 @pytest.mark.parametrize("where", [c for c in documented_commands() if whole_command(c)], ids=str)
@@ -203,7 +206,12 @@ def test_documented_command_fits_its_parser(where, stopped_parsers, monkeypatch)
 
 @pytest.mark.parametrize("where", [c for c in documented_commands() if not whole_command(c)], ids=str)
 def test_documented_command_names_exist(where):
-    tokens = where.text.split()
+    tokens = [token for token in shlex.split(where.text.replace("…", "")) if not re.match(r"^\w+=", token)]
+    if tokens[0] == "srun" and "-c" in tokens:  # srun bash -c '…': the command it runs
+        tokens = tokens[tokens.index("-c") + 1].split()
+    if tokens[:2] == ["accelerate", "launch"]:  # the script it launches, if the span names one
+        tokens = ["python", *([tokens[tokens.index("-m")], tokens[tokens.index("-m") + 1]] if "-m" in tokens
+                              else [token for token in tokens if token.endswith(".py")][:1])]
     head = tokens[0]
     if head.startswith("vca-"):
         assert head in SCRIPTS or head == "vca-diffusion", f"{where}: no such installed command"
