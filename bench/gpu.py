@@ -4,7 +4,7 @@
     PYTHONPATH=. python -m bench.gpu --out /tmp/gpu   # elsewhere
     PYTHONPATH=. python -m bench.gpu --rehearse       # the same code path on the CPU at tiny sizes, < 3 minutes
 
-It runs with the machine's own interpreter and never the package index (the README says which wheels to copy
+It runs with the machine's own interpreter and never the package index (docs/benchmarks.md says which wheels to copy
 in beside the tree). Three parts, each in its own process under its own time budget, the slowest last:
 1. attention: one layer, fwd+bwd, N = 1024, 4096, 16384 (batch·N = 16384), C = 384 and 1152, bf16 and fp32:
    MHSA on SDPA (flash in bf16) against VCA with n = 64, Stage II as SDPA calls (the CUDA default) and as GEMMs;

@@ -44,7 +44,7 @@ SDPA_FUSED_CONSTRAINTS = (
 
 # Stage II as SDPA calls (softmax(q·Tᵀ/√d) against the values [V̂; −λ₂·V̂], or one call per softmax) or as the
 # GEMM–softmax–GEMM of the backward's recomputation, per device type. The CPU keeps the GEMM form: measured
-# faster there (`python -m bench.attention`, rows "vca-64" and "vca-64-sdpa2", see the README); on CUDA the
+# faster there (`python -m bench.attention`, rows "vca-64" and "vca-64-sdpa2", see docs/benchmarks.md); on CUDA the
 # SDPA form runs Stage II in the flash kernel (a GPU run has yet to confirm it is faster).
 STAGE2_SDPA = {"cpu": False, "cuda": True}
 

@@ -1,5 +1,5 @@
 """What each command answers to a user error: one line `error: ...` naming the file, key or value, exit status 2,
-nothing written (the README's "What happens when..." table, rows for train.py, sample.py, training.latents and
+nothing written (docs/what-happens-when.md, rows for train.py, sample.py, training.latents and
 demo.py). Two rows run as real subprocesses; the rest call the commands' `main` through `commands.run_command`,
 as their `__main__` does. Damaged resume checkpoints are in tests/test_train.py (they need a trained run)."""
 

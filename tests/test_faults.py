@@ -122,7 +122,7 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_res
 
 
 def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):
-    # torchrun (like accelerate launch) forwards SIGTERM to its workers, as the README's batch script relies on.
+    # torchrun (like accelerate launch) forwards SIGTERM to its workers, as the batch script of docs/training.md relies on.
     # Rank 0 signals torchrun after step 3; both workers stop after the same step.
     run_dir = tmp_path / "run"
     stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py"), fault="3:0:SIGTERM:parent")

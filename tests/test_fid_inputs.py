@@ -113,7 +113,7 @@ def all_statistics(seed: int) -> dict[str, np.ndarray]:
 
 
 def test_default_metrics_are_what_the_inputs_allow(tmp_path, no_inception, capsys):
-    """The README's two steps: --save-stats writes statistics only, and `python -m fid samples ref_stats.npz`
+    """The two steps of docs/evaluation.md: --save-stats writes statistics only, and `python -m fid samples ref_stats.npz`
     then scores FID and sFID, with one line saying precision/recall was left out and why."""
     np.savez(tmp_path / "samples_stats.npz", **all_statistics(0))
     np.savez(tmp_path / "ref_stats.npz", **all_statistics(1))

@@ -271,3 +271,24 @@ def test_the_from_python_snippet_gives_the_images_sample_py_writes(tmp_path, mon
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_1"], labels)
         np.testing.assert_array_equal(data["arr_0"], images)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Links: every page reachable from the README, every relative link pointing at a file
+# ----------------------------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(REPO / target.split("#")[0]).resolve() for target in LINK.findall((REPO / "README.md").read_text())}
+    pages = {page.resolve() for page in PAGES[1:]}
+    assert pages and pages <= linked, f"pages the README does not link: {sorted(p.name for p in pages - linked)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_relative_links_point_at_files(page):
+    broken = [target for target in LINK.findall(page.read_text())
+              if not re.match(r"^(https?:|mailto:|#)", target)
+              and not (page.parent / target.split("#")[0]).exists()]
+    assert broken == [], f"{page.name}: links to nothing: {broken}"

@@ -258,7 +258,7 @@ def test_two_processes_give_the_same_file(export, reference, tmp_path):
 @pytest.mark.parametrize("sampler", [["--sampler", "sde-euler", "--steps", "6"], ["--sampler", "heun", "--steps", "3"]],
                          ids=["sde-euler", "heun"])
 def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tmp_path):
-    """What the README promises for SiT's ODE and SDE: the same bytes from 1 and 2 processes when both run one
+    """What docs/sampling.md promises for SiT's ODE and SDE: the same bytes from 1 and 2 processes when both run one
     thread per process (environment()) and the same per-process batch; the noise per sample is the same anyway."""
     export = tiny_export(tmp_path / "sit-export", family="SiT")
     command = [sys.executable, str(REPO / "sample.py"), "--ckpt", str(export), "--num-samples", "8", "--shard-size",

@@ -118,7 +118,7 @@ class ExtractConfig:
 @dataclass
 class RepaConfig:
     """Representation alignment (REPA, Yu et al. 2025): the tokens after block `depth` go through a projector
-    MLP and are pulled towards the patch features of a frozen encoder (training.repa; README, "REPA")."""
+    MLP and are pulled towards the patch features of a frozen encoder (training.repa; docs/training.md, "Representation alignment")."""
     encoder: Optional[str] = None                # timm name, or a folder written by timm's save_for_hf; None: off
     depth: int = _range(8, 1)                    # align the output of this block (1-based; 8 of SiT-XL/2's 28)
     coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
