@@ -19,6 +19,8 @@ demo: $(STAMP)
 	$(CPU_ALLOCATOR) $(PY) demo.py --out results/demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

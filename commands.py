@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 USER_ERROR_STATUS = 2  # as argparse exits on a bad argument
 DEBUG_FLAG = "--debug"
@@ -50,7 +51,7 @@ class CommandParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see {self.prog} --help)")
 
 
-def run_command(main: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> None:
+def run_command(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> None:
     """Run `main(argv)` (argv: sys.argv[1:] by default); a user error becomes one line on stderr and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

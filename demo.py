@@ -22,9 +22,10 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,10 +52,11 @@ FID_SCALES = (1.0,)
 #                                  Real digits and the classifier
 # ----------------------------------------------------------------------------------------------
 
+
 def real_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 training digits as sample files store them: (N, 8, 8, 3) uint8 and (N,) int64 labels."""
-    from training.data import DigitsDataset
     from generation.images import to_uint8
+    from training.data import DigitsDataset
 
     dataset = DigitsDataset()
     return to_uint8(dataset.images), dataset.labels.numpy()
@@ -83,7 +85,8 @@ def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> Dig
     from sklearn.svm import SVC
 
     train_x, test_x, train_y, test_y = train_test_split(
-        classifier_features(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed)
+        classifier_features(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed
+    )
     model = SVC().fit(train_x, train_y)
     return DigitsClassifier(model, float(model.score(test_x, test_y)), len(train_y), len(test_y))
 
@@ -92,17 +95,30 @@ def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> Dig
 #                                        The three stages
 # ----------------------------------------------------------------------------------------------
 
+
 def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
     """Run train.py on the digits config (resuming the run in run_dir, if any); return its figures."""
-    command = [sys.executable, str(REPO / "train.py"), "--config", str(CONFIG), "--resume", "latest",
-               f"run.dir={run_dir}", *overrides]
+    command = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--config",
+        str(CONFIG),
+        "--resume",
+        "latest",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=REPO)
     seconds = time.perf_counter() - started
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     last = lines[-1]
-    return {"steps": last["step"], "seconds_this_invocation": round(seconds, 1),
-            "final_loss": last["loss"], "steps_per_s": last["steps_per_s"]}
+    return {
+        "steps": last["step"],
+        "seconds_this_invocation": round(seconds, 1),
+        "final_loss": last["loss"],
+        "steps_per_s": last["steps_per_s"],
+    }
 
 
 def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: float) -> None:
@@ -117,17 +133,33 @@ def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: floa
     from generation.sample_plan import assign_labels, sample_seeds
 
     export = read_export(export_folder)
-    settings = {"export": str(export_folder), "train_step": export.description.train_step, "num_samples": num_samples,
-                "cfg_scale": cfg_scale, "sampler": SAMPLER, "steps": SAMPLER_STEPS, "seed": SEED}
+    settings = {
+        "export": str(export_folder),
+        "train_step": export.description.train_step,
+        "num_samples": num_samples,
+        "cfg_scale": cfg_scale,
+        "sampler": SAMPLER,
+        "steps": SAMPLER_STEPS,
+        "seed": SEED,
+    }
     record = out.with_suffix(".json")
     if out.exists() and record.exists() and json.loads(record.read_text()) == settings:
         return
     generator = ImageGenerator.from_export(export)
     labels = assign_labels(num_samples, export.description.num_classes, "balanced", SEED)
     batches = [range(start, min(start + SAMPLE_BATCH, num_samples)) for start in range(0, num_samples, SAMPLE_BATCH)]
-    images = np.concatenate([generator.generate(labels[batch.start:batch.stop], sample_seeds(SEED, batch),
-                                                guidance=cfg_scale, sampler=SAMPLER, steps=SAMPLER_STEPS)
-                             for batch in batches])  # (N, 8, 8, 3)
+    images = np.concatenate(
+        [
+            generator.generate(
+                labels[batch.start : batch.stop],
+                sample_seeds(SEED, batch),
+                guidance=cfg_scale,
+                sampler=SAMPLER,
+                steps=SAMPLER_STEPS,
+            )
+            for batch in batches
+        ]
+    )  # (N, 8, 8, 3)
     save_grid(images[:GRID_SIZE], out.with_suffix(".png"))
     save_npz_atomic(out, arr_0=images, arr_1=labels)
     write_json_atomic(record, settings)
@@ -161,13 +193,21 @@ def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndar
     for scale, path in sets.items():
         with np.load(path) as data:
             images, labels = data["arr_0"], data["arr_1"]
-        fid = fid_from_batches(batches(images, path.name), gaussian_of(real), extractor) \
-            if scale in FID_SCALES else None
+        fid = (
+            fid_from_batches(batches(images, path.name), gaussian_of(real), extractor) if scale in FID_SCALES else None
+        )
         scores[scale] = {"fid": fid, "accuracy": classifier.accuracy(images, labels)}
-    return {"classifier": {"kind": "sklearn.svm.SVC (defaults)", "held_out_accuracy": classifier.held_out_accuracy,
-                           "train_size": classifier.train_size, "test_size": classifier.test_size},
-            "inception_weights": extractor.weights.description, "sets": scores,
-            "fid_real_halves": {"fid": frechet_distance(*halves), "sizes": [len(real[0::2]), len(real[1::2])]}}
+    return {
+        "classifier": {
+            "kind": "sklearn.svm.SVC (defaults)",
+            "held_out_accuracy": classifier.held_out_accuracy,
+            "train_size": classifier.train_size,
+            "test_size": classifier.test_size,
+        },
+        "inception_weights": extractor.weights.description,
+        "sets": scores,
+        "fid_real_halves": {"fid": frechet_distance(*halves), "sizes": [len(real[0::2]), len(real[1::2])]},
+    }
 
 
 def batches(images: np.ndarray, name: str) -> Iterator[np.ndarray]:
@@ -175,12 +215,13 @@ def batches(images: np.ndarray, name: str) -> Iterator[np.ndarray]:
     from tqdm import tqdm
 
     for start in tqdm(range(0, len(images), FID_BATCH), desc=f"Inception features of {name}", unit="batch"):
-        yield images[start:start + FID_BATCH]
+        yield images[start : start + FID_BATCH]
 
 
 # ----------------------------------------------------------------------------------------------
 #                                            Report
 # ----------------------------------------------------------------------------------------------
+
 
 def render_markdown(results: dict[str, Any]) -> str:
     """The README-ready summary of a demo run."""
@@ -193,8 +234,10 @@ def render_markdown(results: dict[str, Any]) -> str:
     for row in results["sets"]:
         met = "met" if row["accuracy"] >= row["goal"] else "missed"
         fid = "–" if row["fid"] is None else f"{row['fid']:.2f}"
-        lines.append(f"| {row['cfg_scale']:g} | {fid} | {100 * row['accuracy']:.1f} % | "
-                     f"≥ {100 * row['goal']:.0f} % ({met}) | ![]({row['grid']}) |")
+        lines.append(
+            f"| {row['cfg_scale']:g} | {fid} | {100 * row['accuracy']:.1f} % | "
+            f"≥ {100 * row['goal']:.0f} % ({met}) | ![]({row['grid']}) |"
+        )
     lines += [
         "",
         f"Model: {results['model']}, trained {training['steps']} steps (final loss {training['final_loss']:.4f}, "
@@ -216,6 +259,7 @@ def render_markdown(results: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------
 #                                             Main
 # ----------------------------------------------------------------------------------------------
+
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from commands import CommandParser
@@ -262,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = {
         "train": training,
         "model": f"{description['name']} ({description['attention']}, hidden {description['hidden_size']}, "
-                 f"depth {description['depth']}, {description['num_heads']} heads)",
+        f"depth {description['depth']}, {description['num_heads']} heads)",
         "export": str(export.relative_to(out)),
         "num_samples": args.num_samples,
         "num_real": len(real_labels),
@@ -271,10 +315,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "classifier": scores["classifier"],
         "inception_weights": scores["inception_weights"],
         "fid_real_halves": scores["fid_real_halves"],
-        "sets": [{"cfg_scale": scale, **scores["sets"][scale], "goal": GOALS[scale],
-                  "samples": path.name, "grid": path.with_suffix(".png").name} for scale, path in sets.items()],
-        "seconds": {"train": round(trained - started, 1), "sample": round(sampled - trained, 1),
-                    "score": round(scored - sampled, 1), "total": round(scored - started, 1)},
+        "sets": [
+            {
+                "cfg_scale": scale,
+                **scores["sets"][scale],
+                "goal": GOALS[scale],
+                "samples": path.name,
+                "grid": path.with_suffix(".png").name,
+            }
+            for scale, path in sets.items()
+        ],
+        "seconds": {
+            "train": round(trained - started, 1),
+            "sample": round(sampled - trained, 1),
+            "score": round(scored - sampled, 1),
+            "total": round(scored - started, 1),
+        },
     }
     from atomic_files import write_text_atomic
 

@@ -30,21 +30,38 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, LaunchError, run_command
-from generation.sample_file import (DamagedShardError, SampleFiles, Shard, leading_images, merge_shards,
-                                    plan_shards, save_shard, shard_reader)
 from generation.protocols import PROTOCOLS
+from generation.sample_file import (
+    DamagedShardError,
+    SampleFiles,
+    Shard,
+    leading_images,
+    merge_shards,
+    plan_shards,
+    save_shard,
+    shard_reader,
+)
 from generation.sample_plan import LABEL_MODES, assign_labels, sample_seeds
 
-SAMPLER_OPTIONS = ("eta", "clip_denoised", "atol", "rtol", "diffusion_form", "diffusion_norm", "last_step",
-                   "last_step_size")  # options passed on to the objective's sampler when set
+SAMPLER_OPTIONS = (
+    "eta",
+    "clip_denoised",
+    "atol",
+    "rtol",
+    "diffusion_form",
+    "diffusion_norm",
+    "last_step",
+    "last_step_size",
+)  # options passed on to the objective's sampler when set
 PLAIN_DEFAULTS = {"labels": "balanced", "cfg_scale": 1.0}  # without a protocol; None in the parser, so that a
 # protocol can tell a value the user gave from a default
 
@@ -58,9 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vae", help="VAE hub id or local folder; overrides the checkpoint's")
     add("--num-samples", type=int, required=True)
     add("--out", type=Path, required=True, help="output .npz file")
-    add("--protocol", choices=tuple(PROTOCOLS), help="preset of an official evaluation: "
+    add(
+        "--protocol",
+        choices=tuple(PROTOCOLS),
+        help="preset of an official evaluation: "
         + "; ".join(f"{name}: {protocol.published}" for name, protocol in PROTOCOLS.items())
-        + " (explicit flags win)")
+        + " (explicit flags win)",
+    )
     add("--labels", choices=LABEL_MODES, help="default: balanced")
     add("--seed", type=int, default=0)
     add("--per-proc-batch-size", type=int, default=32)
@@ -78,19 +99,31 @@ def build_parser() -> argparse.ArgumentParser:
     add("--last-step-size", type=float, help="SDE last step size")
     add("--cfg-scale", type=float, help="classifier-free guidance scale (default 1: none)")
     add("--guidance-channels", type=int, help="guide only the first k channels (3 reproduces DiT/SiT)")
-    add("--guidance-interval", type=float, nargs=2, metavar=("LO", "HI"),
-        help="guide only for times in [LO, HI] (DDPM: timestep 0..999; SiT: 0 = noise .. 1 = data)")
-    add("--precision", choices=("fp32", "tf32", "bf16"),
-        help="default: bf16 under `accelerate launch --mixed_precision bf16`, else tf32 on CUDA, fp32 on CPU")
+    add(
+        "--guidance-interval",
+        type=float,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="guide only for times in [LO, HI] (DDPM: timestep 0..999; SiT: 0 = noise .. 1 = data)",
+    )
+    add(
+        "--precision",
+        choices=("fp32", "tf32", "bf16"),
+        help="default: bf16 under `accelerate launch --mixed_precision bf16`, else tf32 on CUDA, fp32 on CPU",
+    )
     add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
     add("--cpu", action="store_true", help="CPU processes (needed for torchrun on a machine without GPUs)")
     add("--progress", action="store_true", help="also show a progress bar over the sampler's steps")
-    add("--overwrite", action="store_true", help="replace the outputs and shards of an earlier sample.py run with "
-        "other settings at --out (only files sample.py wrote are deleted)")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs and shards of an earlier sample.py run with "
+        "other settings at --out (only files sample.py wrote are deleted)",
+    )
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The arguments with the protocol's settings filled in where the command line gave none, then the plain
     defaults."""
     args = build_parser().parse_args(argv)
@@ -129,17 +162,22 @@ def check_against(description, args: argparse.Namespace) -> None:
     family = model_family(description.model["name"])
     if args.protocol and (made_for := PROTOCOLS[args.protocol].family) != family:
         suited = [name for name, protocol in PROTOCOLS.items() if protocol.family == family]
-        raise SystemExit(f"--protocol {args.protocol}: made for {made_for} models, but {args.ckpt} is a {family} "
-                         f"model; use {' or '.join(suited)}")
+        raise SystemExit(
+            f"--protocol {args.protocol}: made for {made_for} models, but {args.ckpt} is a {family} "
+            f"model; use {' or '.join(suited)}"
+        )
     names = create_objective(description.objective).sampler_names
     if args.sampler is not None and args.sampler not in names:
         raise SystemExit(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")
     if args.cfg_scale != 1 and not description.has_null_class:
-        raise SystemExit(f"--cfg-scale {args.cfg_scale}: the model was trained without label dropout, so it has no "
-                         f"null class for classifier-free guidance")
+        raise SystemExit(
+            f"--cfg-scale {args.cfg_scale}: the model was trained without label dropout, so it has no "
+            f"null class for classifier-free guidance"
+        )
     if args.guidance_channels is not None and args.guidance_channels > description.channels:
-        raise SystemExit(f"--guidance-channels {args.guidance_channels}: the model predicts only "
-                         f"{description.channels} channels")
+        raise SystemExit(
+            f"--guidance-channels {args.guidance_channels}: the model predicts only {description.channels} channels"
+        )
     if args.vae is not None and description.in_pixel_space:
         raise SystemExit(f"--vae {args.vae}: the model of {args.ckpt} works in pixel space and uses no VAE")
 
@@ -148,8 +186,14 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments of `ImageGenerator.generate` beyond labels and seeds."""
     options = {name: getattr(args, name) for name in SAMPLER_OPTIONS if getattr(args, name) is not None}
     interval = None if args.guidance_interval is None else tuple(args.guidance_interval)
-    return dict(guidance=args.cfg_scale, sampler=args.sampler, steps=args.steps,
-                guidance_channels=args.guidance_channels, guidance_interval=interval, **options)
+    return dict(
+        guidance=args.cfg_scale,
+        sampler=args.sampler,
+        steps=args.steps,
+        guidance_channels=args.guidance_channels,
+        guidance_interval=interval,
+        **options,
+    )
 
 
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,14 +202,26 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     protocol = {"protocol": args.protocol} if args.protocol else {}  # runs from before protocols keep matching
     export = resolved_export(ckpt)  # a run folder's newest export: a rerun after more training is another run
     newest = {"export": str(export)} if export is not None else {}
-    return {**protocol, "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt, **newest, "model": args.model,
-            "image_size": args.image_size, "vae": args.vae, "num_samples": args.num_samples, "labels": args.labels,
-            "seed": args.seed, "per_proc_batch_size": args.per_proc_batch_size, "shard_size": args.shard_size,
-            **{key: value for key, value in generation_options(args).items() if key != "guidance_interval"},
-            "guidance_interval": args.guidance_interval, "precision": args.precision, "compile": args.compile}
+    return {
+        **protocol,
+        "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt,
+        **newest,
+        "model": args.model,
+        "image_size": args.image_size,
+        "vae": args.vae,
+        "num_samples": args.num_samples,
+        "labels": args.labels,
+        "seed": args.seed,
+        "per_proc_batch_size": args.per_proc_batch_size,
+        "shard_size": args.shard_size,
+        **{key: value for key, value in generation_options(args).items() if key != "guidance_interval"},
+        "guidance_interval": args.guidance_interval,
+        "precision": args.precision,
+        "compile": args.compile,
+    }
 
 
-def resolved_export(ckpt: Path) -> Optional[Path]:
+def resolved_export(ckpt: Path) -> Path | None:
     """The export folder that a run or checkpoint folder --ckpt stands for (a run's newest); None for an export
     folder itself, a file or a hub id."""
     from generation import ExportError
@@ -179,7 +235,7 @@ def resolved_export(ckpt: Path) -> Optional[Path]:
         raise SystemExit(f"--ckpt: {error}") from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Parse, check, load, sample the unfinished shards, and (main process) merge."""
     args = parse_args(argv)
     check_args(args)
@@ -192,8 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_against(export.description, args)
     accelerator = create_accelerator(args)
     if "export" in settings:
-        accelerator.print(f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step "
-                          f"{export.description.train_step})")
+        accelerator.print(
+            f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
+        )
     from generation import ImageGenerator
     from generation.generator import default_precision, set_matmul_precision
 
@@ -202,18 +259,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     labels = assign_labels(args.num_samples, export.description.num_classes, args.labels, args.seed)
     shards = plan_shards(args.num_samples, args.shard_size)
     try:
-        generator = ImageGenerator.from_export(export, accelerator.device, vae=args.vae, precision=precision,
-                                               compile=args.compile)  # model and VAE load before the folder is claimed
+        generator = ImageGenerator.from_export(
+            export, accelerator.device, vae=args.vae, precision=precision, compile=args.compile
+        )  # model and VAE load before the folder is claimed
     except ValueError as error:  # the backbone names the sizes that do not fit together
         raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)
     if args.overwrite and accelerator.is_main_process:
         removed = files.remove_other_run(settings)
         if removed:
-            print(f"sample.py: --overwrite: removed {', '.join(path.name for path in removed)} of a run with other "
-                  f"settings")
-    folder = ShardFolder(files.shards, [shard.file_name for shard in shards], settings,
-                         replace_other_run=args.overwrite)
+            print(
+                f"sample.py: --overwrite: removed {', '.join(path.name for path in removed)} of a run with other "
+                f"settings"
+            )
+    folder = ShardFolder(
+        files.shards, [shard.file_name for shard in shards], settings, replace_other_run=args.overwrite
+    )
     try:
         pending = [shards[index] for index in folder.claim(accelerator)]
     except ShardFolderError as error:
@@ -221,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process and len(pending) < len(shards):
         print(f"sample.py: resuming, {len(shards) - len(pending)} of {len(shards)} shards already in {folder.folder}")
 
-    mine = pending[accelerator.process_index::accelerator.num_processes]
+    mine = pending[accelerator.process_index :: accelerator.num_processes]
     started = time.perf_counter()
     sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_main_process)
     from accelerate.utils import gather_object
@@ -230,15 +291,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     seconds = time.perf_counter() - started
     if accelerator.is_main_process:
         new_images = sum(per_process)
-        summary = {"settings": settings, "precision": precision, "processes": accelerator.num_processes,
-                   "new_images": new_images, "images_per_process": per_process, "seconds": round(seconds, 3),
-                   "images_per_second": round(new_images / seconds, 3),
-                   "main_process_model_evaluations": generator.model_evaluations,
-                   "model": export.description.model, "source": export.description.source,
-                   "train_step": export.description.train_step}
+        summary = {
+            "settings": settings,
+            "precision": precision,
+            "processes": accelerator.num_processes,
+            "new_images": new_images,
+            "images_per_process": per_process,
+            "seconds": round(seconds, 3),
+            "images_per_second": round(new_images / seconds, 3),
+            "main_process_model_evaluations": generator.model_evaluations,
+            "model": export.description.model,
+            "source": export.description.source,
+            "train_step": export.description.train_step,
+        }
         finish(args, folder, shards, labels, summary, generator)
-        print(f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
-              f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)")
+        print(
+            f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
+            f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)"
+        )
     accelerator.wait_for_everyone()  # the merge is done ...
     accelerator.end_training()  # ... and the process group ends here: no gloo thread is left to abort the exit
 
@@ -270,8 +340,9 @@ def create_accelerator(args: argparse.Namespace):
     accelerator = Accelerator(cpu=args.cpu)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes == 1 and launched > 1:  # each process would sample everything alone
-        raise LaunchError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
-                          f"pass --cpu")
+        raise LaunchError(
+            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs pass --cpu"
+        )
     return accelerator
 
 
@@ -280,27 +351,46 @@ def sample_shard(generator, shard: Shard, labels: np.ndarray, args: argparse.Nam
     batches = []
     for start in range(shard.start, shard.stop, args.per_proc_batch_size):
         indices = range(start, min(start + args.per_proc_batch_size, shard.stop))
-        batches.append(generator.generate(labels[indices.start:indices.stop], sample_seeds(args.seed, indices),
-                                          progress=args.progress, **generation_options(args)))
+        batches.append(
+            generator.generate(
+                labels[indices.start : indices.stop],
+                sample_seeds(args.seed, indices),
+                progress=args.progress,
+                **generation_options(args),
+            )
+        )
         if bar is not None:
             bar.update(len(indices))
     return np.concatenate(batches)
 
 
-def sample_shards(generator, shards: Sequence[Shard], labels: np.ndarray, folder: ShardFolder,
-                  args: argparse.Namespace, show_progress: bool) -> None:
+def sample_shards(
+    generator,
+    shards: Sequence[Shard],
+    labels: np.ndarray,
+    folder: ShardFolder,
+    args: argparse.Namespace,
+    show_progress: bool,
+) -> None:
     """Sample `shards` and write each one atomically as soon as it is finished."""
     from tqdm import tqdm
 
-    with tqdm(total=sum(len(shard.indices) for shard in shards), unit="img", disable=not show_progress,
-              desc="sampling") as bar:
+    with tqdm(
+        total=sum(len(shard.indices) for shard in shards), unit="img", disable=not show_progress, desc="sampling"
+    ) as bar:
         for shard in shards:
             images = sample_shard(generator, shard, labels, args, bar)
-            folder.write(shard.number, lambda path: save_shard(path, shard, images, labels))
+            folder.write(shard.number, lambda path, shard=shard, images=images: save_shard(path, shard, images, labels))
 
 
-def finish(args: argparse.Namespace, folder: ShardFolder, shards: Sequence[Shard], labels: np.ndarray,
-           summary: dict[str, Any], generator) -> None:
+def finish(
+    args: argparse.Namespace,
+    folder: ShardFolder,
+    shards: Sequence[Shard],
+    labels: np.ndarray,
+    summary: dict[str, Any],
+    generator,
+) -> None:
     """Write the summary, the preview grid and the merged .npz (last, so that it implies the other two), then drop
     the shards. A damaged shard is named and sampled again (each sample is a function of its index)."""
     from generation.images import save_grid

@@ -24,14 +24,20 @@ applies from the resume step on, and config.yaml records this launch's values.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
 from training.build import build_training
-from training.checkpoint import (TRAIN_CONFIG, apply_optimizer_settings, check_checkpoint, check_resume_settings,
-                                 load_checkpoint, resolve_resume)
+from training.checkpoint import (
+    TRAIN_CONFIG,
+    apply_optimizer_settings,
+    check_checkpoint,
+    check_resume_settings,
+    load_checkpoint,
+    resolve_resume,
+)
 from training.config import config_to_yaml, load_config
 from training.loop import Trainer, TrainerState
 from training.repa import check_repa_resume
@@ -41,35 +47,44 @@ from training.summary import startup_summary
 from training.trackers import start_trackers
 
 
-def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = CommandParser(prog="train.py", description=__doc__)
     parser.add_argument("--config", required=True, help="experiment YAML: a path, or a shipped name like dit-s2-vca")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", metavar="latest|PATH",
-                        help="continue from the newest checkpoint of the run (fresh start if none) or from PATH")
-    resume.add_argument("--overwrite", action="store_true",
-                        help="start over in a run.dir that holds an earlier run, deleting its checkpoints and logs")
+    resume.add_argument(
+        "--resume",
+        metavar="latest|PATH",
+        help="continue from the newest checkpoint of the run (fresh start if none) or from PATH",
+    )
+    resume.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run.dir that holds an earlier run, deleting its checkpoints and logs",
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return parser.parse_intermixed_args(argv)  # overrides may also follow the options
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
-    config = load_config(args.config, args.overrides)             # unknown keys and bad values stop here
+    config = load_config(args.config, args.overrides)  # unknown keys and bad values stop here
     run = RunDirectory(Path(config.run.dir))
-    resume_from = resolve_resume(args.resume, run.checkpoints)    # so does a missing checkpoint,
+    resume_from = resolve_resume(args.resume, run.checkpoints)  # so does a missing checkpoint,
     if resume_from is not None:
-        check_checkpoint(resume_from)                             # a damaged one,
-        check_resume_settings(config, resume_from)                # another model, objective, data or seed,
+        check_checkpoint(resume_from)  # a damaged one,
+        check_resume_settings(config, resume_from)  # another model, objective, data or seed,
         check_repa_resume(resume_from / TRAIN_CONFIG, config.train.repa)  # another REPA structure,
     elif args.resume is None and not args.overwrite:
-        run.check_new()                                           # and a run directory already in use,
-    check_writable(run.root)                                      # or one where nothing can be written
+        run.check_new()  # and a run directory already in use,
+    check_writable(run.root)  # or one where nothing can be written
     accelerator = create_accelerator(config, run)
     parts = build_training(config, accelerator)
 
-    state = TrainerState(num_processes=accelerator.num_processes, micro_batch_size=parts.batches.loader.batch_size,
-                         grad_accum_steps=config.train.grad_accum_steps)
+    state = TrainerState(
+        num_processes=accelerator.num_processes,
+        micro_batch_size=parts.batches.loader.batch_size,
+        grad_accum_steps=config.train.grad_accum_steps,
+    )
     saved = {}
     if resume_from is not None:
         saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
@@ -90,8 +105,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         write_text_atomic(run.config, config_to_yaml(config))
         write_text_atomic(run.startup, summary)
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
-    stopped_by = Trainer(accelerator, config, run, parts, state,
-                         last_checkpoint=None if resume_from is None else str(resume_from)).fit()
+    stopped_by = Trainer(
+        accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
+    ).fit()
     if stopped_by is not None:
         raise SystemExit(STOPPED_STATUS)
 

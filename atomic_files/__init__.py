@@ -22,22 +22,36 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from commands import UserError
 
-__all__ = ["OutputError", "atomic_folder", "atomic_output", "check_room", "check_writable", "output_error",
-           "remove_stale_temporaries", "replace_folder", "staging_folder", "save_npz_atomic", "write_json_atomic", "write_text_atomic"]
+__all__ = [
+    "OutputError",
+    "atomic_folder",
+    "atomic_output",
+    "check_room",
+    "check_writable",
+    "output_error",
+    "remove_stale_temporaries",
+    "replace_folder",
+    "staging_folder",
+    "save_npz_atomic",
+    "write_json_atomic",
+    "write_text_atomic",
+]
 
 TEMPORARY_MARK = ".tmp-"
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 LOW_SPACE_BYTES = 1 << 20  # a writer that fails with this little left (torch's reports no errno) ran out of room
 # how writers without an errno (safetensors' Rust writer, torch's zip writer) spell the two in their messages
-MESSAGES = {errno.ENOSPC: ("No space left on device", "os error 28"),
-            errno.EROFS: ("Read-only file system", "os error 30")}
+MESSAGES = {
+    errno.ENOSPC: ("No space left on device", "os error 28"),
+    errno.EROFS: ("Read-only file system", "os error 30"),
+}
 
 
 class OutputError(UserError):
@@ -61,28 +75,32 @@ def free_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(path).free
 
 
-def _sizes(needed: Optional[int], path: Path) -> str:
+def _sizes(needed: int | None, path: Path) -> str:
     free = free_bytes(path)
     return f"{needed:,} bytes needed, {free:,} free" if needed is not None else f"{free:,} bytes free"
 
 
-def output_error(path: Path, error: BaseException, needed: Optional[int] = None) -> Optional[OutputError]:
+def output_error(path: Path, error: BaseException, needed: int | None = None) -> OutputError | None:
     """The one-line error for a write of `path` that failed with `error`, when a full disk or a read-only
     folder caused it; None for anything else (a bug keeps its traceback)."""
     code = getattr(error, "errno", None)
     if code is None:
-        code = next((number for number, spellings in MESSAGES.items()
-                     if any(spelling in str(error) for spelling in spellings)), None)
+        code = next(
+            (number for number, spellings in MESSAGES.items() if any(spelling in str(error) for spelling in spellings)),
+            None,
+        )
     if code in NO_ROOM or (code is None and free_bytes(path) < LOW_SPACE_BYTES):
-        return OutputError(f"cannot write {path}: no space left on its disk ({_sizes(needed, path)}); nothing "
-                           f"was replaced, free some space and run the command again")
+        return OutputError(
+            f"cannot write {path}: no space left on its disk ({_sizes(needed, path)}); nothing "
+            f"was replaced, free some space and run the command again"
+        )
     if code in NOT_WRITABLE:
         return OutputError(f"cannot write {path}: {os.strerror(code).lower()}; choose a writable place")
     return None
 
 
 @contextlib.contextmanager
-def _failing_as_output_error(path: Path, needed: Optional[int]) -> Iterator[None]:
+def _failing_as_output_error(path: Path, needed: int | None) -> Iterator[None]:
     try:
         yield
     except Exception as error:  # writers report a full disk as OSError, RuntimeError (torch), SafetensorError
@@ -95,7 +113,7 @@ def _failing_as_output_error(path: Path, needed: Optional[int]) -> Iterator[None
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, needed: Optional[int] = None) -> Iterator[Path]:
+def atomic_output(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; it replaces `path` on success and is removed on failure (a full
     disk or a read-only folder then raises OutputError; `needed`, the expected size, goes into its message)."""
     path = Path(path)
@@ -116,7 +134,7 @@ def staging_folder(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def replace_folder(temporary: Path, path: Path, needed: Optional[int] = None) -> None:
+def replace_folder(temporary: Path, path: Path, needed: int | None = None) -> None:
     """Rename the complete folder `temporary` to `path`; an existing `path` is removed once the new one is in
     place, and put back if the rename fails (then the temporary folder is removed and OutputError raised)."""
     stale = path.with_name(f".{path.name}.old")
@@ -136,7 +154,7 @@ def replace_folder(temporary: Path, path: Path, needed: Optional[int] = None) ->
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike, needed: Optional[int] = None) -> Iterator[Path]:
+def atomic_folder(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """`atomic_output` for a folder (one process): fill the yielded hidden folder; it replaces `path` once the
     block ends and is removed on failure."""
     path = Path(path)
@@ -169,8 +187,10 @@ def check_writable(folder: str | os.PathLike) -> None:
 def check_room(path: str | os.PathLike, needed: int) -> None:
     """Raise OutputError now if the file system of `path` has fewer than `needed` bytes free."""
     if free_bytes(path) < needed:
-        raise OutputError(f"cannot write {path}: not enough space on its disk ({_sizes(needed, Path(path))}); "
-                          f"free some space and run the command again")
+        raise OutputError(
+            f"cannot write {path}: not enough space on its disk ({_sizes(needed, Path(path))}); "
+            f"free some space and run the command again"
+        )
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

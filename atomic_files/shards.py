@@ -14,11 +14,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from commands import UserError
 from atomic_files import atomic_output, remove_stale_temporaries, write_json_atomic
+from commands import UserError
 
 SETTINGS_FILE = "settings.json"
 _LOCKS: dict[Path, int] = {}  # folder -> descriptor holding its lock: one per folder and process (flock
@@ -40,8 +41,9 @@ def first_difference(stored: dict[str, Any], settings: dict[str, Any]) -> str | 
 class ShardFolder:
     """`folder`/<shard_names[i]> for i = 0..K-1, plus `folder`/settings.json."""
 
-    def __init__(self, folder: str | Path, shard_names: Sequence[str], settings: dict[str, Any],
-                 replace_other_run: bool = False) -> None:
+    def __init__(
+        self, folder: str | Path, shard_names: Sequence[str], settings: dict[str, Any], replace_other_run: bool = False
+    ) -> None:
         self.folder = Path(folder)
         self.shard_names = list(shard_names)
         self.settings = settings
@@ -89,8 +91,10 @@ class ShardFolder:
             write_json_atomic(record, self.settings)
             return pending
         if not record.exists():
-            raise ShardFolderError(f"{self.folder} holds shards but no {SETTINGS_FILE} naming their run: remove it "
-                                   f"or choose another output")
+            raise ShardFolderError(
+                f"{self.folder} holds shards but no {SETTINGS_FILE} naming their run: remove it "
+                f"or choose another output"
+            )
         try:
             stored = json.loads(record.read_text())
         except json.JSONDecodeError as error:
@@ -102,8 +106,10 @@ class ShardFolder:
             write_json_atomic(record, self.settings)
             return self.pending_here()
         if key is not None:
-            raise ShardFolderError(f"{self.folder} belongs to a run with {key}={stored.get(key)!r}, not "
-                                   f"{self.settings.get(key)!r}: remove it or choose another output")
+            raise ShardFolderError(
+                f"{self.folder} belongs to a run with {key}={stored.get(key)!r}, not "
+                f"{self.settings.get(key)!r}: remove it or choose another output"
+            )
         return pending
 
     def _lock_folder(self) -> None:
@@ -115,8 +121,10 @@ class ShardFolder:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(descriptor)
-            raise ShardFolderError(f"{self.folder} is being written by another run right now: wait for it to "
-                                   f"finish (its result is then kept), or choose another output") from None
+            raise ShardFolderError(
+                f"{self.folder} is being written by another run right now: wait for it to "
+                f"finish (its result is then kept), or choose another output"
+            ) from None
         _LOCKS[key] = descriptor
 
     def release(self) -> None:

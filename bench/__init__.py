@@ -1,1 +1,2 @@
-"""Benchmarks and studies: `python -m bench.quality`, and the scripts bench/<name>.py with their results in bench/results/."""
+"""Benchmarks and studies: `python -m bench.quality`, and the scripts bench/<name>.py with their results in
+bench/results/."""

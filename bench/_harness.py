@@ -35,13 +35,15 @@ def benchmark_parser(doc: str, quick: str, device: bool = True) -> argparse.Argu
 
 
 def describe_device(device: torch.device) -> str:
-    """"NVIDIA H200" or "AMD EPYC, 2 threads": the name that goes into every result file."""
+    """ "NVIDIA H200" or "AMD EPYC, 2 threads": the name that goes into every result file."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-                 platform.processor() or platform.machine())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
     return f"{model}, {torch.get_num_threads()} threads"
 
 
@@ -83,8 +85,10 @@ def bf16_skip_reason(device: torch.device) -> str | None:
     fp32, bf16 = matmul_gflops(device, torch.float32), matmul_gflops(device, torch.bfloat16)
     if bf16 >= 0.5 * fp32:
         return None
-    return (f"bf16 rows skipped: a {PROBE_SIZE}³ bf16 matmul runs at {bf16:.1f} GFLOP/s here against {fp32:.1f} "
-            f"in fp32 (no native bf16 GEMM on this device)")
+    return (
+        f"bf16 rows skipped: a {PROBE_SIZE}³ bf16 matmul runs at {bf16:.1f} GFLOP/s here against {fp32:.1f} "
+        f"in fp32 (no native bf16 GEMM on this device)"
+    )
 
 
 def saved_activation_bytes(forward: Callable[[], object], parameters: Iterable[torch.Tensor]) -> int:

@@ -33,8 +33,16 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench._harness import (benchmark_parser, bf16_skip_reason, cpu_vector_flags, describe_device, save_results,
-                            saved_activation_bytes, subplots, synchronize)
+from bench._harness import (
+    benchmark_parser,
+    bf16_skip_reason,
+    cpu_vector_flags,
+    describe_device,
+    save_results,
+    saved_activation_bytes,
+    subplots,
+    synchronize,
+)
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention
 
 if TYPE_CHECKING:
@@ -82,8 +90,9 @@ def median_seconds(step, device: torch.device, min_time: float, max_repeats: int
     return interleaved_median_seconds({"step": step}, device, min_time, max_repeats)["step"]
 
 
-def interleaved_median_seconds(steps: dict, device: torch.device, min_time: float, max_repeats: int,
-                               clock: Callable[[], float] = time.perf_counter) -> dict:
+def interleaved_median_seconds(
+    steps: dict, device: torch.device, min_time: float, max_repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> dict:
     """Median time of each of `steps` (name -> callable) after one warm-up call each, timed in rounds of one
     call of every step, until the slowest has run for min_time (≥ 3 rounds, ≤ max_repeats). `clock`: wall time,
     or time.process_time (CPU time of this process: what other jobs on the machine do not change)."""
@@ -92,7 +101,8 @@ def interleaved_median_seconds(steps: dict, device: torch.device, min_time: floa
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in steps}
     while (rounds := len(next(iter(times.values())))) < 3 or (
-            max(sum(t) for t in times.values()) < min_time and rounds < max_repeats):
+        max(sum(t) for t in times.values()) < min_time and rounds < max_repeats
+    ):
         for name, step in steps.items():
             start = clock()
             step()
@@ -156,8 +166,9 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    token_counts = args.tokens or ([256, 1024] if args.quick
-                                   else [256, 1024, 4096] + ([16384] if device.type == "cuda" else []))
+    token_counts = args.tokens or (
+        [256, 1024] if args.quick else [256, 1024, 4096] + ([16384] if device.type == "cuda" else [])
+    )
     widths = [w for w in WIDTHS if w[0] in args.widths] if args.widths else WIDTHS[:1] if args.quick else WIDTHS
     min_time = 0.0 if args.quick else 0.5  # quick: warm-up + 3 calls
     tokens_per_batch = args.tokens_per_batch or (1024 if args.quick else 4096 if device.type == "cpu" else 16384)
@@ -185,22 +196,41 @@ def run(args: argparse.Namespace) -> dict:
                     seconds = interleaved_median_seconds(steps, device, min_time, 20, clock)
                     for method in methods:
                         flops = count_flops(method, width, heads, tokens, batch, backward)
-                        row = dict(tokens=tokens, width=width, heads=heads, batch=batch, dtype=dtype_name,
-                                   mode="fwd+bwd" if backward else "fwd", method=method, ms=1e3 * seconds[method],
-                                   gflop=flops / 1e9,
-                                   peak_fraction=flops / seconds[method] / 1e9 / peak[dtype_name]["peak"])
+                        row = dict(
+                            tokens=tokens,
+                            width=width,
+                            heads=heads,
+                            batch=batch,
+                            dtype=dtype_name,
+                            mode="fwd+bwd" if backward else "fwd",
+                            method=method,
+                            ms=1e3 * seconds[method],
+                            gflop=flops / 1e9,
+                            peak_fraction=flops / seconds[method] / 1e9 / peak[dtype_name]["peak"],
+                        )
                         if backward:
                             row["saved_mib"] = saved_mib(layers[method], x, dtype)
                             if method == "vca-64":
                                 row["saved_mib_recompute_qkv"] = saved_mib(layers[method], x, dtype, True)
                         rows.append(row)
-                        print(f"N={tokens:5d} C={width:4d} {dtype_name} {row['mode']:7s} {method:15s} "
-                              f"{row['ms']:9.2f} ms  {100 * row['peak_fraction']:5.1f}% of peak", flush=True)
+                        print(
+                            f"N={tokens:5d} C={width:4d} {dtype_name} {row['mode']:7s} {method:15s} "
+                            f"{row['ms']:9.2f} ms  {100 * row['peak_fraction']:5.1f}% of peak",
+                            flush=True,
+                        )
                     del layers, steps, x
-    return dict(device=describe_device(device), device_type=device.type, torch=torch.__version__, quick=args.quick,
-                cpu_flags=cpu_vector_flags(),
-                allocator={name: os.environ.get(name) for name in ALLOCATOR_ENV},
-                tokens_per_batch=tokens_per_batch, matmul_gflops=peak, notes=notes, rows=rows)
+    return dict(
+        device=describe_device(device),
+        device_type=device.type,
+        torch=torch.__version__,
+        quick=args.quick,
+        cpu_flags=cpu_vector_flags(),
+        allocator={name: os.environ.get(name) for name in ALLOCATOR_ENV},
+        tokens_per_batch=tokens_per_batch,
+        matmul_gflops=peak,
+        notes=notes,
+        rows=rows,
+    )
 
 
 def comparisons(results: dict) -> list[dict]:
@@ -214,14 +244,21 @@ def comparisons(results: dict) -> list[dict]:
     for (tokens, width, heads, dtype, mode), by_method in groups.items():
         by_method.setdefault("vca-N/4", by_method["vca-64"])
         mhsa = min((by_method["mhsa-sdpa"], by_method["mhsa-bmm"]), key=lambda row: row["ms"])
-        entry = dict(tokens=tokens, width=width, heads=heads, dtype=dtype, mode=mode,
-                     ms={method: row["ms"] for method, row in by_method.items()},
-                     mhsa_best=mhsa["method"], mhsa_peak_fraction=mhsa["peak_fraction"],
-                     vca64_peak_fraction=by_method["vca-64"]["peak_fraction"],
-                     ratio_64=by_method["vca-64"]["ms"] / mhsa["ms"],
-                     ratio_quarter=by_method["vca-N/4"]["ms"] / mhsa["ms"],
-                     ratio_readable=by_method["vca-64-readable"]["ms"] / mhsa["ms"],
-                     ratio_sdpa2=by_method["vca-64-sdpa2"]["ms"] / mhsa["ms"])
+        entry = dict(
+            tokens=tokens,
+            width=width,
+            heads=heads,
+            dtype=dtype,
+            mode=mode,
+            ms={method: row["ms"] for method, row in by_method.items()},
+            mhsa_best=mhsa["method"],
+            mhsa_peak_fraction=mhsa["peak_fraction"],
+            vca64_peak_fraction=by_method["vca-64"]["peak_fraction"],
+            ratio_64=by_method["vca-64"]["ms"] / mhsa["ms"],
+            ratio_quarter=by_method["vca-N/4"]["ms"] / mhsa["ms"],
+            ratio_readable=by_method["vca-64-readable"]["ms"] / mhsa["ms"],
+            ratio_sdpa2=by_method["vca-64-sdpa2"]["ms"] / mhsa["ms"],
+        )
         if mode == "fwd+bwd":
             entry["saved_mib"] = {method: row["saved_mib"] for method, row in by_method.items()}
             entry["saved_mib_vca64_recompute_qkv"] = by_method["vca-64"]["saved_mib_recompute_qkv"]
@@ -239,17 +276,21 @@ def goal_lines(table: list[dict], device_type: str) -> list[str]:
             continue
         limit = goals.get(entry["tokens"])
         if limit is not None:
-            lines.append(f"- time, N = {entry['tokens']}, C = {entry['width']}, {entry['dtype']}: VCA/MHSA = "
-                         f"{entry['ratio_64']:.2f} (goal ≤ {limit:.2f}, {verdict(entry['ratio_64'], limit)}; "
-                         f"readable VCA path {entry['ratio_readable']:.2f})")
+            lines.append(
+                f"- time, N = {entry['tokens']}, C = {entry['width']}, {entry['dtype']}: VCA/MHSA = "
+                f"{entry['ratio_64']:.2f} (goal ≤ {limit:.2f}, {verdict(entry['ratio_64'], limit)}; "
+                f"readable VCA path {entry['ratio_readable']:.2f})"
+            )
         limit = MEMORY_GOALS.get(entry["tokens"])
         if limit is not None:
             mhsa, saved = entry["saved_mib"]["mhsa-sdpa"], entry["saved_mib"]
             lean, fused = entry["saved_mib_vca64_recompute_qkv"] / mhsa, saved["vca-64"] / mhsa
-            lines.append(f"- saved activations, N = {entry['tokens']}, C = {entry['width']}: VCA/MHSA = "
-                         f"{fused:.2f} (goal ≤ {limit:.2f}, {verdict(fused, limit)}; "
-                         f"with recompute_qkv {lean:.2f}, {verdict(lean, limit)}; readable VCA path "
-                         f"{saved['vca-64-readable'] / mhsa:.2f})")
+            lines.append(
+                f"- saved activations, N = {entry['tokens']}, C = {entry['width']}: VCA/MHSA = "
+                f"{fused:.2f} (goal ≤ {limit:.2f}, {verdict(fused, limit)}; "
+                f"with recompute_qkv {lean:.2f}, {verdict(lean, limit)}; readable VCA path "
+                f"{saved['vca-64-readable'] / mhsa:.2f})"
+            )
     return lines
 
 
@@ -274,8 +315,11 @@ def markdown(results: dict, table: list[dict]) -> str:
     ]
     for e in table:
         ms = e["ms"]
-        saved = " / ".join(f"{e['saved_mib'][m]:.0f}" for m in ("mhsa-sdpa", "vca-64", "vca-64-readable")) \
-            if "saved_mib" in e else ""
+        saved = (
+            " / ".join(f"{e['saved_mib'][m]:.0f}" for m in ("mhsa-sdpa", "vca-64", "vca-64-readable"))
+            if "saved_mib" in e
+            else ""
+        )
         lines.append(
             f"| {e['tokens']} | {e['width']} / {e['heads']} | {e['dtype']} | {e['mode']} | {ms['mhsa-sdpa']:.2f} "
             f"| {ms['mhsa-bmm']:.2f} | {ms['vca-64']:.2f} | {ms['vca-N/4']:.2f} | {ms['vca-64-readable']:.2f} "
@@ -295,13 +339,20 @@ def plot(results: dict) -> "Figure":
     for (width, heads), ax_row in zip(widths, axes):
         for dtype, ax in zip(dtypes, ax_row):
             for method in METHODS:
-                points = sorted((r["tokens"], r["ms"]) for r in results["rows"] if r["method"] == method
-                                and r["width"] == width and r["dtype"] == dtype and r["mode"] == "fwd+bwd")
+                points = sorted(
+                    (r["tokens"], r["ms"])
+                    for r in results["rows"]
+                    if r["method"] == method and r["width"] == width and r["dtype"] == dtype and r["mode"] == "fwd+bwd"
+                )
                 if points:
                     ax.plot(*zip(*points), marker="o", label=method)
-            ax.set(xscale="log", yscale="log", xlabel="tokens N",
-                   ylabel=f"fwd+bwd ms (batch·N = {results['tokens_per_batch']})",
-                   title=f"C = {width}, h = {heads}, {dtype}")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="tokens N",
+                ylabel=f"fwd+bwd ms (batch·N = {results['tokens_per_batch']})",
+                title=f"C = {width}, h = {heads}, {dtype}",
+            )
             ax.grid(True, which="both", alpha=0.3)
             ax.legend()
     fig.suptitle(f"VCA vs MHSA, one layer, {results['device']}")
@@ -311,16 +362,29 @@ def plot(results: dict) -> "Figure":
 
 def main() -> None:
     parser = benchmark_parser(__doc__, quick="N ≤ 1024, C = 384, small batches, 3 repeats: a smoke run")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads for the run (default: torch's)")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="time with the process's CPU time instead of wall time (CPU, --threads 1 only): "
-                             "insensitive to other jobs on a shared machine")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's)"
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process's CPU time instead of wall time (CPU, --threads 1 only): "
+        "insensitive to other jobs on a shared machine",
+    )
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts N (squares; default 256 1024 4096)")
-    parser.add_argument("--widths", type=int, nargs="+", choices=[w for w, _ in WIDTHS],
-                        help="widths C to run (default all; 384 with --quick)")
-    parser.add_argument("--tokens-per-batch", type=int, default=None,
-                        help="batch = max(1, this // N); default 4096 on the CPU, 16384 on a GPU, 1024 with --quick")
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        choices=[w for w, _ in WIDTHS],
+        help="widths C to run (default all; 384 with --quick)",
+    )
+    parser.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=None,
+        help="batch = max(1, this // N); default 4096 on the CPU, 16384 on a GPU, 1024 with --quick",
+    )
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")

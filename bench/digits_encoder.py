@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 FOLDER = Path(__file__).resolve().parent / "digits_encoder"
 ARCHITECTURE = "vit_tiny_patch16_224"  # timm's ViT family; every size argument is set below
-MODEL_ARGS = dict(img_size=8, patch_size=2, in_chans=1, embed_dim=64, depth=4, num_heads=4, num_classes=10,
-                  global_pool="avg")
+MODEL_ARGS = dict(
+    img_size=8, patch_size=2, in_chans=1, embed_dim=64, depth=4, num_heads=4, num_classes=10, global_pool="avg"
+)
 # Inputs are the digits in [-1, 1]; training.repa maps images to [0, 1] and normalises with these: identity.
 NORMALISATION = {"mean": (0.5,), "std": (0.5,)}
 EPOCHS, BATCH, LR, WEIGHT_DECAY, SEED = 100, 64, 3e-3, 0.05, 0
@@ -44,16 +45,17 @@ def split_digits(seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
     dataset = DigitsDataset()
     indices = np.arange(len(dataset))
-    train, test = train_test_split(indices, test_size=HELD_OUT_FRACTION, stratify=dataset.labels.numpy(),
-                                   random_state=seed)
+    train, test = train_test_split(
+        indices, test_size=HELD_OUT_FRACTION, stratify=dataset.labels.numpy(), random_state=seed
+    )
     return dataset.images[train], dataset.labels[train], dataset.images[test], dataset.labels[test]
 
 
 def random_shift(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Each image moved by up to one pixel along each axis (the border filled with the background, -1)."""
-    padded = F.pad(images, (1, 1, 1, 1), value=-1.0)                              # (B, 1, 10, 10)
+    padded = F.pad(images, (1, 1, 1, 1), value=-1.0)  # (B, 1, 10, 10)
     offsets = torch.randint(0, 3, (len(images), 2), generator=generator)
-    return torch.stack([padded[i, :, dy:dy + 8, dx:dx + 8] for i, (dy, dx) in enumerate(offsets.tolist())])
+    return torch.stack([padded[i, :, dy : dy + 8, dx : dx + 8] for i, (dy, dx) in enumerate(offsets.tolist())])
 
 
 def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -66,8 +68,9 @@ def train_encoder(epochs: int = EPOCHS, seed: int = SEED) -> tuple[torch.nn.Modu
     import timm
 
     torch.manual_seed(seed)
-    model = timm.create_model(ARCHITECTURE, pretrained=False, **MODEL_ARGS,
-                              pretrained_cfg_overlay={**NORMALISATION, "input_size": (1, 8, 8)})
+    model = timm.create_model(
+        ARCHITECTURE, pretrained=False, **MODEL_ARGS, pretrained_cfg_overlay={**NORMALISATION, "input_size": (1, 8, 8)}
+    )
     train_x, train_y, test_x, test_y = split_digits(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     steps_per_epoch = -(-len(train_x) // BATCH)
@@ -78,25 +81,37 @@ def train_encoder(epochs: int = EPOCHS, seed: int = SEED) -> tuple[torch.nn.Modu
         model.train()
         order = torch.randperm(len(train_x), generator=generator)
         for start in range(0, len(order), BATCH):
-            batch = order[start:start + BATCH]
+            batch = order[start : start + BATCH]
             loss = F.cross_entropy(model(random_shift(train_x[batch], generator)), train_y[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             schedule.step()
     seconds = time.perf_counter() - started
-    record = {"architecture": ARCHITECTURE, "model_args": MODEL_ARGS, "epochs": epochs, "batch": BATCH, "lr": LR,
-              "schedule": "cosine to 0 over all steps",
-              "weight_decay": WEIGHT_DECAY, "seed": seed, "train_images": len(train_x),
-              "held_out_images": len(test_x), "train_accuracy": accuracy(model, train_x, train_y),
-              "held_out_accuracy": accuracy(model, test_x, test_y), "seconds": round(seconds, 1),
-              "parameters": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads()}
+    record = {
+        "architecture": ARCHITECTURE,
+        "model_args": MODEL_ARGS,
+        "epochs": epochs,
+        "batch": BATCH,
+        "lr": LR,
+        "schedule": "cosine to 0 over all steps",
+        "weight_decay": WEIGHT_DECAY,
+        "seed": seed,
+        "train_images": len(train_x),
+        "held_out_images": len(test_x),
+        "train_accuracy": accuracy(model, train_x, train_y),
+        "held_out_accuracy": accuracy(model, test_x, test_y),
+        "seconds": round(seconds, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "threads": torch.get_num_threads(),
+    }
     return model.eval(), record
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench.digits_encoder", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.digits_encoder", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=FOLDER, help="the encoder folder to write")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     args = parser.parse_args(argv)

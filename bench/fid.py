@@ -22,10 +22,14 @@ from fid import FeatureMoments, Gaussian, frechet_distance, load_inception
 from fid.weights import POOL_DIM
 
 SETTINGS = {  # full vs --quick sizes
-    "full": {"cpu_images": 64, "gpu_images": 2000, "frechet_dim": POOL_DIM, "frechet_repeats": 3,
-             "memory_features": 50_000},
-    "quick": {"cpu_images": 4, "gpu_images": 400, "frechet_dim": 384, "frechet_repeats": 1,
-              "memory_features": 5_000},
+    "full": {
+        "cpu_images": 64,
+        "gpu_images": 2000,
+        "frechet_dim": POOL_DIM,
+        "frechet_repeats": 3,
+        "memory_features": 50_000,
+    },
+    "quick": {"cpu_images": 4, "gpu_images": 400, "frechet_dim": 384, "frechet_repeats": 1, "memory_features": 5_000},
 }
 BATCH_SIZE = {"cpu": 8, "cuda": 200}
 
@@ -43,8 +47,14 @@ def bench_inception(device: str, num_images: int) -> dict:
     synchronize(device)
     seconds = time.perf_counter() - start
     count = batch_size * (num_images // batch_size)
-    return {"device": device, "images": count, "batch_size": batch_size, "input_size": 256,
-            "seconds": seconds, "images_per_s": count / seconds}
+    return {
+        "device": device,
+        "images": count,
+        "batch_size": batch_size,
+        "input_size": 256,
+        "seconds": seconds,
+        "images_per_s": count / seconds,
+    }
 
 
 def _from_trace_sqrt(a: Gaussian, b: Gaussian, trace_sqrt: float) -> float:
@@ -138,16 +148,22 @@ def device_label(device: str) -> str:
 def markdown(results: dict) -> str:
     lines = ["| benchmark | setting | result |", "|---|---|---|"]
     for run in results["inception"]:
-        lines.append(f"| Inception-v3 features, fp32 | {run['device']}, batch {run['batch_size']}, "
-                     f"{run['input_size']}px input | {run['images_per_s']:.1f} images/s |")
+        lines.append(
+            f"| Inception-v3 features, fp32 | {run['device']}, batch {run['batch_size']}, "
+            f"{run['input_size']}px input | {run['images_per_s']:.1f} images/s |"
+        )
     frechet = results["frechet"]
     for name, entry in frechet["methods"].items():
-        lines.append(f"| Fréchet distance, {frechet['dim']}-d | {name} | {entry['seconds']:.2f} s "
-                     f"(rel. diff. to eigh {entry['relative_difference_to_eigh']:.1e}) |")
+        lines.append(
+            f"| Fréchet distance, {frechet['dim']}-d | {name} | {entry['seconds']:.2f} s "
+            f"(rel. diff. to eigh {entry['relative_difference_to_eigh']:.1e}) |"
+        )
     memory = results["memory"]
     for mode in ("streaming", "in-memory"):
-        lines.append(f"| statistics of {memory['features']:,} x {memory['dim']} features | {mode} | "
-                     f"{memory[mode]:.0f} MiB peak growth |")
+        lines.append(
+            f"| statistics of {memory['features']:,} x {memory['dim']} features | {mode} | "
+            f"{memory[mode]:.0f} MiB peak growth |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -60,15 +60,37 @@ class Settings:
     threads: int | None = None  # torch.set_num_threads in each part (None: torch's default)
 
 
-RUNBOOK = Settings(budgets={"attention": 100, "samplers": 60, "train": 270}, attention_tokens=(1024, 4096, 16384),
-                   attention_widths=((384, 6), (1152, 16)), tokens_per_batch=16384, min_time=0.2,
-                   sampler_batch=32, sampler_steps=50, sampler_latent_side=32, sampler_depth=None,
-                   model_overrides=(), train_batch=32, train_warmup=3, train_steps=10)
-REHEARSAL = Settings(budgets={"attention": 40, "samplers": 25, "train": 85}, attention_tokens=(64, 256),
-                     attention_widths=((64, 2),), tokens_per_batch=256, min_time=0.0, sampler_batch=2,
-                     sampler_steps=3, sampler_latent_side=8, sampler_depth=1,
-                     model_overrides=("model.depth=1", "model.hidden_size=64", "model.num_heads=2"),
-                     train_batch=1, train_warmup=1, train_steps=1, threads=1)  # tiny kernels: no thread waits
+RUNBOOK = Settings(
+    budgets={"attention": 100, "samplers": 60, "train": 270},
+    attention_tokens=(1024, 4096, 16384),
+    attention_widths=((384, 6), (1152, 16)),
+    tokens_per_batch=16384,
+    min_time=0.2,
+    sampler_batch=32,
+    sampler_steps=50,
+    sampler_latent_side=32,
+    sampler_depth=None,
+    model_overrides=(),
+    train_batch=32,
+    train_warmup=3,
+    train_steps=10,
+)
+REHEARSAL = Settings(
+    budgets={"attention": 40, "samplers": 25, "train": 85},
+    attention_tokens=(64, 256),
+    attention_widths=((64, 2),),
+    tokens_per_batch=256,
+    min_time=0.0,
+    sampler_batch=2,
+    sampler_steps=3,
+    sampler_latent_side=8,
+    sampler_depth=1,
+    model_overrides=("model.depth=1", "model.hidden_size=64", "model.num_heads=2"),
+    train_batch=1,
+    train_warmup=1,
+    train_steps=1,
+    threads=1,
+)  # tiny kernels: no thread waits
 # By construction: the parts' budgets and this process fit the runbook's 8 minutes.
 assert sum(RUNBOOK.budgets.values()) + MAIN_PROCESS_SECONDS <= RUNBOOK_SECONDS
 
@@ -77,9 +99,11 @@ assert sum(RUNBOOK.budgets.values()) + MAIN_PROCESS_SECONDS <= RUNBOOK_SECONDS
 # The parts: their cases, in order, and how one case is measured (in the part's own process)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
-    from bench.attention import build_layer, interleaved_median_seconds, layer_step
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.attention import build_layer, interleaved_median_seconds, layer_step
 
     # Flash only: a VCA call the flash kernel rejects raises instead of falling back to the math kernel.
     tokens, (width, heads) = settings.attention_tokens[0], settings.attention_widths[0]
@@ -96,8 +120,10 @@ def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) 
         for width, heads in settings.attention_widths:
             for dtype in dtypes:
                 torch.manual_seed(0)
-                layers = {"mhsa-sdpa": build_layer("mhsa-sdpa", width, heads, tokens),
-                          "vca-64": build_layer("vca-64", width, heads, tokens)}
+                layers = {
+                    "mhsa-sdpa": build_layer("mhsa-sdpa", width, heads, tokens),
+                    "vca-64": build_layer("vca-64", width, heads, tokens),
+                }
                 layers["vca-64-gemm2"] = build_layer("vca-64", width, heads, tokens)
                 layers["vca-64"].stage2_sdpa, layers["vca-64-gemm2"].stage2_sdpa = True, False
                 layers = {name: layer.to(device) for name, layer in layers.items()}
@@ -106,44 +132,82 @@ def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) 
                 steps = {name: layer_step(layer, x, torch_dtype, backward=True) for name, layer in layers.items()}
                 seconds = interleaved_median_seconds(steps, device, settings.min_time, 20)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                    saved = {name: saved_activation_bytes(lambda layer=layer: layer(x), layer.parameters()) / 2**20
-                             for name, layer in layers.items()}
-                yield {"case": "layer", "tokens": tokens, "width": width, "heads": heads, "batch": batch,
-                       "dtype": dtype, "mode": "fwd+bwd", "ms": {name: 1e3 * s for name, s in seconds.items()},
-                       "saved_mib": saved}
+                    saved = {
+                        name: saved_activation_bytes(lambda layer=layer, x=x: layer(x), layer.parameters()) / 2**20
+                        for name, layer in layers.items()
+                    }
+                yield {
+                    "case": "layer",
+                    "tokens": tokens,
+                    "width": width,
+                    "heads": heads,
+                    "batch": batch,
+                    "dtype": dtype,
+                    "mode": "fwd+bwd",
+                    "ms": {name: 1e3 * s for name, s in seconds.items()},
+                    "saved_mib": saved,
+                }
                 del layers, steps
 
 
 def sampler_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
     from bench.samplers import build, time_sampler
 
-    model_settings = {"batch": settings.sampler_batch, "input_size": settings.sampler_latent_side,
-                      "depth": settings.sampler_depth, "step_divisor": 1}
+    model_settings = {
+        "batch": settings.sampler_batch,
+        "input_size": settings.sampler_latent_side,
+        "depth": settings.sampler_depth,
+        "step_divisor": 1,
+    }
     for name, sampler in (("DiT-S/2", "ddim"), ("SiT-S/2", "euler")):
         for attention in ("mhsa", "vca"):
             model, objective = build(name, attention, model_settings, device)
             for dtype in dtypes[-1:]:  # bf16 where it is native, else fp32
-                seconds, result = time_sampler(model, objective, sampler, settings.sampler_steps,
-                                               settings.sampler_batch, dtype, device)
-                yield {"case": "sampler", "model": f"{name}-{attention.upper()}", "name": name, "attention": attention,
-                       "sampler": f"{sampler}-{settings.sampler_steps}", "precision": dtype, "nfe": result.nfe,
-                       "seconds": seconds, "images_per_s": settings.sampler_batch / seconds,
-                       "ms_per_nfe": 1e3 * seconds / result.nfe}
+                seconds, result = time_sampler(
+                    model, objective, sampler, settings.sampler_steps, settings.sampler_batch, dtype, device
+                )
+                yield {
+                    "case": "sampler",
+                    "model": f"{name}-{attention.upper()}",
+                    "name": name,
+                    "attention": attention,
+                    "sampler": f"{sampler}-{settings.sampler_steps}",
+                    "precision": dtype,
+                    "nfe": result.nfe,
+                    "seconds": seconds,
+                    "images_per_s": settings.sampler_batch / seconds,
+                    "ms_per_nfe": 1e3 * seconds / result.nfe,
+                }
 
 
 def train_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
     from bench.train import goal_cases, measure
 
     cases = [case for dtype in dtypes for case in goal_cases(dtype)]  # the goal rows, fp32 and bf16
-    cases += [replace(case, compiled=True) for case in goal_cases(dtypes[-1]) if case.image_size == 256
-              and case.contrast_grid is None]  # compiling is the slowest: last
+    cases += [
+        replace(case, compiled=True)
+        for case in goal_cases(dtypes[-1])
+        if case.image_size == 256 and case.contrast_grid is None
+    ]  # compiling is the slowest: last
     for case in cases:
-        yield {"case": "train", **measure(case, settings.train_batch, settings.train_warmup, settings.train_steps,
-                                          list(settings.model_overrides), count_memory=True)}
+        yield {
+            "case": "train",
+            **measure(
+                case,
+                settings.train_batch,
+                settings.train_warmup,
+                settings.train_steps,
+                list(settings.model_overrides),
+                count_memory=True,
+            ),
+        }
 
 
 PART_ROWS: dict[str, Callable[[Settings, torch.device, list[str]], Iterator[dict]]] = {
-    "attention": attention_rows, "samplers": sampler_rows, "train": train_rows}
+    "attention": attention_rows,
+    "samplers": sampler_rows,
+    "train": train_rows,
+}
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -189,8 +253,16 @@ def run_part_here(part: str, settings: Settings, rows_path: Path) -> None:
 
 def run_part(part: str, budget: int, rehearse: bool, rows_path: Path) -> dict:
     """`python -m bench.gpu --part PART` in its own process, stopped after `budget` seconds."""
-    command = [sys.executable, "-m", "bench.gpu", "--part", part, "--rows", str(rows_path),
-               *(["--rehearse"] if rehearse else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.gpu",
+        "--part",
+        part,
+        "--rows",
+        str(rows_path),
+        *(["--rehearse"] if rehearse else []),
+    ]
     print(f"bench.gpu: part {part} (budget {budget} s)", flush=True)
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if rehearse else {})}  # a rehearsal stays on the CPU
     started = time.perf_counter()
@@ -206,6 +278,7 @@ def run_part(part: str, budget: int, rehearse: bool, rows_path: Path) -> dict:
 # The summary
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def verdict(ratio: float, limit: float) -> str:
     return "met" if ratio <= limit else f"missed by {ratio / limit:.2f}x"
 
@@ -219,47 +292,70 @@ def summary_lines(rows: list[dict], goal_tokens: int) -> list[str]:
     errors = [r for r in rows if "error" in r]
     lines += [f"- {r['part']}: {r['error']}" for r in errors]
     checks = [r for r in rows if r.get("case") == "flash-only"]
-    lines += [f"- flash-only check (N = {r['tokens']}, C = {r['width']}, bf16, fwd+bwd): {r['result']}"
-              for r in checks]
+    lines += [f"- flash-only check (N = {r['tokens']}, C = {r['width']}, bf16, fwd+bwd): {r['result']}" for r in checks]
     layers = [r for r in rows if r.get("case") == "layer"]
     if layers:
-        lines += ["", "| N | C / h | dtype | MHSA SDPA ms | VCA n=64 ms | VCA n=64, Stage II GEMMs ms | VCA / MHSA "
-                  "| VCA (GEMMs) / MHSA | saved MiB MHSA / VCA |", "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| N | C / h | dtype | MHSA SDPA ms | VCA n=64 ms | VCA n=64, Stage II GEMMs ms | VCA / MHSA "
+            "| VCA (GEMMs) / MHSA | saved MiB MHSA / VCA |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        ]
         for r in layers:
             ms, saved = r["ms"], r["saved_mib"]
             ratio = ms["vca-64"] / ms["mhsa-sdpa"]
-            goal = f" (goal ≤ {ATTENTION_GOAL:.2f}: {verdict(ratio, ATTENTION_GOAL)})" if r["tokens"] == goal_tokens \
+            goal = (
+                f" (goal ≤ {ATTENTION_GOAL:.2f}: {verdict(ratio, ATTENTION_GOAL)})"
+                if r["tokens"] == goal_tokens
                 else ""
-            lines.append(f"| {r['tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {ms['mhsa-sdpa']:.2f} "
-                         f"| {ms['vca-64']:.2f} | {ms['vca-64-gemm2']:.2f} | {ratio:.3f}{goal} "
-                         f"| {ms['vca-64-gemm2'] / ms['mhsa-sdpa']:.3f} | {saved['mhsa-sdpa']:.0f} / "
-                         f"{saved['vca-64']:.0f} |")
+            )
+            lines.append(
+                f"| {r['tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {ms['mhsa-sdpa']:.2f} "
+                f"| {ms['vca-64']:.2f} | {ms['vca-64-gemm2']:.2f} | {ratio:.3f}{goal} "
+                f"| {ms['vca-64-gemm2'] / ms['mhsa-sdpa']:.3f} | {saved['mhsa-sdpa']:.0f} / "
+                f"{saved['vca-64']:.0f} |"
+            )
     samplers = [r for r in rows if r.get("case") == "sampler"]
     if samplers:
         lines += ["", "| model | sampler | precision | NFE | images/s | ms / NFE |", "|---|---|---|---:|---:|---:|"]
-        lines += [f"| {r['model']} | {r['sampler']} | {r['precision']} | {r['nfe']} | {r['images_per_s']:.1f} "
-                  f"| {r['ms_per_nfe']:.2f} |" for r in samplers]
+        lines += [
+            f"| {r['model']} | {r['sampler']} | {r['precision']} | {r['nfe']} | {r['images_per_s']:.1f} "
+            f"| {r['ms_per_nfe']:.2f} |"
+            for r in samplers
+        ]
     results = [r for r in rows if r.get("case") == "train"]
     if results:
         speedups = {s["label"]: s for s in vca_speedups(results)}
-        lines += ["", "| case | images/s | VCA / MHSA time | saved MiB | peak GiB | compile s |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| case | images/s | VCA / MHSA time | saved MiB | peak GiB | compile s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for r in results:
             ratio = f"{speedups[r['label']]['time_ratio']:.2f}" if r["label"] in speedups else ""
             peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else ""
             compiled = f"{r['compile_seconds']:.1f}" if r["compile_seconds"] is not None else ""
-            lines.append(f"| {r['label']} | {r['images_per_s']:.1f} | {ratio} | {r['saved_mib']:.0f} | {peak} "
-                         f"| {compiled} |")
+            lines.append(
+                f"| {r['label']} | {r['images_per_s']:.1f} | {ratio} | {r['saved_mib']:.0f} | {peak} | {compiled} |"
+            )
         lines += ["", "Goals (VCA / MHSA time per training step):"]
-        lines += [f"- {v['label']}: {v['ratio']:.2f} (goal ≤ {v['limit']:.2f}, {v['verdict']})"
-                  for v in goal_verdicts(list(speedups.values()))]
+        lines += [
+            f"- {v['label']}: {v['ratio']:.2f} (goal ≤ {v['limit']:.2f}, {v['verdict']})"
+            for v in goal_verdicts(list(speedups.values()))
+        ]
     return lines
 
 
 def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[dict], goal_tokens: int) -> str:
-    lines = [title, "", "| part | status | seconds |", "|---|---|---:|",
-             *(f"| {name} | {s['status']} | {s['seconds']} |" for name, s in statuses.items()), "",
-             *summary_lines(rows, goal_tokens)]
+    lines = [
+        title,
+        "",
+        "| part | status | seconds |",
+        "|---|---|---:|",
+        *(f"| {name} | {s['status']} | {s['seconds']} |" for name, s in statuses.items()),
+        "",
+        *summary_lines(rows, goal_tokens),
+    ]
     text = "\n".join(lines) + "\n"
     write_text_atomic(path, text)
     return text
@@ -277,21 +373,27 @@ def main(argv: list[str] | None = None) -> None:
         run_part_here(args.part, settings, args.rows)
         return
     if not torch.cuda.is_available() and not args.rehearse:
-        print("error: bench.gpu: no CUDA GPU here; the CPU figures come from `make bench` "
-              "(or rehearse this runbook with --rehearse)", file=sys.stderr)
+        print(
+            "error: bench.gpu: no CUDA GPU here; the CPU figures come from `make bench` "
+            "(or rehearse this runbook with --rehearse)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     device = torch.device("cpu" if args.rehearse else "cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"gpu-{device.type}{'-rehearsal' if args.rehearse else ''}"
     rows_path = args.out / f"{stem}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.jsonl"
     rehearsal = " (rehearsal: tiny sizes, the numbers mean nothing)" if args.rehearse else ""
-    title = (f"GPU runbook on {describe_device(device)}{rehearsal}; torch {torch.__version__}, CUDA "
-             f"{torch.version.cuda}; rows in {rows_path.name}")
+    title = (
+        f"GPU runbook on {describe_device(device)}{rehearsal}; torch {torch.__version__}, CUDA "
+        f"{torch.version.cuda}; rows in {rows_path.name}"
+    )
     statuses: dict[str, dict] = {}
     for part, budget in settings.budgets.items():
         statuses[part] = run_part(part, budget, args.rehearse, rows_path)
-        text = write_summary(args.out / f"{stem}.md", title, statuses, read_rows(rows_path),
-                             settings.attention_tokens[-1])
+        text = write_summary(
+            args.out / f"{stem}.md", title, statuses, read_rows(rows_path), settings.attention_tokens[-1]
+        )
     print(text)
 
 

@@ -46,10 +46,11 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ CONFIG = REPO / "configs" / "shapes.yaml"
 BENCH_RESULTS = REPO / "bench" / "results"
 STAGES = ("main", "ablations", "sit")
 CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-SAMPLE_SEED = 0           # the noise of sample i is sample_seeds(SAMPLE_SEED, [i]) for every model: paired samples
+SAMPLE_SEED = 0  # the noise of sample i is sample_seeds(SAMPLE_SEED, [i]) for every model: paired samples
 SAMPLE_BATCH = 250
 INCEPTION_BATCH = 50
 REAL_FEATURES = "real-features.npz"
@@ -72,21 +73,34 @@ KEPT_CHECKPOINTS = 2 * len(CHECKPOINT_FRACTIONS)
 class Budget:
     """How much one study costs: the full study and --quick differ only here."""
 
-    max_steps: Optional[int]           # None: configs/shapes.yaml's train.max_steps
-    final_samples: int                 # per final model: the headline FID and accuracy
-    curve_samples: int                 # per checkpoint (at 100 %: the first of the final set): the FID curve
-    real_images: Optional[int]         # real images FID compares against (None: all 2400)
-    sampler_steps: dict[str, int]      # objective kind -> steps of its sampler
+    max_steps: int | None  # None: configs/shapes.yaml's train.max_steps
+    final_samples: int  # per final model: the headline FID and accuracy
+    curve_samples: int  # per checkpoint (at 100 %: the first of the final set): the FID curve
+    real_images: int | None  # real images FID compares against (None: all 2400)
+    sampler_steps: dict[str, int]  # objective kind -> steps of its sampler
     seeds: tuple[int, ...]
-    model_overrides: tuple[str, ...]   # size overrides on top of configs/shapes.yaml
+    model_overrides: tuple[str, ...]  # size overrides on top of configs/shapes.yaml
 
 
-FULL = Budget(max_steps=None, final_samples=1000, curve_samples=250, real_images=None,
-              sampler_steps={"diffusion": 50, "transport": 25}, seeds=(0, 1, 2), model_overrides=())
+FULL = Budget(
+    max_steps=None,
+    final_samples=1000,
+    curve_samples=250,
+    real_images=None,
+    sampler_steps={"diffusion": 50, "transport": 25},
+    seeds=(0, 1, 2),
+    model_overrides=(),
+)
 # A 1-block, 32-wide model for 4 steps, 12 final and 6 curve samples against 24 real images: about a minute.
-QUICK = Budget(max_steps=4, final_samples=12, curve_samples=6, real_images=24,
-               sampler_steps={"diffusion": 4, "transport": 2}, seeds=(0,),
-               model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"))
+QUICK = Budget(
+    max_steps=4,
+    final_samples=12,
+    curve_samples=6,
+    real_images=24,
+    sampler_steps={"diffusion": 4, "transport": 2},
+    seeds=(0,),
+    model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"),
+)
 SAMPLERS = {"diffusion": "ddim", "transport": "heun"}  # deterministic ODE samplers of each objective
 
 
@@ -104,12 +118,17 @@ MHSA = Arm("mhsa", "MHSA", ("model.attention=mhsa",))
 ABLATIONS = (
     Arm("vca-stage1-only", "VCA, Stage I only", ("model.attention=vca", "model.vca.stage2_differential=false")),
     Arm("vca-stage2-only", "VCA, Stage II only", ("model.attention=vca", "model.vca.stage1_differential=false")),
-    Arm("vca-embedding-streams", "VCA, streams from embeddings only",
-        ("model.attention=vca", "model.vca.pooled_content=false")),
+    Arm(
+        "vca-embedding-streams",
+        "VCA, streams from embeddings only",
+        ("model.attention=vca", "model.vca.pooled_content=false"),
+    ),
     Arm("vca-separate-softmax", "VCA, separate softmax", ("model.attention=vca", "model.vca.joint_softmax=false")),
 )
-SIT = (Arm("sit-vca", "SiT VCA", ("model.name=SiT-S/2", "model.attention=vca")),
-       Arm("sit-mhsa", "SiT MHSA", ("model.name=SiT-S/2", "model.attention=mhsa")))
+SIT = (
+    Arm("sit-vca", "SiT VCA", ("model.name=SiT-S/2", "model.attention=vca")),
+    Arm("sit-mhsa", "SiT MHSA", ("model.name=SiT-S/2", "model.attention=mhsa")),
+)
 
 
 def stage_runs(stage: str, budget: Budget) -> list[tuple[Arm, int]]:
@@ -131,6 +150,7 @@ def run_name(arm: Arm, seed: int) -> str:
 #                                            Training
 # ----------------------------------------------------------------------------------------------
 
+
 def checkpoint_steps(budget: Budget) -> list[int]:
     return [round(fraction * budget.max_steps) for fraction in CHECKPOINT_FRACTIONS]
 
@@ -143,17 +163,30 @@ def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path = CON
     if (run_dir / "checkpoints" / checkpoint_name(budget.max_steps)).is_dir():
         return run_dir
     every = checkpoint_steps(budget)[0]
-    command = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--resume", "latest",
-               f"run.dir={run_dir}", f"train.seed={seed}", f"train.max_steps={budget.max_steps}",
-               f"log.checkpoint_every={every}", f"log.keep_checkpoints={KEPT_CHECKPOINTS}",
-               *budget.model_overrides, *arm.overrides]
+    command = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--config",
+        str(config),
+        "--resume",
+        "latest",
+        f"run.dir={run_dir}",
+        f"train.seed={seed}",
+        f"train.max_steps={budget.max_steps}",
+        f"log.checkpoint_every={every}",
+        f"log.keep_checkpoints={KEPT_CHECKPOINTS}",
+        *budget.model_overrides,
+        *arm.overrides,
+    ]
     print(f"quality: training {run_name(arm, seed)}", flush=True)
     record = train_record(out, arm, seed)
     spent = json.loads(record.read_text())["seconds"] if record.is_file() else 0.0  # earlier, interrupted parts
     started = time.perf_counter()
     if subprocess.run(command, cwd=REPO).returncode != 0:
-        raise SystemExit(f"quality: training {run_name(arm, seed)} failed (its message is above); the finished "
-                         f"runs and scores are kept, and a rerun resumes this one from {run_dir}")
+        raise SystemExit(
+            f"quality: training {run_name(arm, seed)} failed (its message is above); the finished "
+            f"runs and scores are kept, and a rerun resumes this one from {run_dir}"
+        )
     from atomic_files import write_json_atomic
 
     write_json_atomic(record, {"seconds": round(spent + time.perf_counter() - started, 1), "command": command[1:]})
@@ -168,6 +201,7 @@ def train_record(out: Path, arm: Arm, seed: int) -> Path:
 # ----------------------------------------------------------------------------------------------
 #                                  Real images, classifier, scoring
 # ----------------------------------------------------------------------------------------------
+
 
 class Scorer:
     """Inception, the real images' statistics and the shape classifier, each loaded on first use (a rerun
@@ -216,7 +250,7 @@ class Scorer:
                 if cached["pool"].shape[0] == self.real_images and str(cached["weights"]) == weights:
                     return gaussian_of(cached["pool"].astype(np.float64))
         print(f"quality: Inception features of {self.real_images} real shapes (once)", flush=True)
-        features = self.features(self._dataset[0][:self.real_images])
+        features = self.features(self._dataset[0][: self.real_images])
         save_npz_atomic(self.cache, pool=features.astype(np.float32), weights=np.array(weights))
         return gaussian_of(features)
 
@@ -234,11 +268,12 @@ class Scorer:
 
 def batches(items: np.ndarray | range, size: int) -> Iterator:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
-def score_checkpoint(run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path,
-                     arm: Arm, seed: int) -> dict[str, Any]:
+def score_checkpoint(
+    run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path, arm: Arm, seed: int
+) -> dict[str, Any]:
     """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
     from atomic_files import save_npz_atomic, write_json_atomic
     from generation import ImageGenerator, read_export
@@ -250,9 +285,15 @@ def score_checkpoint(run_dir: Path, step: int, final: bool, budget: Budget, scor
     export = read_export(export_dir)
     kind = export.description.objective["kind"]
     count = budget.final_samples if final else budget.curve_samples
-    settings = {"num_samples": count, "curve_samples": budget.curve_samples, "sampler": SAMPLERS[kind],
-                "sampler_steps": budget.sampler_steps[kind], "guidance": 1.0, "sample_seed": SAMPLE_SEED,
-                **scorer.settings}
+    settings = {
+        "num_samples": count,
+        "curve_samples": budget.curve_samples,
+        "sampler": SAMPLERS[kind],
+        "sampler_steps": budget.sampler_steps[kind],
+        "guidance": 1.0,
+        "sample_seed": SAMPLE_SEED,
+        **scorer.settings,
+    }
     record = out / "scores" / run_name(arm, seed) / f"{checkpoint_name(step)}.json"
     if record.is_file():
         stored = json.loads(record.read_text())
@@ -262,18 +303,30 @@ def score_checkpoint(run_dir: Path, step: int, final: bool, budget: Budget, scor
     started = time.perf_counter()
     generator = ImageGenerator.from_export(export)
     labels = assign_labels(count, export.description.num_classes, "balanced", SAMPLE_SEED)  # (N,)
-    images = np.concatenate([generator.generate(labels[part.start:part.stop], sample_seeds(SAMPLE_SEED, part),
-                                                sampler=SAMPLERS[kind], steps=budget.sampler_steps[kind])
-                             for part in batches(range(count), SAMPLE_BATCH)])  # (N, 16, 16, 3)
+    images = np.concatenate(
+        [
+            generator.generate(
+                labels[part.start : part.stop],
+                sample_seeds(SAMPLE_SEED, part),
+                sampler=SAMPLERS[kind],
+                steps=budget.sampler_steps[kind],
+            )
+            for part in batches(range(count), SAMPLE_BATCH)
+        ]
+    )  # (N, 16, 16, 3)
     sampled = time.perf_counter()
     samples = out / "samples" / run_name(arm, seed) / f"{checkpoint_name(step)}.npz"
     save_npz_atomic(samples, arr_0=images, arr_1=labels)
     if final:
-        save_grid(images[:12 * export.description.num_classes], samples.with_suffix(".png"))
+        save_grid(images[: 12 * export.description.num_classes], samples.with_suffix(".png"))
     features = scorer.features(images)  # (N, 2048)
     result = {
-        "arm": arm.name, "seed": seed, "step": step, "final": final, "export": str(export_dir.relative_to(out)),
-        "fid_curve": scorer.fid(features[:budget.curve_samples]),
+        "arm": arm.name,
+        "seed": seed,
+        "step": step,
+        "final": final,
+        "export": str(export_dir.relative_to(out)),
+        "fid_curve": scorer.fid(features[: budget.curve_samples]),
         "fid": scorer.fid(features) if final else None,
         "accuracy": scorer.classifier.accuracy(images, labels),
         "inception_weights": scorer.extractor.weights.description,
@@ -289,25 +342,46 @@ def score_checkpoint(run_dir: Path, step: int, final: bool, budget: Budget, scor
 #                                             Report
 # ----------------------------------------------------------------------------------------------
 
+
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Mean and sample standard deviation (None for a single value) of per-seed figures."""
     values = [float(value) for value in values]
-    return {"mean": float(np.mean(values)), "sd": float(np.std(values, ddof=1)) if len(values) > 1 else None,
-            "values": values}
+    return {
+        "mean": float(np.mean(values)),
+        "sd": float(np.std(values, ddof=1)) if len(values) > 1 else None,
+        "values": values,
+    }
 
 
-def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, int], list[dict]],
-              budget: Budget, seconds: dict[str, float], config: Path = CONFIG) -> dict[str, Any]:
+def summarise(
+    stage: str,
+    runs: list[tuple[Arm, int]],
+    scores: dict[tuple[str, int], list[dict]],
+    budget: Budget,
+    seconds: dict[str, float],
+    config: Path = CONFIG,
+) -> dict[str, Any]:
     """The stage's results: per arm the final FID and accuracy over seeds, and every run's FID and accuracy
     curves."""
-    from bench._harness import describe_device
     import torch
+
+    from bench._harness import describe_device
 
     arms: dict[str, dict[str, Any]] = {}
     for arm, seed in runs:
         final = scores[(arm.name, seed)][-1]
-        entry = arms.setdefault(arm.name, {"label": arm.label, "overrides": list(arm.overrides), "seeds": [],
-                                           "fid": [], "accuracy": [], "curves": {}, "accuracy_curves": {}})
+        entry = arms.setdefault(
+            arm.name,
+            {
+                "label": arm.label,
+                "overrides": list(arm.overrides),
+                "seeds": [],
+                "fid": [],
+                "accuracy": [],
+                "curves": {},
+                "accuracy_curves": {},
+            },
+        )
         entry["seeds"].append(seed)
         entry["fid"].append(final["fid"])
         entry["accuracy"].append(final["accuracy"])
@@ -316,11 +390,20 @@ def summarise(stage: str, runs: list[tuple[Arm, int]], scores: dict[tuple[str, i
     for entry in arms.values():
         entry["fid"], entry["accuracy"] = spread(entry["fid"]), spread(entry["accuracy"])
     some = scores[(runs[0][0].name, runs[0][1])][-1]
-    scoring = {"real_images": some["settings"]["real_images"], "inception": some["inception_weights"],
-               "classifier_held_out_accuracy": some["classifier_held_out_accuracy"]}
-    return {"stage": stage, "config": str(config.relative_to(REPO)), "budget": budget.__dict__, "arms": arms,
-            "scoring": scoring, "device": describe_device(torch.device("cpu")),
-            "seconds": {name: round(value, 1) for name, value in seconds.items()}}
+    scoring = {
+        "real_images": some["settings"]["real_images"],
+        "inception": some["inception_weights"],
+        "classifier_held_out_accuracy": some["classifier_held_out_accuracy"],
+    }
+    return {
+        "stage": stage,
+        "config": str(config.relative_to(REPO)),
+        "budget": budget.__dict__,
+        "arms": arms,
+        "scoring": scoring,
+        "device": describe_device(torch.device("cpu")),
+        "seconds": {name: round(value, 1) for name, value in seconds.items()},
+    }
 
 
 def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> str:
@@ -331,74 +414,101 @@ def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) ->
     difference = a["mean"] - b["mean"]
     sds = [sd for sd in (a["sd"], b["sd"]) if sd is not None]
     if not sds:
-        return (f"One seed per arm: a difference of {difference:+.2f} FID has no seed spread to be judged against; "
-                f"it is not evidence either way.")
+        return (
+            f"One seed per arm: a difference of {difference:+.2f} FID has no seed spread to be judged against; "
+            f"it is not evidence either way."
+        )
     largest = max(sds)
     p_value = ttest_ind(a["values"], b["values"], equal_var=False).pvalue
     welch = "Welch p < 0.01" if p_value < 0.01 else f"Welch p = {p_value:.2f}"
     if abs(difference) <= largest:
-        return (f"The difference ({label_a} - {label_b} = {difference:+.2f} FID) is within the seed spread "
-                f"(standard deviation up to {largest:.2f}): no difference at this scale ({welch}).")
+        return (
+            f"The difference ({label_a} - {label_b} = {difference:+.2f} FID) is within the seed spread "
+            f"(standard deviation up to {largest:.2f}): no difference at this scale ({welch})."
+        )
     better = label_a if difference < 0 else label_b
-    return (f"{better} is lower by {abs(difference):.2f} FID, more than the seed spread (standard deviation up "
-            f"to {largest:.2f}; {welch} over {len(a['values'])} and {len(b['values'])} seeds): "
-            f"a hint at this scale, to be read with so few seeds in mind.")
+    return (
+        f"{better} is lower by {abs(difference):.2f} FID, more than the seed spread (standard deviation up "
+        f"to {largest:.2f}; {welch} over {len(a['values'])} and {len(b['values'])} seeds): "
+        f"a hint at this scale, to be read with so few seeds in mind."
+    )
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     arms, budget, scoring = results["arms"], results["budget"], results["scoring"]
     lines = []
     if results["stage"] in ("main", "sit"):
-        first, second = (("vca", "mhsa") if results["stage"] == "main" else ("sit-vca", "sit-mhsa"))
+        first, second = ("vca", "mhsa") if results["stage"] == "main" else ("sit-vca", "sit-mhsa")
         a, b = arms[first], arms[second]
-        lines += [f"**{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID over "
-                  f"{len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''}** "
-                  f"({budget['final_samples']} samples per model, {budget['max_steps']} training steps). "
-                  + reading(a["fid"], b["fid"], a["label"], b["label"]), ""]
+        lines += [
+            f"**{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID over "
+            f"{len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''}** "
+            f"({budget['final_samples']} samples per model, {budget['max_steps']} training steps). "
+            + reading(a["fid"], b["fid"], a["label"], b["label"]),
+            "",
+        ]
     lines += score_tables(results)
     seconds = results["seconds"]
-    lines += ["", f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
-              f"every arm the same recipe, only its attention overrides and seed differ. Sampling: DDIM "
-              f"{budget['sampler_steps']['diffusion']} steps (DiT) / Heun {budget['sampler_steps']['transport']} "
-              f"steps (SiT), class-balanced, no guidance. FID: Inception-v3 pool_3 ({scoring['inception']}) against "
-              f"{scoring['real_images']} real shapes. Classifier: logistic regression on centred pixels, "
-              f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real shapes.",
-              f"Device: {results['device']}. {wall_time(seconds)}"]
+    lines += [
+        "",
+        f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
+        f"every arm the same recipe, only its attention overrides and seed differ. Sampling: DDIM "
+        f"{budget['sampler_steps']['diffusion']} steps (DiT) / Heun {budget['sampler_steps']['transport']} "
+        f"steps (SiT), class-balanced, no guidance. FID: Inception-v3 pool_3 ({scoring['inception']}) against "
+        f"{scoring['real_images']} real shapes. Classifier: logistic regression on centred pixels, "
+        f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real shapes.",
+        f"Device: {results['device']}. {wall_time(seconds)}",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def wall_time(seconds: dict[str, float]) -> str:
-    return (f"Wall time recorded over all invocations for these runs: training {seconds['train'] / 60:.1f} min, "
-            f"sampling {seconds['sample'] / 60:.1f} min, Inception, FID and classifier {seconds['score'] / 60:.1f} "
-            f"min (the real images' features, computed once, not included).")
+    return (
+        f"Wall time recorded over all invocations for these runs: training {seconds['train'] / 60:.1f} min, "
+        f"sampling {seconds['sample'] / 60:.1f} min, Inception, FID and classifier {seconds['score'] / 60:.1f} "
+        f"min (the real images' features, computed once, not included)."
+    )
 
 
 def score_tables(results: dict[str, Any], accuracy_curves: bool = False) -> list[str]:
     """Markdown lines: per arm the final FID and accuracy over seeds, then FID (and, if asked, classifier accuracy)
     per checkpoint of every run."""
     arms, budget = results["arms"], results["budget"]
-    lines = ["| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) "
-              "| accuracy per seed |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | seeds | FID (mean ± sd) | FID per seed | classifier accuracy (mean ± sd) | accuracy per seed |",
+        "|---|---|---|---|---|---|",
+    ]
     for entry in arms.values():
-        lines.append(f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {_fmt(entry['fid'])} | "
-                     f"{', '.join(f'{v:.2f}' for v in entry['fid']['values'])} | "
-                     f"{_fmt(entry['accuracy'], percent=True)} | "
-                     f"{', '.join(f'{100 * v:.1f} %' for v in entry['accuracy']['values'])} |")
+        lines.append(
+            f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {_fmt(entry['fid'])} | "
+            f"{', '.join(f'{v:.2f}' for v in entry['fid']['values'])} | "
+            f"{_fmt(entry['accuracy'], percent=True)} | "
+            f"{', '.join(f'{100 * v:.1f} %' for v in entry['accuracy']['values'])} |"
+        )
     steps = [point[0] for point in next(iter(next(iter(arms.values()))["curves"].values()))]
-    lines += ["", f"FID against training step ({budget['curve_samples']} samples at every point):", "",
-              "| arm | seed | " + " | ".join(f"step {step}" for step in steps) + " |",
-              "|---|---|" + "---|" * len(steps)]
+    lines += [
+        "",
+        f"FID against training step ({budget['curve_samples']} samples at every point):",
+        "",
+        "| arm | seed | " + " | ".join(f"step {step}" for step in steps) + " |",
+        "|---|---|" + "---|" * len(steps),
+    ]
     for entry in arms.values():
         for seed, curve in entry["curves"].items():
             lines.append(f"| {entry['label']} | {seed} | " + " | ".join(f"{fid:.2f}" for _, fid in curve) + " |")
     if accuracy_curves:
-        lines += ["", "Classifier accuracy against training step (the same samples):", "",
-                  "| arm | seed | " + " | ".join(f"step {step}" for step in steps) + " |",
-                  "|---|---|" + "---|" * len(steps)]
+        lines += [
+            "",
+            "Classifier accuracy against training step (the same samples):",
+            "",
+            "| arm | seed | " + " | ".join(f"step {step}" for step in steps) + " |",
+            "|---|---|" + "---|" * len(steps),
+        ]
         for entry in arms.values():
             for seed, curve in entry["accuracy_curves"].items():
-                lines.append(f"| {entry['label']} | {seed} | "
-                             + " | ".join(f"{100 * value:.1f} %" for _, value in curve) + " |")
+                lines.append(
+                    f"| {entry['label']} | {seed} | " + " | ".join(f"{100 * value:.1f} %" for _, value in curve) + " |"
+                )
     return lines
 
 
@@ -408,7 +518,7 @@ def _fmt(stats: dict[str, Any], percent: bool = False) -> str:
     return f"{scale * stats['mean']:.{1 if percent else 2}f}{sd}{unit}"
 
 
-def plot(results: dict[str, Any], title: Optional[str] = None):
+def plot(results: dict[str, Any], title: str | None = None):
     """FID (curve samples) against training step: one colour per arm, thin lines per seed, a thick mean."""
     from bench._harness import subplots
 
@@ -418,8 +528,14 @@ def plot(results: dict[str, Any], title: Optional[str] = None):
         curves = np.array([curve for curve in entry["curves"].values()])  # (seeds, points, 2)
         for curve in curves:
             axis.plot(curve[:, 0], curve[:, 1], color=colour, alpha=0.35, linewidth=1)
-        axis.plot(curves[0, :, 0], curves[:, :, 1].mean(axis=0), color=colour, linewidth=2.2, marker="o",
-                  label=f"{entry['label']} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+        axis.plot(
+            curves[0, :, 0],
+            curves[:, :, 1].mean(axis=0),
+            color=colour,
+            linewidth=2.2,
+            marker="o",
+            label=f"{entry['label']} ({len(curves)} seed{'s' if len(curves) > 1 else ''})",
+        )
     axis.set_xlabel("training step")
     axis.set_ylabel(f"FID ({results['budget']['curve_samples']} samples)")
     axis.set_title(title or f"bench.quality, stage {results['stage']}: FID against training step")
@@ -432,6 +548,7 @@ def plot(results: dict[str, Any], title: Optional[str] = None):
 # ----------------------------------------------------------------------------------------------
 #                                              Main
 # ----------------------------------------------------------------------------------------------
+
 
 def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[str, Any]:
     """Train, sample and score every run of `stage` (skipping finished work), then write its report."""
@@ -446,34 +563,49 @@ def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[s
     return results
 
 
-def train_and_score(runs: list[tuple[Arm, int]], budget: Budget, out: Path, scorer: Scorer,
-                    config: Path) -> tuple[dict[tuple[str, int], list[dict]], dict[str, float]]:
+def train_and_score(
+    runs: list[tuple[Arm, int]], budget: Budget, out: Path, scorer: Scorer, config: Path
+) -> tuple[dict[tuple[str, int], list[dict]], dict[str, float]]:
     """Train every run of `config`, score each of its checkpoints (skipping finished work); returns the scores
     per (arm, seed) and the wall time spent on training, sampling and scoring."""
     run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, config) for arm, seed in runs}
     scores = {}
     for arm, seed in runs:
         steps = checkpoint_steps(budget)
-        scores[(arm.name, seed)] = [score_checkpoint(run_dirs[(arm.name, seed)], step, step == steps[-1], budget,
-                                                     scorer, out, arm, seed) for step in steps]
+        scores[(arm.name, seed)] = [
+            score_checkpoint(run_dirs[(arm.name, seed)], step, step == steps[-1], budget, scorer, out, arm, seed)
+            for step in steps
+        ]
     # Wall time as recorded by every invocation that worked on these runs, so that a rerun which only rewrites
     # the report (everything already done) reports the same figures.
     recorded = [row["seconds"] for rows in scores.values() for row in rows]
     trainings = [train_record(out, arm, seed) for arm, seed in runs]
-    seconds = {"train": sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()),
-               "sample": sum(row["sample"] for row in recorded), "score": sum(row["score"] for row in recorded)}
+    seconds = {
+        "train": sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()),
+        "sample": sum(row["sample"] for row in recorded),
+        "score": sum(row["score"] for row in recorded),
+    }
     return scores, seconds
 
 
-def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--stage", choices=(*STAGES, "all"), default="main")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 steps, 1 seed, main only")
-    parser.add_argument("--out", type=Path, default=Path("results/quality"),
-                        help="runs, samples, scores and the cached real features (a rerun continues here)")
-    parser.add_argument("--report-dir", type=Path, default=None,
-                        help="where quality-<stage>.{json,md,png} go (default bench/results; --quick: --out)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/quality"),
+        help="runs, samples, scores and the cached real features (a rerun continues here)",
+    )
+    parser.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        help="where quality-<stage>.{json,md,png} go (default bench/results; --quick: --out)",
+    )
     args = parser.parse_args(argv)
     if args.quick and args.stage != "main":
         parser.error(f"--quick runs the main stage only, got --stage {args.stage}")
@@ -482,7 +614,7 @@ def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, Any]]:
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse_arguments(argv)
     from training.config import load_config
 

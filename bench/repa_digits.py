@@ -27,15 +27,27 @@ a rerun skips what is done. Report: bench/results/repa-digits.{json,md,png} (--q
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
-from bench.quality import (BENCH_RESULTS, Arm, Budget, Scorer, _fmt, plot, reading, score_tables, summarise,
-                           train_and_score, wall_time)
+from bench.quality import (
+    BENCH_RESULTS,
+    Arm,
+    Budget,
+    Scorer,
+    _fmt,
+    plot,
+    reading,
+    score_tables,
+    summarise,
+    train_and_score,
+    wall_time,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "digits.yaml"
@@ -47,19 +59,34 @@ REPA = ("train.repa.input_size=8", "train.repa.depth=1", "train.repa.coefficient
 def arms(projector_dim: int) -> tuple[Arm, ...]:
     """The 2 x 2 design: attention x REPA."""
     repa = (f"train.repa.encoder={ENCODER}", f"train.repa.projector_dim={projector_dim}", *REPA)
-    return (Arm("mhsa", "MHSA", ("model.attention=mhsa",)),
-            Arm("vca", "VCA", ("model.attention=vca",)),
-            Arm("mhsa-repa", "MHSA + REPA", ("model.attention=mhsa", *repa)),
-            Arm("vca-repa", "VCA + REPA", ("model.attention=vca", *repa)))
+    return (
+        Arm("mhsa", "MHSA", ("model.attention=mhsa",)),
+        Arm("vca", "VCA", ("model.attention=vca",)),
+        Arm("mhsa-repa", "MHSA + REPA", ("model.attention=mhsa", *repa)),
+        Arm("vca-repa", "VCA + REPA", ("model.attention=vca", *repa)),
+    )
 
 
-FULL = Budget(max_steps=None, final_samples=1000, curve_samples=250, real_images=None,
-              sampler_steps={"diffusion": 50, "transport": 25}, seeds=(0, 1, 2), model_overrides=())
+FULL = Budget(
+    max_steps=None,
+    final_samples=1000,
+    curve_samples=250,
+    real_images=None,
+    sampler_steps={"diffusion": 50, "transport": 25},
+    seeds=(0, 1, 2),
+    model_overrides=(),
+)
 FULL_PROJECTOR = 256
 # A 1-block, 32-wide model for 4 steps, 12 final and 6 curve samples against 24 real digits.
-QUICK = Budget(max_steps=4, final_samples=12, curve_samples=6, real_images=24,
-               sampler_steps={"diffusion": 4, "transport": 2}, seeds=(0,),
-               model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"))
+QUICK = Budget(
+    max_steps=4,
+    final_samples=12,
+    curve_samples=6,
+    real_images=24,
+    sampler_steps={"diffusion": 4, "transport": 2},
+    seeds=(0,),
+    model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"),
+)
 QUICK_PROJECTOR = 16
 
 
@@ -91,7 +118,7 @@ class DigitsScorer(Scorer):
         from demo import real_digit_features
         from fid import gaussian_of
 
-        return gaussian_of(real_digit_features(self._dataset[0][:self.real_images], self.extractor))
+        return gaussian_of(real_digit_features(self._dataset[0][: self.real_images], self.extractor))
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -101,21 +128,28 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines = []
     for first, second in (("vca", "mhsa"), ("vca-repa", "mhsa-repa"), ("mhsa-repa", "mhsa"), ("vca-repa", "vca")):
         a, b = arms_[first], arms_[second]
-        lines += [f"- **{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID** after "
-                  f"{budget['max_steps']} steps. " + reading(a["fid"], b["fid"], a["label"], b["label"])]
+        lines += [
+            f"- **{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID** after "
+            f"{budget['max_steps']} steps. " + reading(a["fid"], b["fid"], a["label"], b["label"])
+        ]
     early = {name: early_fid(entry) for name, entry in arms_.items()}
     step = next(iter(next(iter(arms_.values()))["curves"].values()))[0][0]
     for first, second in (("mhsa-repa", "mhsa"), ("vca-repa", "vca")):
-        lines += [f"- At step {step} ({budget['curve_samples']} samples): {arms_[first]['label']} "
-                  f"{_fmt(early[first])} vs {arms_[second]['label']} {_fmt(early[second])} FID. "
-                  + reading(early[first], early[second], arms_[first]["label"], arms_[second]["label"])]
+        lines += [
+            f"- At step {step} ({budget['curve_samples']} samples): {arms_[first]['label']} "
+            f"{_fmt(early[first])} vs {arms_[second]['label']} {_fmt(early[second])} FID. "
+            + reading(early[first], early[second], arms_[first]["label"], arms_[second]["label"])
+        ]
     lines += [""] + score_tables(results, accuracy_curves=True)
-    lines += ["", f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
-              f"REPA arms add {', '.join(results['repa_overrides'])}. Sampling: DDIM "
-              f"{budget['sampler_steps']['diffusion']} steps, class-balanced, no guidance. FID: Inception-v3 "
-              f"pool_3 ({scoring['inception']}) against {scoring['real_images']} real digits. Classifier: the "
-              f"demo's SVC, {100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real digits.",
-              f"Device: {results['device']}. {wall_time(results['seconds'])}"]
+    lines += [
+        "",
+        f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; "
+        f"REPA arms add {', '.join(results['repa_overrides'])}. Sampling: DDIM "
+        f"{budget['sampler_steps']['diffusion']} steps, class-balanced, no guidance. FID: Inception-v3 "
+        f"pool_3 ({scoring['inception']}) against {scoring['real_images']} real digits. Classifier: the "
+        f"demo's SVC, {100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real digits.",
+        f"Device: {results['device']}. {wall_time(results['seconds'])}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -135,27 +169,41 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
     results = summarise("repa", runs, scores, budget, seconds, CONFIG)
     results["repa_overrides"] = [item.replace(str(REPO) + "/", "") for item in design[-1].overrides[1:]]
     markdown = render_markdown(results)
-    save_results(report_dir, STEM, results, markdown,
-                 lambda figures: plot(figures, title="bench.repa_digits: FID against training step"))
+    save_results(
+        report_dir,
+        STEM,
+        results,
+        markdown,
+        lambda figures: plot(figures, title="bench.repa_digits: FID against training step"),
+    )
     print(markdown, flush=True)
     return results
 
 
-def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.repa_digits", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.repa_digits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 steps, 1 seed")
-    parser.add_argument("--out", type=Path, default=Path("results/repa-digits"),
-                        help="runs, samples and scores (a rerun continues here)")
-    parser.add_argument("--report-dir", type=Path, default=None,
-                        help=f"where {STEM}.{{json,md,png}} go (default bench/results; --quick: --out)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/repa-digits"),
+        help="runs, samples and scores (a rerun continues here)",
+    )
+    parser.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        help=f"where {STEM}.{{json,md,png}} go (default bench/results; --quick: --out)",
+    )
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a folder")
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_arguments(argv)
     from training.config import load_config
 

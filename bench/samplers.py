@@ -11,7 +11,8 @@ reason is recorded. --batch-size trades the batch for time on a CPU (the table s
 
 Writes bench/results/samplers-<device>[-quick].{json,md,png}. On the CPU run it as `make bench` does, with
 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (glibc's default allocator returns large blocks
-to the OS, and the first-touch page faults skew CPU timings by up to 2x). --quick is a smoke run (2-block models on a 16x16 latent, batch 4, a tenth of the steps).
+to the OS, and the first-touch page faults skew CPU timings by up to 2x). --quick is a smoke run (2-block
+models on a 16x16 latent, batch 4, a tenth of the steps).
 
 Usage: python -m bench.samplers [--quick] [--device cpu|cuda] [--batch-size B] [--out bench/results] [--threads N]
 """
@@ -27,8 +28,7 @@ from torch import nn
 
 import dit_vca
 import sit_vca
-from bench._harness import (benchmark_parser, bf16_skip_reason, describe_device, save_results, subplots,
-                            synchronize)
+from bench._harness import benchmark_parser, bf16_skip_reason, describe_device, save_results, subplots, synchronize
 from samplers import SampleResult
 
 if TYPE_CHECKING:
@@ -43,8 +43,14 @@ RUNS = (
     ("SiT-S/2", "dopri5", None),
     ("SiT-S/2", "sde-euler", 250),
 )
-SAMPLER_LABELS = {"ddpm": "DDPM", "ddim": "DDIM", "euler": "Euler", "heun": "Heun", "dopri5": "dopri5",
-                  "sde-euler": "SDE-Euler"}
+SAMPLER_LABELS = {
+    "ddpm": "DDPM",
+    "ddim": "DDIM",
+    "euler": "Euler",
+    "heun": "Heun",
+    "dopri5": "dopri5",
+    "sde-euler": "SDE-Euler",
+}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 ATTENTIONS = ("vca", "mhsa")
 ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -57,8 +63,9 @@ def build(name: str, attention: str, settings: dict, device: torch.device) -> tu
     """A randomly initialised model and its objective (DiT: DDPM; SiT: linear-path velocity transport)."""
     family = dit_vca if name.startswith("DiT") else sit_vca
     depth = {} if settings["depth"] is None else {"depth": settings["depth"]}
-    model = family.create_model(name, attention=attention, input_size=settings["input_size"], num_classes=NUM_CLASSES,
-                                **depth)
+    model = family.create_model(
+        name, attention=attention, input_size=settings["input_size"], num_classes=NUM_CLASSES, **depth
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -68,14 +75,15 @@ def build(name: str, attention: str, settings: dict, device: torch.device) -> tu
     return model.to(device).eval(), objective
 
 
-def time_sampler(model: nn.Module, objective, sampler: str, steps: int | None, batch: int, precision: str,
-                 device: torch.device) -> tuple[float, SampleResult]:
+def time_sampler(
+    model: nn.Module, objective, sampler: str, steps: int | None, batch: int, precision: str, device: torch.device
+) -> tuple[float, SampleResult]:
     """Seconds for one whole sampling run of a batch, after a 2-step warm-up (Euler for an adaptive solver)."""
-    autocast = (torch.autocast(device.type, dtype=PRECISIONS[precision]) if PRECISIONS[precision] is not None
-                else nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=PRECISIONS[precision]) if PRECISIONS[precision] is not None else nullcontext()
+    )
     generator = torch.Generator(device).manual_seed(0)
-    x_T = torch.randn(batch, model.in_channels, model.input_size, model.input_size, generator=generator,
-                      device=device)
+    x_T = torch.randn(batch, model.in_channels, model.input_size, model.input_size, generator=generator, device=device)
     labels = torch.randint(0, NUM_CLASSES, (batch,), generator=generator, device=device)
     with torch.no_grad(), autocast:
         objective.sample(model, x_T, labels, sampler="euler" if steps is None else sampler, steps=2)
@@ -108,12 +116,26 @@ def run(args: argparse.Namespace) -> dict:
                 seconds, result = time_sampler(model, objective, sampler, steps, settings["batch"], precision, device)
                 if not torch.isfinite(result.samples).all():
                     raise RuntimeError(f"{name} {attention} {sampler} {precision}: non-finite samples")
-                rows.append({"model": f"{name}-{attention.upper()}", "name": name, "attention": attention,
-                             "sampler": sampler, "label": label, "steps": steps, "precision": precision,
-                             "nfe": result.nfe, "seconds": seconds, "images_per_s": settings["batch"] / seconds,
-                             "ms_per_nfe": 1e3 * seconds / result.nfe})
-                print(f"{name} {attention} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
-                      f"{settings['batch'] / seconds:8.3f} images/s", flush=True)
+                rows.append(
+                    {
+                        "model": f"{name}-{attention.upper()}",
+                        "name": name,
+                        "attention": attention,
+                        "sampler": sampler,
+                        "label": label,
+                        "steps": steps,
+                        "precision": precision,
+                        "nfe": result.nfe,
+                        "seconds": seconds,
+                        "images_per_s": settings["batch"] / seconds,
+                        "ms_per_nfe": 1e3 * seconds / result.nfe,
+                    }
+                )
+                print(
+                    f"{name} {attention} {label:>14} {precision}: {result.nfe:4d} NFE, {seconds:8.2f} s, "
+                    f"{settings['batch'] / seconds:8.3f} images/s",
+                    flush=True,
+                )
     return {
         "device": describe_device(device),
         "device_type": device.type,
@@ -138,15 +160,23 @@ def markdown(results: dict) -> str:
         "| model | sampler | precision | NFE | s / batch | images/s | ms / NFE | VCA / MHSA time per NFE |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
-    mhsa = {(row["name"], row["label"], row["precision"]): row["ms_per_nfe"]
-            for row in results["rows"] if row["attention"] == "mhsa"}
+    mhsa = {
+        (row["name"], row["label"], row["precision"]): row["ms_per_nfe"]
+        for row in results["rows"]
+        if row["attention"] == "mhsa"
+    }
     for row in results["rows"]:
         baseline = mhsa.get((row["name"], row["label"], row["precision"]))
         ratio = f"{row['ms_per_nfe'] / baseline:.2f}" if row["attention"] == "vca" and baseline else ""
-        lines.append(f"| {row['model']} | {row['label']} | {row['precision']} | {row['nfe']} | {row['seconds']:.2f} "
-                     f"| {row['images_per_s']:.3f} | {row['ms_per_nfe']:.1f} | {ratio} |")
-    lines += ["", "dopri5's NFE is that of a random network's field; a trained model's differs.",
-              *(f"{note}." for note in results["notes"])]
+        lines.append(
+            f"| {row['model']} | {row['label']} | {row['precision']} | {row['nfe']} | {row['seconds']:.2f} "
+            f"| {row['images_per_s']:.3f} | {row['ms_per_nfe']:.1f} | {ratio} |"
+        )
+    lines += [
+        "",
+        "dopri5's NFE is that of a random network's field; a trained model's differs.",
+        *(f"{note}." for note in results["notes"]),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -156,8 +186,11 @@ def plot(results: dict) -> "Figure":
     fig, ax = subplots(figsize=(9, 4))
     width = 0.8 / len(series)
     for i, name in enumerate(series):
-        rate = {row["label"]: row["images_per_s"] for row in results["rows"]
-                if f"{row['attention'].upper()} {row['precision']}" == name}
+        rate = {
+            row["label"]: row["images_per_s"]
+            for row in results["rows"]
+            if f"{row['attention'].upper()} {row['precision']}" == name
+        }
         ax.bar([j + i * width for j in range(len(labels))], [rate[label] for label in labels], width, label=name)
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(labels))], labels)
     ax.set_ylabel("images / s")
@@ -171,8 +204,13 @@ def main() -> None:
     parser = benchmark_parser(__doc__, quick="smoke run: tiny models, batch 4, 1/10 of the steps")
     parser.add_argument("--batch-size", type=int, help="images per batch (default 32; 4 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
-    parser.add_argument("--precisions", nargs="+", choices=tuple(PRECISIONS), default=tuple(PRECISIONS),
-                        help="precisions to time (bf16 only where the device has native bf16)")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=tuple(PRECISIONS),
+        default=tuple(PRECISIONS),
+        help="precisions to time (bf16 only where the device has native bf16)",
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

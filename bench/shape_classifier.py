@@ -16,25 +16,29 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 
 HELD_OUT_FRACTION = 0.25  # of the real images, kept from the classifier to measure its own accuracy
-MAX_ITERATIONS = 3000     # lbfgs converges well within this on 1800 images of 768 values
+MAX_ITERATIONS = 3000  # lbfgs converges well within this on 1800 images of 768 values
 
 
 def centred_pixels(images: np.ndarray) -> np.ndarray:
     """(N, S, S, 3) uint8 -> (N, 3 S S) floats: background-subtracted pixels with the foreground's centre of mass
     moved to the image centre (bilinear shift, zero outside). An image without foreground is not shifted."""
-    x = images.astype(np.float64).transpose(0, 3, 1, 2) / 255.0                        # (N, 3, S, S)
+    x = images.astype(np.float64).transpose(0, 3, 1, 2) / 255.0  # (N, 3, S, S)
     side = x.shape[-1]
     border = np.concatenate([x[:, :, 0], x[:, :, -1], x[:, :, :, 0], x[:, :, :, -1]], axis=2)  # (N, 3, 4S)
-    foreground = x - np.median(border, axis=2)[:, :, None, None]                       # (N, 3, S, S)
-    weight = np.abs(foreground).sum(axis=1)                                            # (N, S, S)
-    total = weight.sum(axis=(1, 2))                                                    # (N,)
+    foreground = x - np.median(border, axis=2)[:, :, None, None]  # (N, 3, S, S)
+    weight = np.abs(foreground).sum(axis=1)  # (N, S, S)
+    total = weight.sum(axis=(1, 2))  # (N,)
     coordinate = np.arange(side, dtype=np.float64)
     centre = (side - 1) / 2
     safe_total = np.where(total > 0, total, 1.0)
     row = np.where(total > 0, (weight.sum(axis=2) * coordinate).sum(axis=1) / safe_total, centre)  # (N,)
     col = np.where(total > 0, (weight.sum(axis=1) * coordinate).sum(axis=1) / safe_total, centre)  # (N,)
-    centred = np.stack([ndimage.shift(image, (0.0, centre - r, centre - c), order=1, mode="constant")
-                        for image, r, c in zip(foreground, row, col)])                 # (N, 3, S, S)
+    centred = np.stack(
+        [
+            ndimage.shift(image, (0.0, centre - r, centre - c), order=1, mode="constant")
+            for image, r, c in zip(foreground, row, col)
+        ]
+    )  # (N, 3, S, S)
     return centred.reshape(len(images), -1)
 
 
@@ -55,6 +59,7 @@ class ShapeClassifier:
 def fit_shape_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> ShapeClassifier:
     """Fit on a stratified 75 % of the real images (N, S, S, 3) uint8 and score the other 25 %."""
     train_x, test_x, train_y, test_y = train_test_split(
-        centred_pixels(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed)
+        centred_pixels(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed
+    )
     model = LogisticRegression(max_iter=MAX_ITERATIONS).fit(train_x, train_y)
     return ShapeClassifier(model, float(model.score(test_x, test_y)), len(train_y), len(test_y))

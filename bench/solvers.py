@@ -23,15 +23,18 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from commands import UserError, run_command
 from bench._harness import benchmark_parser, describe_device, save_results, subplots, synchronize
+from commands import UserError, run_command
 from generation import ExportError, ImageGenerator, read_export
 
 REPO = Path(__file__).resolve().parents[1]
 
 # (sampler, steps): the baselines first, then the fast solvers.
-FULL_RUNS = (("ddpm", 250), ("ddim", 50), *((solver, steps) for solver in ("dpm++2m", "unipc")
-                                             for steps in (10, 20, 50)))
+FULL_RUNS = (
+    ("ddpm", 250),
+    ("ddim", 50),
+    *((solver, steps) for solver in ("dpm++2m", "unipc") for steps in (10, 20, 50)),
+)
 QUICK_RUNS = (("ddpm", 5), ("dpm++2m", 2), ("unipc", 2))
 FULL = {"num_samples": 1000, "num_real": None, "batch": 250}
 QUICK = {"num_samples": 16, "num_real": 64, "batch": 16}
@@ -50,34 +53,49 @@ def load_generator(args: argparse.Namespace, device: torch.device) -> tuple[Imag
         import dit_vca
 
         torch.manual_seed(0)  # the initialisation, so that quick runs repeat
-        model = dit_vca.create_model("DiT-S/2", input_size=8, in_channels=1, num_classes=NUM_CLASSES, depth=1,
-                                     hidden_size=32, num_heads=2, learn_sigma=False)
+        model = dit_vca.create_model(
+            "DiT-S/2",
+            input_size=8,
+            in_channels=1,
+            num_classes=NUM_CLASSES,
+            depth=1,
+            hidden_size=32,
+            num_heads=2,
+            learn_sigma=False,
+        )
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for parameter in model.parameters():
                 if parameter.requires_grad:  # adaLN-Zero: the untrained network would be the zero function
                     parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-        images = ImageGenerator(model.eval().to(device), dit_vca.create_diffusion(learn_sigma=False),
-                                lambda x: x.clamp(-1, 1), NUM_CLASSES)
+        images = ImageGenerator(
+            model.eval().to(device), dit_vca.create_diffusion(learn_sigma=False), lambda x: x.clamp(-1, 1), NUM_CLASSES
+        )
         return images, "random 1-block DiT-S/2 (quick)"
     try:
         export = read_export(args.ckpt)
     except ExportError:
-        raise CheckpointError(f"--ckpt {args.ckpt}: no trained digits export there; run `make demo` (or python "
-                              f"train.py --config configs/digits.yaml run.dir={DEFAULT_CKPT.relative_to(REPO)}) "
-                              f"first") from None
+        raise CheckpointError(
+            f"--ckpt {args.ckpt}: no trained digits export there; run `make demo` (or python "
+            f"train.py --config configs/digits.yaml run.dir={DEFAULT_CKPT.relative_to(REPO)}) "
+            f"first"
+        ) from None
     description = export.description
     if not description.in_pixel_space or description.image_size != 8:
-        raise CheckpointError(f"--ckpt {args.ckpt}: not a digits model (8x8 pixels); got {description.space}, "
-                              f"{description.image_size} px")
+        raise CheckpointError(
+            f"--ckpt {args.ckpt}: not a digits model (8x8 pixels); got {description.space}, {description.image_size} px"
+        )
     if description.objective["kind"] != "diffusion":
         raise CheckpointError(f"--ckpt {args.ckpt}: a {description.objective['kind']} model; these solvers need DDPM")
-    return (ImageGenerator.from_export(export, device),
-            f"{description.model['name']}-{description.model['attention'].upper()}")
+    return (
+        ImageGenerator.from_export(export, device),
+        f"{description.model['name']}-{description.model['attention'].upper()}",
+    )
 
 
-def sample_set(generator: ImageGenerator, sampler: str, steps: int, settings: dict,
-               device: torch.device) -> tuple[np.ndarray, np.ndarray, float, int]:
+def sample_set(
+    generator: ImageGenerator, sampler: str, steps: int, settings: dict, device: torch.device
+) -> tuple[np.ndarray, np.ndarray, float, int]:
     """(images (N, 8, 8, 3) uint8, labels (N,), seconds, NFE per sample) for seeds 0..N-1, labels i % 10."""
     n, images = settings["num_samples"], []
     labels = np.arange(n) % NUM_CLASSES
@@ -86,7 +104,7 @@ def sample_set(generator: ImageGenerator, sampler: str, steps: int, settings: di
     synchronize(device)
     start = time.perf_counter()
     for batch in batches:
-        images.append(generator.generate(labels[batch.start:batch.stop], list(batch), sampler=sampler, steps=steps))
+        images.append(generator.generate(labels[batch.start : batch.stop], list(batch), sampler=sampler, steps=steps))
     synchronize(device)
     nfe = (generator.model_evaluations - evaluations) // len(batches)
     return np.concatenate(images), labels, time.perf_counter() - start, nfe
@@ -103,19 +121,29 @@ def run(args: argparse.Namespace) -> dict:
     generator, model_name = load_generator(args, device)  # first: a missing checkpoint fails before Inception loads
     real_images, real_labels = real_digits()
     classifier = fit_classifier(real_images, real_labels)
-    reference_images = real_images if settings["num_real"] is None else real_images[:settings["num_real"]]
+    reference_images = real_images if settings["num_real"] is None else real_images[: settings["num_real"]]
     extractor = load_inception("bundled", device=device)
     reference = gaussian_of(real_digit_features(reference_images, extractor))  # committed features when they fit
     rows = []
-    for sampler, steps in (QUICK_RUNS if args.quick else FULL_RUNS):
+    for sampler, steps in QUICK_RUNS if args.quick else FULL_RUNS:
         images, labels, seconds, nfe = sample_set(generator, sampler, steps, settings, device)
         fid = fid_from_batches(batches(images, f"{sampler}-{steps}"), reference, extractor)
-        row = {"sampler": sampler, "label": f"{LABELS[sampler]}-{steps}", "steps": steps, "nfe": nfe, "fid": fid,
-               "accuracy": classifier.accuracy(images, labels), "seconds": seconds,
-               "images_per_s": len(images) / seconds}
+        row = {
+            "sampler": sampler,
+            "label": f"{LABELS[sampler]}-{steps}",
+            "steps": steps,
+            "nfe": nfe,
+            "fid": fid,
+            "accuracy": classifier.accuracy(images, labels),
+            "seconds": seconds,
+            "images_per_s": len(images) / seconds,
+        }
         rows.append(row)
-        print(f"{row['label']:>22}: NFE {nfe:4d}, FID {fid:8.3f}, accuracy {100 * row['accuracy']:5.1f} %, "
-              f"{seconds:7.1f} s", flush=True)
+        print(
+            f"{row['label']:>22}: NFE {nfe:4d}, FID {fid:8.3f}, accuracy {100 * row['accuracy']:5.1f} %, "
+            f"{seconds:7.1f} s",
+            flush=True,
+        )
     return {
         "device": describe_device(device),
         "torch": torch.__version__,
@@ -143,15 +171,16 @@ def markdown(results: dict) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for row in results["rows"]:
-        lines.append(f"| {row['label']} | {row['nfe']} | {row['fid']:.2f} | {100 * row['accuracy']:.1f} % "
-                     f"| {row['seconds']:.2f} |")
+        lines.append(
+            f"| {row['label']} | {row['nfe']} | {row['fid']:.2f} | {100 * row['accuracy']:.1f} % "
+            f"| {row['seconds']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict) -> Figure:
     fig, axes = subplots(1, 2, figsize=(10, 4))
-    for metric, ax, label in (("fid", axes[0], "FID (lower is better)"),
-                              ("accuracy", axes[1], "classifier accuracy")):
+    for metric, ax, label in (("fid", axes[0], "FID (lower is better)"), ("accuracy", axes[1], "classifier accuracy")):
         for sampler in dict.fromkeys(row["sampler"] for row in results["rows"]):
             rows = [row for row in results["rows"] if row["sampler"] == sampler]
             ax.plot([row["nfe"] for row in rows], [row[metric] for row in rows], marker="o", label=LABELS[sampler])

@@ -28,15 +28,22 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from diffusers import AutoencoderKL
 from torch.utils.data import Dataset
 
-from bench._harness import (benchmark_parser, bf16_skip_reason, cpu_vector_flags, describe_device, save_results, saved_activation_bytes,
-                            subplots, synchronize)
+from bench._harness import (
+    benchmark_parser,
+    bf16_skip_reason,
+    cpu_vector_flags,
+    describe_device,
+    save_results,
+    saved_activation_bytes,
+    subplots,
+    synchronize,
+)
 from generation.objective import create_objective
 from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling
 from training.build import TrainingParts, build_model, create_optimizer, objective_spec
@@ -57,12 +64,12 @@ TIME_GOALS = {(256, None): 1.00, (512, None): 0.90, (512, FIXED_GRID): 0.67}
 
 @dataclass(frozen=True)
 class Case:
-    model: str              # "DiT-S/2" or "SiT-S/2"
-    image_size: int         # pixels; latents are image_size / 8
-    attention: str          # "mhsa" or "vca"
-    contrast_grid: Optional[int]
-    precision: str          # "fp32" or "bf16"
-    source: str             # "latents" or "images" (online VAE encoding)
+    model: str  # "DiT-S/2" or "SiT-S/2"
+    image_size: int  # pixels; latents are image_size / 8
+    attention: str  # "mhsa" or "vca"
+    contrast_grid: int | None
+    precision: str  # "fp32" or "bf16"
+    source: str  # "latents" or "images" (online VAE encoding)
     compiled: bool = False  # the model under torch.compile (train.compile=true)
 
     @property
@@ -90,16 +97,21 @@ def all_cases(precisions: tuple[str, ...], online: set[tuple[str, int]]) -> list
 def goal_cases(precision: str = "fp32") -> list[Case]:
     """The cases of TIME_GOALS and their MHSA baselines (the goals are written for fp32)."""
     sizes = sorted({size for size, _ in TIME_GOALS})
-    return [Case("DiT-S/2", size, attention, grid, precision, "latents") for size in sizes
-            for attention, grid in [("mhsa", None)] + [("vca", g) for s, g in TIME_GOALS if s == size]]
+    return [
+        Case("DiT-S/2", size, attention, grid, precision, "latents")
+        for size in sizes
+        for attention, grid in [("mhsa", None)] + [("vca", g) for s, g in TIME_GOALS if s == size]
+    ]
 
 
 def quick_cases() -> list[Case]:
     """One case per code path (MHSA, VCA, fixed grid, SiT, bf16, online encoding), small enough for seconds."""
-    return [Case("DiT-S/2", 256, "mhsa", None, "fp32", "latents"),
-            Case("DiT-S/2", 256, "vca", None, "fp32", "latents"),
-            Case("SiT-S/2", 256, "vca", FIXED_GRID, "bf16", "latents"),
-            Case("DiT-S/2", 64, "vca", None, "fp32", "images")]
+    return [
+        Case("DiT-S/2", 256, "mhsa", None, "fp32", "latents"),
+        Case("DiT-S/2", 256, "vca", None, "fp32", "latents"),
+        Case("SiT-S/2", 256, "vca", FIXED_GRID, "bf16", "latents"),
+        Case("DiT-S/2", 64, "vca", None, "fp32", "images"),
+    ]
 
 
 class RandomExamples(Dataset):
@@ -119,9 +131,15 @@ class RandomExamples(Dataset):
 
 def case_config(case: Case, batch_size: int, run_dir: Path, extra: list[str]) -> Config:
     family = case.model.split("-")[0].lower()
-    overrides = [*extra, f"train.global_batch_size={batch_size}", f"train.mixed_precision={case.precision}",
-                 f"data.image_size={case.image_size}", "log.trackers=[]", f"run.dir={run_dir}",
-                 f"train.cpu={not torch.cuda.is_available()}"]
+    overrides = [
+        *extra,
+        f"train.global_batch_size={batch_size}",
+        f"train.mixed_precision={case.precision}",
+        f"data.image_size={case.image_size}",
+        "log.trackers=[]",
+        f"run.dir={run_dir}",
+        f"train.cpu={not torch.cuda.is_available()}",
+    ]
     if case.contrast_grid:
         overrides.append(f"model.vca.contrast_grid={case.contrast_grid}")
     if case.compiled:
@@ -150,8 +168,18 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
         optimizer, scheduler = create_optimizer(model, config, device)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         batches = ShardedBatches(dataset, batch_size, 0, 1, seed=0, num_workers=0)
-        parts = TrainingParts(model, ema, create_objective(objective_spec(config)), optimizer, scheduler, batches,
-                              encoder=vae, preview=None, export=None, fid_extractor=None)  # no grids, checkpoints, FID
+        parts = TrainingParts(
+            model,
+            ema,
+            create_objective(objective_spec(config)),
+            optimizer,
+            scheduler,
+            batches,
+            encoder=vae,
+            preview=None,
+            export=None,
+            fid_extractor=None,
+        )  # no grids, checkpoints, FID
         trainer = Trainer(accelerator, config, RunDirectory(Path(run_dir)), parts, TrainerState())
         stream = batches.stream()
         first_started = time.perf_counter()
@@ -172,14 +200,23 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
         saved = saved_forward_mib(model, batch_size, latent_side, case.precision, device) if count_memory else None
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return {**asdict(case), "label": case.label, "batch_size": batch_size, "seconds_per_step": seconds,
-            "steps_per_s": 1 / seconds, "images_per_s": batch_size / seconds, "peak_memory_gib": peak,
-            "saved_mib": saved, "first_step_seconds": first_step,
-            "compile_seconds": first_step - seconds if case.compiled else None}
+    return {
+        **asdict(case),
+        "label": case.label,
+        "batch_size": batch_size,
+        "seconds_per_step": seconds,
+        "steps_per_s": 1 / seconds,
+        "images_per_s": batch_size / seconds,
+        "peak_memory_gib": peak,
+        "saved_mib": saved,
+        "first_step_seconds": first_step,
+        "compile_seconds": first_step - seconds if case.compiled else None,
+    }
 
 
-def saved_forward_mib(model: torch.nn.Module, batch_size: int, latent_side: int, precision: str,
-                      device: torch.device) -> float:
+def saved_forward_mib(
+    model: torch.nn.Module, batch_size: int, latent_side: int, precision: str, device: torch.device
+) -> float:
     """MiB of activations saved for backward by one forward pass of `model` on a batch of random latents."""
     latents = torch.randn(batch_size, LATENT_CHANNELS, latent_side, latent_side, device=device)
     timesteps = torch.randint(0, 1000, (batch_size,), device=device)
@@ -194,22 +231,40 @@ def median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
     results = []
     for measured in zip(*rounds):
         seconds = statistics.median(r["seconds_per_step"] for r in measured)
-        results.append({**measured[0], "seconds_per_step": seconds, "steps_per_s": 1 / seconds,
-                        "images_per_s": measured[0]["batch_size"] / seconds,
-                        "rounds_seconds_per_step": [r["seconds_per_step"] for r in measured]})
+        results.append(
+            {
+                **measured[0],
+                "seconds_per_step": seconds,
+                "steps_per_s": 1 / seconds,
+                "images_per_s": measured[0]["batch_size"] / seconds,
+                "rounds_seconds_per_step": [r["seconds_per_step"] for r in measured],
+            }
+        )
     return results
 
 
 def vca_speedups(results: list[dict]) -> list[dict]:
     """images/s of each VCA case over the MHSA case with the same model, size, precision and source, and the
     inverse, VCA's time per step over MHSA's (the issue's goals are written in it)."""
-    key = lambda r: (r["model"], r["image_size"], r["precision"], r["source"], r.get("compiled", False))
+
+    def key(r):
+        return (r["model"], r["image_size"], r["precision"], r["source"], r.get("compiled", False))
+
     mhsa = {key(r): r for r in results if r["attention"] == "mhsa"}
-    return [{"label": r["label"], "speedup_over_mhsa": r["images_per_s"] / mhsa[key(r)]["images_per_s"],
-             "time_ratio": r["seconds_per_step"] / mhsa[key(r)]["seconds_per_step"],
-             "saved_ratio": (r["saved_mib"] / mhsa[key(r)]["saved_mib"]
-                             if r["saved_mib"] is not None and mhsa[key(r)]["saved_mib"] else None)}
-            for r in results if r["attention"] == "vca" and key(r) in mhsa]
+    return [
+        {
+            "label": r["label"],
+            "speedup_over_mhsa": r["images_per_s"] / mhsa[key(r)]["images_per_s"],
+            "time_ratio": r["seconds_per_step"] / mhsa[key(r)]["seconds_per_step"],
+            "saved_ratio": (
+                r["saved_mib"] / mhsa[key(r)]["saved_mib"]
+                if r["saved_mib"] is not None and mhsa[key(r)]["saved_mib"]
+                else None
+            ),
+        }
+        for r in results
+        if r["attention"] == "vca" and key(r) in mhsa
+    ]
 
 
 def goal_verdicts(speedups: list[dict]) -> list[dict]:
@@ -229,20 +284,27 @@ def goal_verdicts(speedups: list[dict]) -> list[dict]:
 
 
 def goal_lines(report: dict) -> list[str]:
-    return [f"- {v['label']}: VCA/MHSA time = {v['ratio']:.2f} (goal <= {v['limit']:.2f}, {v['verdict']})"
-            for v in goal_verdicts(report["vca_speedups"])]
+    return [
+        f"- {v['label']}: VCA/MHSA time = {v['ratio']:.2f} (goal <= {v['limit']:.2f}, {v['verdict']})"
+        for v in goal_verdicts(report["vca_speedups"])
+    ]
 
 
 def markdown(report: dict) -> str:
     quick = " (--quick: smoke run, not meaningful)" if report["quick"] else ""
     rounds = f", median of {report['rounds']} interleaved rounds" if report["rounds"] > 1 else ""
-    lines = [f"# Training throughput on {report['device']} ({' '.join(report['cpu_flags']) or 'no AVX'})", "",
-             f"batch {report['batch_size']}, {report['steps']} timed steps after {report['warmup']} warm-up steps"
-             f"{rounds}{quick}; allocator: {report['allocator']}; saved MiB = activations one forward pass saves "
-             f"for backward; compile s = the first step's time minus a steady step's (torch.compile, inductor, "
-             f"default settings), apart from the timed steps", "",
-             "| case | steps/s | images/s | VCA / MHSA speed | VCA / MHSA time | saved MiB | VCA / MHSA saved "
-             "| peak GiB | compile s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Training throughput on {report['device']} ({' '.join(report['cpu_flags']) or 'no AVX'})",
+        "",
+        f"batch {report['batch_size']}, {report['steps']} timed steps after {report['warmup']} warm-up steps"
+        f"{rounds}{quick}; allocator: {report['allocator']}; saved MiB = activations one forward pass saves "
+        f"for backward; compile s = the first step's time minus a steady step's (torch.compile, inductor, "
+        f"default settings), apart from the timed steps",
+        "",
+        "| case | steps/s | images/s | VCA / MHSA speed | VCA / MHSA time | saved MiB | VCA / MHSA saved "
+        "| peak GiB | compile s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     speedups = {s["label"]: s for s in report["vca_speedups"]}
     for r in report["results"]:
         s = speedups.get(r["label"])
@@ -252,10 +314,12 @@ def markdown(report: dict) -> str:
         saved = f"{r['saved_mib']:.0f}" if r["saved_mib"] is not None else ""
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else ""
         compile_time = f"{r['compile_seconds']:.1f}" if r.get("compile_seconds") is not None else ""
-        lines.append(f"| {r['label']} | {r['steps_per_s']:.3f} | {r['images_per_s']:.2f} | {speed} | {time_ratio} "
-                     f"| {saved} | {saved_ratio} | {memory} | {compile_time} |")
+        lines.append(
+            f"| {r['label']} | {r['steps_per_s']:.3f} | {r['images_per_s']:.2f} | {speed} | {time_ratio} "
+            f"| {saved} | {saved_ratio} | {memory} | {compile_time} |"
+        )
     goals = goal_lines(report)
-    lines += ([""] + ["Goals (VCA / MHSA time per training step):"] + goals if goals else [])
+    lines += [""] + ["Goals (VCA / MHSA time per training step):"] + goals if goals else []
     lines += [""] + [f"{note}." for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -264,8 +328,11 @@ def plot(report: dict):
     """Bar chart of images/s per case (VCA orange, MHSA blue)."""
     results = report["results"]
     figure, axis = subplots(figsize=(9, 0.35 * len(results) + 1.2))
-    axis.barh([r["label"] for r in results], [r["images_per_s"] for r in results],
-              color=["tab:orange" if r["attention"] == "vca" else "tab:blue" for r in results])
+    axis.barh(
+        [r["label"] for r in results],
+        [r["images_per_s"] for r in results],
+        color=["tab:orange" if r["attention"] == "vca" else "tab:blue" for r in results],
+    )
     axis.invert_yaxis()
     axis.set_xlabel("images / s (training)")
     axis.set_title(f"Training throughput, {report['device']}, batch {report['batch_size']}")
@@ -273,16 +340,23 @@ def plot(report: dict):
     return figure
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__, quick="a few cases, tiny batch: checks the script runs", device=False)
     parser.add_argument("--batch-size", type=int, help="default: 32 on GPU, 8 on CPU (2 with --quick)")
     parser.add_argument("--steps", type=int, help="timed steps per case (default 20 GPU, 3 CPU, 2 quick)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 5 GPU, 1 CPU/quick)")
     parser.add_argument("--goal-rows", action="store_true", help="only the cases of the issue's time goals")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="precision of the --goal-rows cases (the goals are written for fp32)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time every case under torch.compile (the warm-up steps include compiling)")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="precision of the --goal-rows cases (the goals are written for fp32)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time every case under torch.compile (the warm-up steps include compiling)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="measure every case this many times in turn; median")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the run (default: torch's)")
     args = parser.parse_args(argv)
@@ -300,11 +374,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if skip_bf16:
         notes.append(skip_bf16)
         precisions = ("fp32",)
-    online = {(model, size) for model in ("DiT-S/2", "SiT-S/2") for size in (256, 512)} if gpu \
-        else {("DiT-S/2", 256)}
+    online = {(model, size) for model in ("DiT-S/2", "SiT-S/2") for size in (256, 512)} if gpu else {("DiT-S/2", 256)}
     if not gpu:
-        notes.append("online encoding timed for DiT-S/2 at 256 px only: the SD-VAE encoder (0.27 TFLOP per 256 px "
-                     "image, 1.12 at 512 px) dominates such a step on the CPU, and SiT-S/2's network costs the same")
+        notes.append(
+            "online encoding timed for DiT-S/2 at 256 px only: the SD-VAE encoder (0.27 TFLOP per 256 px "
+            "image, 1.12 at 512 px) dominates such a step on the CPU, and SiT-S/2's network costs the same"
+        )
     if args.quick:
         cases = [case for case in quick_cases() if case.precision in precisions]
     elif args.goal_rows:
@@ -320,16 +395,31 @@ def main(argv: Optional[list[str]] = None) -> None:
         for case in cases:
             rounds[-1].append(measure(case, batch_size, warmup, steps, extra, count_memory=round_index == 0))
             r = rounds[-1][-1]
-            print(f"round {round_index + 1}: {case.label:45s} {r['steps_per_s']:8.3f} steps/s "
-                  f"{r['images_per_s']:9.2f} images/s", flush=True)
+            print(
+                f"round {round_index + 1}: {case.label:45s} {r['steps_per_s']:8.3f} steps/s "
+                f"{r['images_per_s']:9.2f} images/s",
+                flush=True,
+            )
     results = median_over_rounds(rounds)
     allocator = "glibc, MALLOC_MMAP_MAX_=0" if os.environ.get("MALLOC_MMAP_MAX_") == "0" else "glibc defaults"
-    report = {"device": describe_device(device), "cpu_flags": cpu_vector_flags(), "quick": args.quick,
-              "overrides": extra, "batch_size": batch_size, "steps": steps, "warmup": warmup, "rounds": args.rounds,
-              "allocator": allocator, "torch": torch.__version__, "notes": notes, "results": results,
-              "vca_speedups": vca_speedups(results)}
+    report = {
+        "device": describe_device(device),
+        "cpu_flags": cpu_vector_flags(),
+        "quick": args.quick,
+        "overrides": extra,
+        "batch_size": batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "rounds": args.rounds,
+        "allocator": allocator,
+        "torch": torch.__version__,
+        "notes": notes,
+        "results": results,
+        "vca_speedups": vca_speedups(results),
+    }
     save_results(args.out, f"train-{device.type}{'-quick' if args.quick else ''}", report, markdown(report), plot)
     print(markdown(report))
+
 
 if __name__ == "__main__":
     main()

@@ -41,5 +41,6 @@ def find_config(name: str | Path) -> Path:
     shipped = CONFIG_DIR / (path.stem + SUFFIX)
     if shipped.is_file():
         return shipped
-    raise UnknownConfigError(f"config {str(name)!r} is neither a file nor a shipped config; shipped configs: "
-                             f"{', '.join(config_names())}")
+    raise UnknownConfigError(
+        f"config {str(name)!r} is neither a file nor a shipped config; shipped configs: {', '.join(config_names())}"
+    )

@@ -151,10 +151,19 @@ class VisualContrastAttention(nn.Module):
         options, device_type = self.options, x.device.type
         autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
-        layout = KernelLayout(self.num_heads, self.grid_size, self.contrast_grid, options.joint_softmax,
-                              options.stage1_differential, options.stage2_differential, options.pooled_content,
-                              self.lambda_init, NORM_EPS, self.recompute_qkv,
-                              stage2_uses_sdpa(device_type) if self.stage2_sdpa is None else self.stage2_sdpa)
+        layout = KernelLayout(
+            self.num_heads,
+            self.grid_size,
+            self.contrast_grid,
+            options.joint_softmax,
+            options.stage1_differential,
+            options.stage2_differential,
+            options.pooled_content,
+            self.lambda_init,
+            NORM_EPS,
+            self.recompute_qkv,
+            stage2_uses_sdpa(device_type) if self.stage2_sdpa is None else self.stage2_sdpa,
+        )
         core = vca_core(
             x.to(dtype),  # (B, N, C)
             self.qkv.weight,

@@ -26,10 +26,10 @@ SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta"),
 DEFAULT_STEPS = {"ddpm": 250, "ddim": 50, **{name: 20 for name in SCHEDULERS}}
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # Schedules and respacing
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def linear_betas(num_timesteps: int = NUM_TIMESTEPS) -> np.ndarray:
     """Ho et al.'s linear betas, stretched so that any number of steps covers the same noise range."""
@@ -47,7 +47,7 @@ def space_timesteps(num_timesteps: int, spec: str) -> list[int]:
     if spec == "":
         return list(range(num_timesteps))
     if spec.startswith("ddim"):
-        count = _parse_count(spec, spec[len("ddim"):])
+        count = _parse_count(spec, spec[len("ddim") :])
         for stride in range(1, num_timesteps):
             if len(range(0, num_timesteps, stride)) == count:
                 return list(range(0, num_timesteps, stride))
@@ -74,6 +74,7 @@ def _parse_count(spec: str, text: str) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # Gaussian helpers (nats)
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:
     """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) per element."""
@@ -114,6 +115,7 @@ def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tens
 # The diffusion process
 # ----------------------------------------------------------------------------------------------------------------
 
+
 class GaussianDiffusion:
     """A (possibly respaced) DDPM process with epsilon prediction and, when learn_sigma, a learned-range variance.
 
@@ -124,8 +126,13 @@ class GaussianDiffusion:
     "tanh", the official ADM/DiT form (default), or "exact".
     """
 
-    def __init__(self, betas: np.ndarray, learn_sigma: bool = True, timestep_map: list[int] | None = None,
-                 decoder_cdf: str = "tanh"):
+    def __init__(
+        self,
+        betas: np.ndarray,
+        learn_sigma: bool = True,
+        timestep_map: list[int] | None = None,
+        decoder_cdf: str = "tanh",
+    ):
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array with values in (0, 1]")
@@ -158,12 +165,13 @@ class GaussianDiffusion:
         self.posterior_variance = as_tensor(posterior_variance)
         self.posterior_log_variance_clipped = as_tensor(np.log(clipped))
         self.posterior_mean_coef1 = as_tensor(betas * np.sqrt(alphas_cumprod_prev) / (1.0 - alphas_cumprod))
-        self.posterior_mean_coef2 = as_tensor((1.0 - alphas_cumprod_prev) * np.sqrt(1.0 - betas)
-                                              / (1.0 - alphas_cumprod))
+        self.posterior_mean_coef2 = as_tensor(
+            (1.0 - alphas_cumprod_prev) * np.sqrt(1.0 - betas) / (1.0 - alphas_cumprod)
+        )
         self.log_betas = as_tensor(np.log(betas))
         self.fixed_log_variance = as_tensor(np.log(fixed_large))
         self._device_tables: dict[tuple[str, torch.device], Tensor] = {}  # see _table
-        self._respacings: dict[str, "GaussianDiffusion"] = {}  # see respaced
+        self._respacings: dict[str, GaussianDiffusion] = {}  # see respaced
 
     # -- respacing --------------------------------------------------------------------------------------------
 
@@ -201,8 +209,10 @@ class GaussianDiffusion:
 
     def q_sample(self, x_start: Tensor, t: Tensor, noise: Tensor) -> Tensor:
         """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, a draw from q(x_t | x_0)."""
-        return (self._at("sqrt_alphas_cumprod", t, x_start) * x_start
-                + self._at("sqrt_one_minus_alphas_cumprod", t, x_start) * noise)
+        return (
+            self._at("sqrt_alphas_cumprod", t, x_start) * x_start
+            + self._at("sqrt_one_minus_alphas_cumprod", t, x_start) * noise
+        )
 
     def q_posterior_mean_variance(self, x_start: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x_0)."""
@@ -218,14 +228,17 @@ class GaussianDiffusion:
         channels = x_t.shape[1]
         expected = 2 * channels if self.learn_sigma else channels
         if model_output.shape[1] != expected:
-            raise ValueError(f"model output has {model_output.shape[1]} channels; expected {expected} for "
-                             f"{channels}-channel inputs with learn_sigma={self.learn_sigma}")
+            raise ValueError(
+                f"model output has {model_output.shape[1]} channels; expected {expected} for "
+                f"{channels}-channel inputs with learn_sigma={self.learn_sigma}"
+            )
         model_output = model_output.to(x_t.dtype)
         if self.learn_sigma:
             eps, v = model_output.split(channels, dim=1)  # (B, C, H, W) each
             frac = (v + 1) / 2
-            log_variance = (frac * self._at("log_betas", t, x_t)
-                            + (1 - frac) * self._at("posterior_log_variance_clipped", t, x_t))
+            log_variance = frac * self._at("log_betas", t, x_t) + (1 - frac) * self._at(
+                "posterior_log_variance_clipped", t, x_t
+            )
         else:
             eps = model_output
             log_variance = self._at("fixed_log_variance", t, x_t).expand_as(x_t)
@@ -249,8 +262,9 @@ class GaussianDiffusion:
         nll = -discretized_gaussian_log_likelihood(x_start, step.mean, 0.5 * step.log_variance, self.decoder_cdf)
         return torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)  # (B,)
 
-    def training_losses(self, model: ModelFn, x: Tensor, y: Tensor, t: Tensor | None = None,
-                        noise: Tensor | None = None) -> dict[str, Tensor]:
+    def training_losses(
+        self, model: ModelFn, x: Tensor, y: Tensor, t: Tensor | None = None, noise: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """Per-sample losses (B,) for clean inputs x: "mse" of the predicted noise, "vb" (bits/dim) training only
         the variance (the mean is detached, as in improved DDPM's hybrid loss; DiT adds it unscaled), and their
         sum "loss". t defaults to uniform process steps; the model sees the original timestep indices."""
@@ -263,7 +277,7 @@ class GaussianDiffusion:
         eps = output[:, : x.shape[1]]
         terms = {"mse": mean_flat((noise - eps) ** 2)}
         if self.learn_sigma:
-            frozen_mean = torch.cat([eps.detach(), output[:, x.shape[1]:]], dim=1)
+            frozen_mean = torch.cat([eps.detach(), output[:, x.shape[1] :]], dim=1)
             terms["vb"] = self.vb_terms_bits(x, x_t, t, self.p_mean_variance(frozen_mean, x_t, t))
             terms["loss"] = terms["mse"] + terms["vb"]
         else:
@@ -275,9 +289,18 @@ class GaussianDiffusion:
     default_sampler = "ddpm"
     sampler_names = tuple(SAMPLER_OPTIONS)
 
-    def sample(self, model_fn: ModelFn, x_T: Tensor, labels: Tensor, *, sampler: str = "ddpm",
-               steps: int | None = None, noise: PerSampleNoise | None = None, progress: bool = False,
-               **options) -> SampleResult:
+    def sample(
+        self,
+        model_fn: ModelFn,
+        x_T: Tensor,
+        labels: Tensor,
+        *,
+        sampler: str = "ddpm",
+        steps: int | None = None,
+        noise: PerSampleNoise | None = None,
+        progress: bool = False,
+        **options,
+    ) -> SampleResult:
         """Sample with "ddpm" (ancestral, respaced to `steps`, default 250), "ddim" (spacing "ddimK", default 50;
         option eta, default 0) or the deterministic multistep solvers "dpm++2m" and "unipc" (default 20 steps,
         spread over this process by diffusers' schedulers). Option clip_denoised (DDPM/DDIM) clamps predicted x_0
@@ -292,8 +315,12 @@ class GaussianDiffusion:
             return run(model_fn, x_T, labels, process, noise=noise, progress=progress, **options)
 
 
-def create_diffusion(timestep_respacing: str = "", learn_sigma: bool = True,
-                     diffusion_steps: int = NUM_TIMESTEPS, decoder_cdf: str = "tanh") -> GaussianDiffusion:
+def create_diffusion(
+    timestep_respacing: str = "",
+    learn_sigma: bool = True,
+    diffusion_steps: int = NUM_TIMESTEPS,
+    decoder_cdf: str = "tanh",
+) -> GaussianDiffusion:
     """DiT's diffusion: `diffusion_steps` linear-beta steps, respaced by `timestep_respacing` ("" = all steps).
 
     As in DiT, even the full process is built through respacing, so its betas are recomputed from alphas_cumprod.

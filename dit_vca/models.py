@@ -220,8 +220,9 @@ class DiT(nn.Module):
         x = x.reshape(x.shape[0], grid, grid, p, p, c)  # (B, h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, grid * p, grid * p)  # (B, c, H, W)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor,
-                hidden_after: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, t: Tensor, y: Tensor, hidden_after: int | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """The prediction (B, out, H, W); with `hidden_after=k` also the tokens (B, N, C) after block k (1-based),
         which representation alignment (training.repa) trains towards an encoder's features."""
         x = self.x_embedder(x) + self.pos_embed  # (B, N, C)
@@ -256,8 +257,10 @@ class ModelFamily:
     learn_sigma: bool  # default: DDPM learns its variance; SiT predicts velocity only
 
 
-MODEL_FAMILIES = {"DiT": ModelFamily(objective="diffusion", learn_sigma=True),
-                  "SiT": ModelFamily(objective="transport", learn_sigma=False)}
+MODEL_FAMILIES = {
+    "DiT": ModelFamily(objective="diffusion", learn_sigma=True),
+    "SiT": ModelFamily(objective="transport", learn_sigma=False),
+}
 
 
 def model_names(family: str) -> tuple[str, ...]:
@@ -271,7 +274,7 @@ def all_model_names() -> tuple[str, ...]:
 
 
 def model_family(name: str) -> str:
-    """"DiT" or "SiT" for a valid model name such as "SiT-XL/2"; ValueError naming the valid names otherwise."""
+    """ "DiT" or "SiT" for a valid model name such as "SiT-XL/2"; ValueError naming the valid names otherwise."""
     family = name.split("-", 1)[0] if isinstance(name, str) else None
     if family not in MODEL_FAMILIES or name not in model_names(family):
         raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(all_model_names())}")

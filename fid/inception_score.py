@@ -10,9 +10,7 @@ def inception_score(logits: torch.Tensor | np.ndarray, split_size: int = IS_SPLI
     """Mean over splits of exp(E_x KL(p(y|x) || p(y))), from 1008-class logits (N, C) in file order."""
     logits = torch.as_tensor(logits, dtype=torch.float64)  # (N, C)
     if len(logits) < split_size:
-        raise ValueError(
-            f"the Inception Score uses splits of {split_size} samples; got only {len(logits)} samples"
-        )
+        raise ValueError(f"the Inception Score uses splits of {split_size} samples; got only {len(logits)} samples")
     log_p = torch.log_softmax(logits, dim=1)  # (N, C); log-space keeps p log p finite where p underflows
     scores = []
     for part in log_p.split(split_size):

@@ -96,8 +96,10 @@ class FolderImages:
             first = self.files[0]
             for file in self.files[1:]:
                 if sizes[file] != sizes[first]:
-                    raise InputError(f"{file}: size {sizes[file]} differs from {first}'s {sizes[first]}; "
-                                     "--center-crop SIZE brings images of any size to SIZE x SIZE as ADM does")
+                    raise InputError(
+                        f"{file}: size {sizes[file]} differs from {first}'s {sizes[first]}; "
+                        "--center-crop SIZE brings images of any size to SIZE x SIZE as ADM does"
+                    )
 
     def __len__(self) -> int:
         return len(self.files)
@@ -105,8 +107,9 @@ class FolderImages:
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         """Yield (B, H, W, 3) uint8 arrays in sorted path order."""
         for start in range(0, len(self), batch_size):
-            images = [image for path in self.files[start : start + batch_size]
-                      if (image := self._read(path)) is not None]
+            images = [
+                image for path in self.files[start : start + batch_size] if (image := self._read(path)) is not None
+            ]
             if images:
                 yield np.stack(images)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from atomic_files import atomic_output
+
 from .errors import InputError
 
 # ADM reference-batch keys: pool_3 statistics and sFID (spatial) statistics.
@@ -129,8 +130,9 @@ def load_statistics(path: str | os.PathLike) -> StatisticsFile:
                 try:
                     mean, cov = npz[mean_key].astype(np.float64), npz[cov_key].astype(np.float64)
                 except (ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile) as error:  # object arrays, cuts
-                    raise InputError(f"{path}: '{mean_key}'/'{cov_key}' cannot be read as numbers "
-                                     f"({type(error).__name__}: {error})") from None
+                    raise InputError(
+                        f"{path}: '{mean_key}'/'{cov_key}' cannot be read as numbers ({type(error).__name__}: {error})"
+                    ) from None
                 if mean.ndim != 1 or cov.shape != (mean.shape[0], mean.shape[0]):
                     raise InputError(
                         f"{path}: '{mean_key}' {mean.shape} and '{cov_key}' {cov.shape}; expected (D,) and (D, D)"

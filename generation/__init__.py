@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
 
 from generation.export import Export, ExportDescription, ExportError, find_export, read_export, write_export
 from generation.generator import ImageGenerator
 
-__all__ = ["Export", "ExportDescription", "ExportError", "ImageGenerator", "find_export", "load_export",
-           "read_export", "write_export"]
+__all__ = [
+    "Export",
+    "ExportDescription",
+    "ExportError",
+    "ImageGenerator",
+    "find_export",
+    "load_export",
+    "read_export",
+    "write_export",
+]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name"
 
 
-def load_export(source: str | Path, model: Optional[str] = None, image_size: Optional[int] = None) -> Export:
+def load_export(source: str | Path, model: str | None = None, image_size: int | None = None) -> Export:
     """The export `source` names: an export / checkpoint / run folder, an official `.pt` file or released
     checkpoint name (converted on the fly; `model` and `image_size` as in `generation.official`), or a
     Hugging Face Hub id ("owner/name") of an export pushed with `Export.push_to_hub`."""
@@ -33,16 +40,21 @@ def load_export(source: str | Path, model: Optional[str] = None, image_size: Opt
     if is_official_reference(text):
         return official_export(text, model, image_size)
     if model is not None or image_size is not None:
-        raise ExportError(f"{text}: --model and --image-size are only for official .pt checkpoints; an export "
-                          f"names its own model")
+        raise ExportError(
+            f"{text}: --model and --image-size are only for official .pt checkpoints; an export names its own model"
+        )
     if Path(text).exists():
         return read_export(text)
     if HUB_ID.match(text) and not text.startswith("."):
         try:
             return Export.from_pretrained(text)
         except (OSError, ValueError) as error:  # offline, unknown repository, or not an export
-            raise ExportError(f"{text}: cannot fetch this Hugging Face Hub export ({type(error).__name__}: {error}); "
-                              f"offline, copy a folder written by Export.save_pretrained here and pass its "
-                              f"path") from None
-    raise ExportError(f"{text}: no such file or folder (expected an export folder, a run directory, an official "
-                      f".pt checkpoint or a Hugging Face Hub id owner/name)")
+            raise ExportError(
+                f"{text}: cannot fetch this Hugging Face Hub export ({type(error).__name__}: {error}); "
+                f"offline, copy a folder written by Export.save_pretrained here and pass its "
+                f"path"
+            ) from None
+    raise ExportError(
+        f"{text}: no such file or folder (expected an export folder, a run directory, an official "
+        f".pt checkpoint or a Hugging Face Hub id owner/name)"
+    )

@@ -36,10 +36,9 @@ from torch import nn
 
 from commands import CommandParser, UserError, run_command
 from dit_vca.attention import MultiHeadSelfAttention
-from samplers.multistep import SCHEDULERS
-
 from dit_vca.diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
 from dit_vca.models import MODEL_SIZES, DiT, build_model_from_config, create_model
+from samplers.multistep import SCHEDULERS
 
 if TYPE_CHECKING:
     from diffusers import DiTTransformer2DModel
@@ -75,6 +74,7 @@ class SourceError(UserError):
 # ----------------------------------------------------------------------------------------------------------------
 # State dicts
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def official_to_diffusers_state_dict(state: dict[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
     """Rename an official-layout state dict (MHSA) for a `DiTTransformer2DModel` of `depth` blocks.
@@ -112,16 +112,18 @@ def diffusers_to_official_state_dict(state: dict[str, torch.Tensor], depth: int)
             if copies[0] is None:
                 continue
             if any(not torch.equal(copy, copies[0]) for copy in copies[1:]):
-                raise ConversionError(f"the blocks' copies of norm1.emb.{new}.{p} differ; the official layout has "
-                                      f"one shared {old}")
+                raise ConversionError(
+                    f"the blocks' copies of norm1.emb.{new}.{p} differ; the official layout has one shared {old}"
+                )
             out[f"{old}.{p}"] = copies[0]
     for i in range(depth):
         for old, new in BLOCK_LAYERS.items():
             for p in PARAMETERS:
                 out[f"blocks.{i}.{old}.{p}"] = state[f"transformer_blocks.{i}.{new}.{p}"]
         for p in PARAMETERS:
-            out[f"blocks.{i}.attn.qkv.{p}"] = torch.cat([state[f"transformer_blocks.{i}.attn1.{name}.{p}"]
-                                                         for name in QKV], dim=0)
+            out[f"blocks.{i}.attn.qkv.{p}"] = torch.cat(
+                [state[f"transformer_blocks.{i}.attn1.{name}.{p}"] for name in QKV], dim=0
+            )
     return out
 
 
@@ -129,21 +131,29 @@ def diffusers_to_official_state_dict(state: dict[str, torch.Tensor], depth: int)
 # Models
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _check_convertible(model: DiT) -> None:
     if not all(isinstance(block.attn, MultiHeadSelfAttention) for block in model.blocks):
-        raise ConversionError("only the MHSA baseline can be converted to diffusers: DiTTransformer2DModel has no "
-                              "Visual-Contrast Attention (this model was built with attention='vca')")
+        raise ConversionError(
+            "only the MHSA baseline can be converted to diffusers: DiTTransformer2DModel has no "
+            "Visual-Contrast Attention (this model was built with attention='vca')"
+        )
     name = getattr(model, "config", {}).get("name", "DiT-")
     if not name.startswith("DiT-"):
-        raise ConversionError(f"{name} is a SiT (velocity) model; diffusers' DiT pipeline expects an epsilon "
-                              f"(DDPM) model")
+        raise ConversionError(
+            f"{name} is a SiT (velocity) model; diffusers' DiT pipeline expects an epsilon (DDPM) model"
+        )
     hidden = model.pos_embed.shape[-1]
     if model.blocks[0].mlp.fc1.out_features != DIFFUSERS_MLP_RATIO * hidden:
-        raise ConversionError(f"mlp_ratio {model.blocks[0].mlp.fc1.out_features / hidden:g} is not supported: "
-                              f"DiTTransformer2DModel's MLP is {DIFFUSERS_MLP_RATIO}x the hidden size")
+        raise ConversionError(
+            f"mlp_ratio {model.blocks[0].mlp.fc1.out_features / hidden:g} is not supported: "
+            f"DiTTransformer2DModel's MLP is {DIFFUSERS_MLP_RATIO}x the hidden size"
+        )
     if model.y_embedder.dropout_prob <= 0:
-        raise ConversionError("a model trained without label dropout (class_dropout_prob=0) has no null-class row; "
-                              "DiTTransformer2DModel always has one")
+        raise ConversionError(
+            "a model trained without label dropout (class_dropout_prob=0) has no null-class row; "
+            "DiTTransformer2DModel always has one"
+        )
 
 
 def use_dit_timestep_frequencies(transformer: DiTTransformer2DModel) -> DiTTransformer2DModel:
@@ -160,10 +170,16 @@ def to_diffusers(model: DiT) -> DiTTransformer2DModel:
     _check_convertible(model)
     hidden, depth = model.pos_embed.shape[-1], len(model.blocks)
     transformer = DiTTransformer2DModel(
-        num_attention_heads=model.num_heads, attention_head_dim=hidden // model.num_heads,
-        in_channels=model.in_channels, out_channels=model.out_channels, num_layers=depth,
-        sample_size=model.input_size, patch_size=model.patch_size, num_embeds_ada_norm=model.num_classes,
-        norm_eps=NORM_EPS)
+        num_attention_heads=model.num_heads,
+        attention_head_dim=hidden // model.num_heads,
+        in_channels=model.in_channels,
+        out_channels=model.out_channels,
+        num_layers=depth,
+        sample_size=model.input_size,
+        patch_size=model.patch_size,
+        num_embeds_ada_norm=model.num_classes,
+        norm_eps=NORM_EPS,
+    )
     state = {key: value.detach().float().cpu() for key, value in model.state_dict().items()}
     if not torch.allclose(state["pos_embed"], transformer.pos_embed.pos_embed.float(), atol=1e-6):
         raise ConversionError("the model's pos_embed is not the fixed 2-D sin-cos table that diffusers computes")
@@ -177,24 +193,44 @@ def from_diffusers(transformer: DiTTransformer2DModel, name: str | None = None) 
     transformer's configuration has no counterpart here."""
     config = transformer.config
     hidden = config.num_attention_heads * config.attention_head_dim
-    unsupported = {key: config[key] for key, expected in (("norm_type", "ada_norm_zero"),
-                                                          ("activation_fn", "gelu-approximate"),
-                                                          ("norm_elementwise_affine", False),
-                                                          ("attention_bias", True))
-                   if config[key] != expected}
+    unsupported = {
+        key: config[key]
+        for key, expected in (
+            ("norm_type", "ada_norm_zero"),
+            ("activation_fn", "gelu-approximate"),
+            ("norm_elementwise_affine", False),
+            ("attention_bias", True),
+        )
+        if config[key] != expected
+    }
     if unsupported:
-        raise ConversionError(f"DiTTransformer2DModel settings without a counterpart in the official DiT: "
-                              f"{unsupported}")
+        raise ConversionError(
+            f"DiTTransformer2DModel settings without a counterpart in the official DiT: {unsupported}"
+        )
     out_channels = config.out_channels or config.in_channels
     if out_channels not in (config.in_channels, 2 * config.in_channels):
         raise ConversionError(f"out_channels={out_channels} is neither in_channels nor 2 x in_channels")
     if name is None:
-        size = next((size for size, dims in MODEL_SIZES.items()
-                     if dims == (config.num_layers, hidden, config.num_attention_heads)), "S")
+        size = next(
+            (
+                size
+                for size, dims in MODEL_SIZES.items()
+                if dims == (config.num_layers, hidden, config.num_attention_heads)
+            ),
+            "S",
+        )
         name = f"DiT-{size}/{config.patch_size}"
-    model = create_model(name, attention="mhsa", input_size=config.sample_size, in_channels=config.in_channels,
-                         num_classes=config.num_embeds_ada_norm, learn_sigma=out_channels == 2 * config.in_channels,
-                         depth=config.num_layers, hidden_size=hidden, num_heads=config.num_attention_heads)
+    model = create_model(
+        name,
+        attention="mhsa",
+        input_size=config.sample_size,
+        in_channels=config.in_channels,
+        num_classes=config.num_embeds_ada_norm,
+        learn_sigma=out_channels == 2 * config.in_channels,
+        depth=config.num_layers,
+        hidden_size=hidden,
+        num_heads=config.num_attention_heads,
+    )
     state = diffusers_to_official_state_dict(transformer.state_dict(), config.num_layers)
     state["pos_embed"] = model.pos_embed.detach().clone()
     model.load_state_dict(state, strict=True)
@@ -206,13 +242,15 @@ def dit_scheduler(solver: str = "dpm++2m") -> SchedulerMixin:
     schedule, written as beta_start/beta_end so that its saved config stays readable."""
     if solver not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {solver!r}; expected one of {sorted(SCHEDULERS)}")
-    return SCHEDULERS[solver](num_train_timesteps=NUM_TIMESTEPS, beta_start=BETA_START, beta_end=BETA_END,
-                              beta_schedule="linear")
+    return SCHEDULERS[solver](
+        num_train_timesteps=NUM_TIMESTEPS, beta_start=BETA_START, beta_end=BETA_END, beta_schedule="linear"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def load_mhsa_model(source: str | Path, model: str | None = None, image_size: int | None = None) -> nn.Module:
     """Our MHSA model from what `generation.load_export` reads: an export / checkpoint / run folder, or an official
@@ -233,13 +271,18 @@ def load_mhsa_model(source: str | Path, model: str | None = None, image_size: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = CommandParser(prog="python -m generation.diffusers_interop",
-                           description="Write a DiT (MHSA baseline) as a diffusers folder.")
+    parser = CommandParser(
+        prog="python -m generation.diffusers_interop", description="Write a DiT (MHSA baseline) as a diffusers folder."
+    )
     parser.add_argument("source", help="export folder, run directory, or official DiT .pt (path or released name)")
     parser.add_argument("out_dir", type=Path, help="new folder for the diffusers files (must not exist)")
     parser.add_argument("--vae", help="AutoencoderKL folder or hub id: also write a complete DiTPipeline")
-    parser.add_argument("--scheduler", default="dpm++2m", choices=sorted(SCHEDULERS),
-                        help="the pipeline's scheduler (DiTPipeline passes it only the epsilon half)")
+    parser.add_argument(
+        "--scheduler",
+        default="dpm++2m",
+        choices=sorted(SCHEDULERS),
+        help="the pipeline's scheduler (DiTPipeline passes it only the epsilon half)",
+    )
     parser.add_argument("--model", help="official checkpoints whose file name does not say it: e.g. DiT-XL/2")
     parser.add_argument("--image-size", type=int, help="official checkpoints: image side in pixels")
     args = parser.parse_args(argv)
@@ -249,8 +292,14 @@ def main(argv: list[str] | None = None) -> None:
         raise ConversionError(f"{args.source}: {error}") from None
 
 
-def convert(source: str | Path, out_dir: Path, vae_name: str | None = None, solver: str = "dpm++2m",
-            model: str | None = None, image_size: int | None = None) -> None:
+def convert(
+    source: str | Path,
+    out_dir: Path,
+    vae_name: str | None = None,
+    solver: str = "dpm++2m",
+    model: str | None = None,
+    image_size: int | None = None,
+) -> None:
     """Write the MHSA model of `source` as diffusers folders in `out_dir` (whole or not at all): `transformer/` and
     `scheduler/`, or with `vae_name` a complete `DiTPipeline`."""
     if out_dir.exists():

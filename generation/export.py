@@ -15,15 +15,15 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from huggingface_hub import ModelHubMixin
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from commands import UserError
 from atomic_files import atomic_output, write_json_atomic
+from commands import UserError
 from dit_vca.models import current_model_config
 
 EXPORT_DIR = "export"
@@ -46,15 +46,15 @@ class ExportDescription:
     outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`, a hub id or a local folder).
     """
 
-    model: dict[str, Any]                # model.config: rebuilds the network (dit_vca.build_model_from_config)
-    objective: dict[str, Any]            # {"kind": "diffusion" | "transport", **keyword arguments of its factory}
-    space: str                           # "pixels" | "latents"
-    image_size: int                      # side of the generated images in pixels
+    model: dict[str, Any]  # model.config: rebuilds the network (dit_vca.build_model_from_config)
+    objective: dict[str, Any]  # {"kind": "diffusion" | "transport", **keyword arguments of its factory}
+    space: str  # "pixels" | "latents"
+    image_size: int  # side of the generated images in pixels
     num_classes: int
-    vae: Optional[str] = None            # latents only
-    latent_scale: Optional[float] = None  # latents only
-    train_step: Optional[int] = None     # optimiser steps behind the weights, when known
-    source: Optional[str] = None         # where the weights came from, for an export not written by training
+    vae: str | None = None  # latents only
+    latent_scale: float | None = None  # latents only
+    train_step: int | None = None  # optimiser steps behind the weights, when known
+    source: str | None = None  # where the weights came from, for an export not written by training
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:
@@ -80,15 +80,20 @@ class ExportDescription:
         return {"format": FORMAT_VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, values: dict[str, Any]) -> "ExportDescription":
+    def from_json(cls, values: dict[str, Any]) -> ExportDescription:
         """Read the current layout, or the first one (a "data" section with "kind"), which earlier code wrote."""
         values = dict(values)
         version = values.pop("format", 1)
         if version == 1:
             data = values.pop("data")
-            values.update(space=data["kind"], image_size=data["image_size"], num_classes=data["num_classes"],
-                          vae=data.get("vae"), latent_scale=data.get("latent_scale"),
-                          model=current_model_config(values["model"]))
+            values.update(
+                space=data["kind"],
+                image_size=data["image_size"],
+                num_classes=data["num_classes"],
+                vae=data.get("vae"),
+                latent_scale=data.get("latent_scale"),
+                model=current_model_config(values["model"]),
+            )
         elif version != FORMAT_VERSION:
             raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)
@@ -106,7 +111,7 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
         write_export(save_directory, self.weights, self.description)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, **kwargs: Any) -> "Export":
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, **kwargs: Any) -> Export:
         """A local export, checkpoint or run folder (read here: the mixin would look for a config.json at the
         top of a run folder and print that it found none), else a Hugging Face Hub id ("owner/name")."""
         if Path(pretrained_model_name_or_path).is_dir():
@@ -114,14 +119,31 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
-    def _from_pretrained(cls, *, model_id: str, revision: Optional[str], cache_dir: Optional[str | Path],
-                         force_download: bool, local_files_only: bool, token: Optional[str | bool],
-                         **unused: Any) -> "Export":
+    def _from_pretrained(
+        cls,
+        *,
+        model_id: str,
+        revision: str | None,
+        cache_dir: str | Path | None,
+        force_download: bool,
+        local_files_only: bool,
+        token: str | bool | None,
+        **unused: Any,
+    ) -> Export:
         from huggingface_hub import hf_hub_download
 
-        files = [hf_hub_download(repo_id=model_id, filename=name, revision=revision, cache_dir=cache_dir,
-                                 force_download=force_download, local_files_only=local_files_only, token=token)
-                 for name in (EXPORT_CONFIG, EXPORT_WEIGHTS)]
+        files = [
+            hf_hub_download(
+                repo_id=model_id,
+                filename=name,
+                revision=revision,
+                cache_dir=cache_dir,
+                force_download=force_download,
+                local_files_only=local_files_only,
+                token=token,
+            )
+            for name in (EXPORT_CONFIG, EXPORT_WEIGHTS)
+        ]
         return read_export(Path(files[0]).parent)
 
 
@@ -140,15 +162,20 @@ def find_export(path: str | Path) -> Path:
     candidates = [path, path / EXPORT_DIR]
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir():
-        steps = sorted((int(match.group(1)), child) for child in checkpoints.iterdir()
-                       if (match := CHECKPOINT_PATTERN.match(child.name)))
+        steps = sorted(
+            (int(match.group(1)), child)
+            for child in checkpoints.iterdir()
+            if (match := CHECKPOINT_PATTERN.match(child.name))
+        )
         if steps:
             candidates.append(steps[-1][1] / EXPORT_DIR)
     for candidate in candidates:
         if (candidate / EXPORT_CONFIG).is_file() and (candidate / EXPORT_WEIGHTS).is_file():
             return candidate
-    raise ExportError(f"no export at {path}: expected {EXPORT_WEIGHTS} and {EXPORT_CONFIG} in it, in its "
-                      f"{EXPORT_DIR}/ folder, or in the newest checkpoint of a run directory")
+    raise ExportError(
+        f"no export at {path}: expected {EXPORT_WEIGHTS} and {EXPORT_CONFIG} in it, in its "
+        f"{EXPORT_DIR}/ folder, or in the newest checkpoint of a run directory"
+    )
 
 
 def read_description(folder: str | Path) -> ExportDescription:

@@ -7,8 +7,9 @@ and the demo: per-sample noise -> x_T -> classifier-free guidance -> the objecti
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> 
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
-def default_precision(device: torch.device, mixed_precision: Optional[str] = None) -> str:
+def default_precision(device: torch.device, mixed_precision: str | None = None) -> str:
     """bf16 when Accelerate was launched with --mixed_precision bf16; else TF32 on CUDA, fp32 elsewhere."""
     if mixed_precision == "bf16":
         return "bf16"
@@ -39,7 +40,7 @@ def set_matmul_precision(precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
-def pixel_decoder(description: ExportDescription, vae: Optional[nn.Module]) -> Decoder:
+def pixel_decoder(description: ExportDescription, vae: nn.Module | None) -> Decoder:
     """Model space to pixels: the identity (clamped) in pixel space, the VAE decoder in latent space."""
     if description.in_pixel_space:
         return lambda x: x.clamp(-1, 1)
@@ -58,8 +59,9 @@ class ImageGenerator:
     `generate` calls.
     """
 
-    def __init__(self, model: DiT, objective: Objective, decode: Decoder, num_classes: int,
-                 precision: str = "fp32") -> None:
+    def __init__(
+        self, model: DiT, objective: Objective, decode: Decoder, num_classes: int, precision: str = "fp32"
+    ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
         self.model = model
@@ -70,8 +72,14 @@ class ImageGenerator:
         self.model_evaluations = 0
 
     @classmethod
-    def from_export(cls, export: Export, device: torch.device | str = "cpu", vae: Optional[str] = None,
-                    precision: str = "fp32", compile: bool = False) -> "ImageGenerator":
+    def from_export(
+        cls,
+        export: Export,
+        device: torch.device | str = "cpu",
+        vae: str | None = None,
+        precision: str = "fp32",
+        compile: bool = False,
+    ) -> ImageGenerator:
         """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
         `compile` wraps the model in torch.compile (compiled on the first batch)."""
         description = export.description
@@ -85,8 +93,13 @@ class ImageGenerator:
         model = model.to(device).eval().requires_grad_(False)
         if compile:
             model = torch.compile(model)
-        return cls(model, create_objective(description.objective), pixel_decoder(description, autoencoder),
-                   description.num_classes, precision)
+        return cls(
+            model,
+            create_objective(description.objective),
+            pixel_decoder(description, autoencoder),
+            description.num_classes,
+            precision,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -98,10 +111,19 @@ class ImageGenerator:
         return (self.model.in_channels, self.model.input_size, self.model.input_size)
 
     @torch.no_grad()
-    def generate(self, labels: Sequence[int] | np.ndarray | torch.Tensor, seeds: Sequence[int], *,
-                 guidance: float = 1.0, sampler: Optional[str] = None, steps: Optional[int] = None,
-                 guidance_channels: Optional[int] = None, guidance_interval: Optional[tuple[float, float]] = None,
-                 progress: bool = False, **options: Any) -> np.ndarray:
+    def generate(
+        self,
+        labels: Sequence[int] | np.ndarray | torch.Tensor,
+        seeds: Sequence[int],
+        *,
+        guidance: float = 1.0,
+        sampler: str | None = None,
+        steps: int | None = None,
+        guidance_channels: int | None = None,
+        guidance_interval: tuple[float, float] | None = None,
+        progress: bool = False,
+        **options: Any,
+    ) -> np.ndarray:
         """(B, H, W, 3) uint8 images for class `labels` (B,), sample i drawing all its noise from `seeds[i]`.
 
         guidance: classifier-free guidance scale (1: none); guidance_channels / guidance_interval as in
@@ -111,8 +133,13 @@ class ImageGenerator:
         device = self.device
         noise = PerSampleNoise(list(seeds), device)
         x_T = noise(self.sample_shape)  # (B, C, h, w): the first draw of every sample's stream
-        guided = classifier_free_guidance(self.model, guidance, null_label=self.num_classes,
-                                          guided_channels=guidance_channels, interval=guidance_interval)
+        guided = classifier_free_guidance(
+            self.model,
+            guidance,
+            null_label=self.num_classes,
+            guided_channels=guidance_channels,
+            interval=guidance_interval,
+        )
 
         def model_fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             self.model_evaluations += 1
@@ -122,6 +149,14 @@ class ImageGenerator:
         # An autocast(enabled=False) would switch off an enclosing one (training's mixed precision): enter none.
         bf16 = torch.autocast(device.type, dtype=torch.bfloat16) if self.precision == "bf16" else nullcontext()
         with bf16:
-            result = self.objective.sample(model_fn, x_T, labels, sampler=sampler or self.objective.default_sampler,
-                                           steps=steps, noise=noise, progress=progress, **options)
+            result = self.objective.sample(
+                model_fn,
+                x_T,
+                labels,
+                sampler=sampler or self.objective.default_sampler,
+                steps=steps,
+                noise=noise,
+                progress=progress,
+                **options,
+            )
             return to_uint8(self.decode(result.samples))  # (B, H, W, 3)

@@ -22,15 +22,15 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
         raise FloatingPointError("images contain NaN or infinite values")
     if images.shape[1] not in (1, 3):
         raise ValueError(f"expected images with 1 or 3 channels, got shape {tuple(images.shape)}")
-    images = images.expand(-1, 3, -1, -1)                                          # (B, 3, H, W)
-    pixels = torch.clamp(127.5 * images.float() + 128.0, 0, 255).to(torch.uint8)   # truncation
-    return pixels.permute(0, 2, 3, 1).cpu().numpy()                                # (B, H, W, 3)
+    images = images.expand(-1, 3, -1, -1)  # (B, 3, H, W)
+    pixels = torch.clamp(127.5 * images.float() + 128.0, 0, 255).to(torch.uint8)  # truncation
+    return pixels.permute(0, 2, 3, 1).cpu().numpy()  # (B, H, W, 3)
 
 
 def save_grid(images: np.ndarray, path: str | Path) -> None:
     """Write (n, H, W, 3) uint8 images as a near-square PNG grid, atomically."""
     path = Path(path)
-    tiles = torch.from_numpy(images).permute(0, 3, 1, 2)                           # (n, 3, H, W)
+    tiles = torch.from_numpy(images).permute(0, 3, 1, 2)  # (n, 3, H, W)
     factor = max(1, math.ceil(MIN_TILE_PIXELS / tiles.shape[-1]))
     tiles = tiles.repeat_interleave(factor, dim=2).repeat_interleave(factor, dim=3)
     grid = make_grid(tiles, nrow=math.ceil(math.sqrt(len(tiles))), padding=2, pad_value=255)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from dit_vca import GaussianDiffusion, create_diffusion
 from dit_vca.models import MODEL_FAMILIES
 from sit_vca import Transport, create_transport
 
-Objective = Union[GaussianDiffusion, Transport]
+Objective = GaussianDiffusion | Transport
 _FACTORIES = {"diffusion": create_diffusion, "transport": create_transport}
 
 

@@ -21,9 +21,9 @@ import os
 import pickle
 import re
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 import yaml
@@ -48,14 +48,19 @@ class ReleasedCheckpoint:
 
 
 RELEASED = {
-    "DiT-XL-2-256x256.pt": ReleasedCheckpoint("https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-256x256.pt",
-                                              "DiT-XL/2", 256),
-    "DiT-XL-2-512x512.pt": ReleasedCheckpoint("https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-512x512.pt",
-                                              "DiT-XL/2", 512),
+    "DiT-XL-2-256x256.pt": ReleasedCheckpoint(
+        "https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-256x256.pt", "DiT-XL/2", 256
+    ),
+    "DiT-XL-2-512x512.pt": ReleasedCheckpoint(
+        "https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-512x512.pt", "DiT-XL/2", 512
+    ),
     # The link of the official SiT download script (its file is SiT-XL-2-256.pt; stored under the DiT-style name).
     "SiT-XL-2-256x256.pt": ReleasedCheckpoint(
         "https://www.dl.dropboxusercontent.com/scl/fi/as9oeomcbub47de5g4be0/SiT-XL-2-256.pt"
-        "?rlkey=uxzxmpicu46coq3msb17b9ofa&dl=0", "SiT-XL/2", 256),
+        "?rlkey=uxzxmpicu46coq3msb17b9ofa&dl=0",
+        "SiT-XL/2",
+        256,
+    ),
 }
 
 
@@ -73,14 +78,15 @@ def is_official_reference(ckpt: str | Path) -> bool:
     return str(ckpt) in RELEASED or Path(ckpt).suffix == ".pt"
 
 
-def architecture_from_name(path: str | Path, model: Optional[str], image_size: Optional[int]) -> tuple[str, int]:
+def architecture_from_name(path: str | Path, model: str | None, image_size: int | None) -> tuple[str, int]:
     """(model name, image size): as given, else read from a file name such as `SiT-XL-2-256x256.pt`."""
     match = FILE_NAME_PATTERN.match(Path(path).name)
     if model is None:
         if match is None:
             raise OfficialCheckpointError(
                 f"{path}: name its architecture with --model (one of {', '.join(all_model_names())}); it cannot be "
-                f"read from the file name")
+                f"read from the file name"
+            )
         model = f"{match.group(1)}-{match.group(2)}/{match.group(3)}"
     try:
         model_family(model)
@@ -106,12 +112,16 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise OfficialCheckpointError(f"{path}: no such file") from None
     except pickle.UnpicklingError as error:
         refused = [line.strip() for line in str(error).splitlines() if "Unsupported global" in line]
-        raise OfficialCheckpointError(f"{path} is not a plain state dict (read with weights_only=True, which "
-                                      f"refuses to run code){': ' + refused[0] if refused else ''}") from None
+        raise OfficialCheckpointError(
+            f"{path} is not a plain state dict (read with weights_only=True, which "
+            f"refuses to run code){': ' + refused[0] if refused else ''}"
+        ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
-        raise OfficialCheckpointError(f"{path} cannot be read ({type(error).__name__}: "
-                                      f"{str(error).splitlines()[0] if str(error) else 'truncated'}); "
-                                      f"the file is damaged or incomplete") from None
+        raise OfficialCheckpointError(
+            f"{path} cannot be read ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'truncated'}); "
+            f"the file is damaged or incomplete"
+        ) from None
     if isinstance(state, dict) and isinstance(state.get("ema"), dict):
         state = state["ema"]
     if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
@@ -130,18 +140,32 @@ def official_description(model: str, image_size: int, state: dict[str, torch.Ten
     except KeyError:
         raise OfficialCheckpointError(f"{source} has no final_layer.linear.weight: not a DiT/SiT state dict") from None
     if outputs not in (LATENT_CHANNELS, 2 * LATENT_CHANNELS):
-        raise OfficialCheckpointError(f"{source}: the final layer has {outputs} channels per pixel, which does not fit "
-                                      f"--model {model} ({LATENT_CHANNELS} or {2 * LATENT_CHANNELS} expected)")
+        raise OfficialCheckpointError(
+            f"{source}: the final layer has {outputs} channels per pixel, which does not fit "
+            f"--model {model} ({LATENT_CHANNELS} or {2 * LATENT_CHANNELS} expected)"
+        )
     learn_sigma = outputs == 2 * LATENT_CHANNELS
     objective = default_objective_spec(family)
     if MODEL_FAMILIES[family].objective == "diffusion":
         objective["learn_sigma"] = learn_sigma
-    config = {"name": model, "attention": "mhsa", "input_size": image_size // LATENT_DOWNSAMPLING,
-              "in_channels": LATENT_CHANNELS, "num_classes": recipe["data"]["num_classes"], "learn_sigma": learn_sigma}
+    config = {
+        "name": model,
+        "attention": "mhsa",
+        "input_size": image_size // LATENT_DOWNSAMPLING,
+        "in_channels": LATENT_CHANNELS,
+        "num_classes": recipe["data"]["num_classes"],
+        "learn_sigma": learn_sigma,
+    }
     return ExportDescription(
-        model=build_model_from_config(config).config, objective=objective, space="latents", image_size=image_size,
-        num_classes=recipe["data"]["num_classes"], vae=recipe["vae"]["name"], latent_scale=recipe["vae"]["scale"],
-        source=source)
+        model=build_model_from_config(config).config,
+        objective=objective,
+        space="latents",
+        image_size=image_size,
+        num_classes=recipe["data"]["num_classes"],
+        vae=recipe["vae"]["name"],
+        latent_scale=recipe["vae"]["scale"],
+        source=source,
+    )
 
 
 def check_fits(description: ExportDescription, state: dict[str, torch.Tensor], source: str) -> None:
@@ -153,15 +177,22 @@ def check_fits(description: ExportDescription, state: dict[str, torch.Tensor], s
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     wrong = sorted(key for key in expected.keys() & found.keys() if expected[key] != found[key])
     if missing or unexpected or wrong:
-        details = "; ".join(f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                            for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                               ("other shape", [f"{k} {found[k]} vs {expected[k]}" for k in wrong]))
-                            if keys)
-        raise OfficialCheckpointError(f"{source} does not fit --model {description.model['name']} at --image-size "
-                                      f"{description.image_size} ({details})")
+        details = "; ".join(
+            f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for what, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("other shape", [f"{k} {found[k]} vs {expected[k]}" for k in wrong]),
+            )
+            if keys
+        )
+        raise OfficialCheckpointError(
+            f"{source} does not fit --model {description.model['name']} at --image-size "
+            f"{description.image_size} ({details})"
+        )
 
 
-def official_export(ckpt: str | Path, model: Optional[str] = None, image_size: Optional[int] = None) -> Export:
+def official_export(ckpt: str | Path, model: str | None = None, image_size: int | None = None) -> Export:
     """An official checkpoint (a `.pt` path or the bare name of a released one) as an in-memory export."""
     path = resolve_released(str(ckpt)) if str(ckpt) in RELEASED and not Path(ckpt).is_file() else Path(ckpt)
     model, image_size = architecture_from_name(path, model, image_size)
@@ -184,8 +215,8 @@ def resolve_released(name: str) -> Path:
     except OSError as error:  # URLError, timeouts and refused connections are all OSErrors
         temporary.unlink(missing_ok=True)
         raise OfficialCheckpointError(
-            f"cannot download {name} ({error}); offline, fetch {release.url} elsewhere and put it at "
-            f"{target}") from None
+            f"cannot download {name} ({error}); offline, fetch {release.url} elsewhere and put it at {target}"
+        ) from None
     try:
         state = load_state_dict(temporary)
         model, image_size = release.model, release.image_size
@@ -197,7 +228,7 @@ def resolve_released(name: str) -> Path:
     return target
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = CommandParser(prog="python -m generation.official", description=__doc__)
     parser.add_argument("ckpt", help=f"an official .pt file, or one of {', '.join(RELEASED)} (downloaded once)")
     parser.add_argument("--out", type=Path, required=True, help="export folder to write (must not exist yet)")

@@ -18,17 +18,34 @@ OFFICIAL_GUIDANCE = {"labels": "uniform", "cfg_scale": 1.5, "guidance_channels":
 class Protocol:
     """A named preset: the model family it applies to, its settings (sample.py argument names), and the
     numbers it reproduces on ImageNet 256 with the official XL/2 checkpoint."""
-    family: str                           # "DiT" or "SiT" (dit_vca.models.MODEL_FAMILIES)
+
+    family: str  # "DiT" or "SiT" (dit_vca.models.MODEL_FAMILIES)
     settings: dict[str, Any] = field(default_factory=dict)
     published: str = ""
 
 
 PROTOCOLS: dict[str, Protocol] = {
-    "dit": Protocol("DiT", {**OFFICIAL_GUIDANCE, "sampler": "ddpm", "steps": 250},
-                    "DiT-XL/2 256: FID 2.27 (cfg 1.5), 9.62 with --cfg-scale 1"),
-    "sit": Protocol("SiT", {**OFFICIAL_GUIDANCE, "sampler": "sde-euler", "steps": 250, "diffusion_form": "sigma",
-                                  "diffusion_norm": 1.0, "last_step": "Mean", "last_step_size": 0.04},
-                    "SiT-XL/2 256: FID 2.06 (SDE Euler-Maruyama, cfg 1.5)"),
-    "sit-ode": Protocol("SiT", {**OFFICIAL_GUIDANCE, "sampler": "dopri5", "atol": 1e-6, "rtol": 1e-3},
-                        "SiT-XL/2 256: FID 2.15 (ODE dopri5, cfg 1.5)"),
+    "dit": Protocol(
+        "DiT",
+        {**OFFICIAL_GUIDANCE, "sampler": "ddpm", "steps": 250},
+        "DiT-XL/2 256: FID 2.27 (cfg 1.5), 9.62 with --cfg-scale 1",
+    ),
+    "sit": Protocol(
+        "SiT",
+        {
+            **OFFICIAL_GUIDANCE,
+            "sampler": "sde-euler",
+            "steps": 250,
+            "diffusion_form": "sigma",
+            "diffusion_norm": 1.0,
+            "last_step": "Mean",
+            "last_step_size": 0.04,
+        },
+        "SiT-XL/2 256: FID 2.06 (SDE Euler-Maruyama, cfg 1.5)",
+    ),
+    "sit-ode": Protocol(
+        "SiT",
+        {**OFFICIAL_GUIDANCE, "sampler": "dopri5", "atol": 1e-6, "rtol": 1e-3},
+        "SiT-XL/2 256: FID 2.15 (ODE dopri5, cfg 1.5)",
+    ),
 }

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from commands import UserError
 from atomic_files import atomic_output, remove_stale_temporaries, save_npz_atomic
 from atomic_files.shards import first_difference
+from commands import UserError
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,13 @@ class SampleFiles:
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 stored = None
             if stored is None:
-                raise SampleFilesError(f"{self.summary} exists and was not written by sample.py; choose another "
-                                       f"--out")
+                raise SampleFilesError(f"{self.summary} exists and was not written by sample.py; choose another --out")
             key = first_difference(stored, settings)
             if key is not None and not overwrite:
-                raise SampleFilesError(f"{self.summary} belongs to a run with {key}={stored.get(key)!r}, not "
-                                       f"{settings.get(key)!r}: remove it or choose another --out")
+                raise SampleFilesError(
+                    f"{self.summary} belongs to a run with {key}={stored.get(key)!r}, not "
+                    f"{settings.get(key)!r}: remove it or choose another --out"
+                )
             ours = True
         for path in (self.samples, self.grid):
             if path.exists() and not ours:
@@ -93,8 +95,10 @@ class SampleFiles:
         """`sample.py --overwrite`: delete the .npz, grid and summary of a sample.py run with other settings
         (`claim` made sure the summary is sample.py's), the samples first, so that a kill midway never leaves a
         summary vouching for another run's samples. Returns what was deleted."""
-        if not self.summary.exists() or first_difference(json.loads(self.summary.read_text())["settings"],
-                                                         settings) is None:
+        if (
+            not self.summary.exists()
+            or first_difference(json.loads(self.summary.read_text())["settings"], settings) is None
+        ):
             return []
         removed = [path for path in (self.samples, self.grid, self.summary) if path.exists()]
         for path in removed:
@@ -104,13 +108,17 @@ class SampleFiles:
 
 def plan_shards(num_samples: int, shard_size: int) -> list[Shard]:
     """Cut the indices 0..N-1 into consecutive shards of `shard_size` (the last one may be smaller)."""
-    return [Shard(number, start, min(start + shard_size, num_samples))
-            for number, start in enumerate(range(0, num_samples, shard_size))]
+    return [
+        Shard(number, start, min(start + shard_size, num_samples))
+        for number, start in enumerate(range(0, num_samples, shard_size))
+    ]
 
 
 def save_shard(path: Path, shard: Shard, images: np.ndarray, labels: np.ndarray) -> None:
     """Write the (n, H, W, 3) uint8 images of `shard` with their labels and indices, atomically."""
-    save_npz_atomic(path, arr_0=images, arr_1=labels[shard.start:shard.stop], index=np.arange(shard.start, shard.stop))
+    save_npz_atomic(
+        path, arr_0=images, arr_1=labels[shard.start : shard.stop], index=np.arange(shard.start, shard.stop)
+    )
 
 
 def load_shard(path: Path, shard: Shard, labels: np.ndarray) -> np.ndarray:
@@ -120,17 +128,24 @@ def load_shard(path: Path, shard: Shard, labels: np.ndarray) -> np.ndarray:
             images, shard_labels, indices = data["arr_0"], data["arr_1"], data["index"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise DamagedShardError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
-    if (images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3
-            or len(images) != len(shard.indices) or not np.array_equal(indices, np.arange(shard.start, shard.stop))
-            or not np.array_equal(shard_labels, labels[shard.start:shard.stop])):
+    if (
+        images.dtype != np.uint8
+        or images.ndim != 4
+        or images.shape[-1] != 3
+        or len(images) != len(shard.indices)
+        or not np.array_equal(indices, np.arange(shard.start, shard.stop))
+        or not np.array_equal(shard_labels, labels[shard.start : shard.stop])
+    ):
         raise DamagedShardError(f"{path} does not hold samples {shard.start}..{shard.stop - 1} of this run")
     return images
 
 
-def shard_reader(folder: Path, labels: np.ndarray,
-                 repair: Callable[[Shard, DamagedShardError], np.ndarray]) -> Callable[[Shard], np.ndarray]:
+def shard_reader(
+    folder: Path, labels: np.ndarray, repair: Callable[[Shard, DamagedShardError], np.ndarray]
+) -> Callable[[Shard], np.ndarray]:
     """A function from a shard to its images; a shard that cannot be read is handed to `repair`, which returns its
     images (sampled again: every sample is a function of its index) and writes the file anew."""
+
     def images_of(shard: Shard) -> np.ndarray:
         try:
             return load_shard(folder / shard.file_name, shard, labels)
@@ -140,22 +155,23 @@ def shard_reader(folder: Path, labels: np.ndarray,
     return images_of
 
 
-def merge_shards(shards: Sequence[Shard], images_of: Callable[[Shard], np.ndarray], labels: np.ndarray,
-                 out: Path) -> None:
+def merge_shards(
+    shards: Sequence[Shard], images_of: Callable[[Shard], np.ndarray], labels: np.ndarray, out: Path
+) -> None:
     """Stream all shards, in index order, into `out` (arr_0 images, arr_1 labels), atomically."""
     first = images_of(shards[0])
     shape = (len(labels), *first.shape[1:])
     with atomic_output(out) as temporary, zipfile.ZipFile(temporary, "w", allowZip64=True) as archive:
         with archive.open("arr_0.npy", "w", force_zip64=True) as member:
-            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
-                      "shape": shape}
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": shape}
             np.lib.format.write_array_header_1_0(member, header)
             member.write(first.tobytes())
             for shard in shards[1:]:
                 images = images_of(shard)
                 if images.shape[1:] != shape[1:]:
-                    raise DamagedShardError(f"shard {shard.file_name}: images of shape {images.shape[1:]}, "
-                                            f"expected {shape[1:]}")
+                    raise DamagedShardError(
+                        f"shard {shard.file_name}: images of shape {images.shape[1:]}, expected {shape[1:]}"
+                    )
                 member.write(images.tobytes())
         with archive.open("arr_1.npy", "w") as member:
             np.lib.format.write_array(member, labels)
@@ -167,6 +183,6 @@ def leading_images(shards: Sequence[Shard], images_of: Callable[[Shard], np.ndar
     for shard in shards:
         if total >= count:
             break
-        images.append(images_of(shard)[:count - total])
+        images.append(images_of(shard)[: count - total])
         total += len(images[-1])
     return np.concatenate(images)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from diffusers import AutoencoderKL
@@ -47,14 +47,17 @@ def load_vae(spec: str, device: torch.device | str | None = None) -> Autoencoder
     folder = Path(spec).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
-            raise VAEUnavailableError(f"VAE folder {folder} has no config.json; expected a folder written by "
-                                      f"AutoencoderKL.save_pretrained")
+            raise VAEUnavailableError(
+                f"VAE folder {folder} has no config.json; expected a folder written by AutoencoderKL.save_pretrained"
+            )
         try:
             vae = AutoencoderKL.from_pretrained(folder)
         except (OSError, ValueError, RuntimeError) as error:  # missing or cut weights, a config of another model
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise VAEUnavailableError(f"VAE folder {folder} cannot be loaded ({first[:300]}); expected a folder "
-                                      f"written by AutoencoderKL.save_pretrained") from None
+            raise VAEUnavailableError(
+                f"VAE folder {folder} cannot be loaded ({first[:300]}); expected a folder "
+                f"written by AutoencoderKL.save_pretrained"
+            ) from None
     elif _looks_like_path(spec):
         raise VAEUnavailableError(f"VAE folder {folder} does not exist")
     else:
@@ -97,14 +100,18 @@ def _load_from_hub(repo_id: str) -> AutoencoderKL:
         return AutoencoderKL.from_pretrained(repo_id, local_files_only=True)
     except OSError:
         pass  # not cached: download below, unless offline
-    how_to = (f"To provide it, on a machine with internet run "
-              f"`python -c \"from diffusers import AutoencoderKL; "
-              f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('vae/{repo_id.split('/')[-1]}')\"`, "
-              f"copy the folder here and set vae.name=vae/{repo_id.split('/')[-1]} "
-              f"(or copy the Hugging Face cache into $HF_HOME).")
+    how_to = (
+        f"To provide it, on a machine with internet run "
+        f'`python -c "from diffusers import AutoencoderKL; '
+        f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('vae/{repo_id.split('/')[-1]}')\"`, "
+        f"copy the folder here and set vae.name=vae/{repo_id.split('/')[-1]} "
+        f"(or copy the Hugging Face cache into $HF_HOME)."
+    )
     if _hub_offline():
-        raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and the hub is "
-                                  f"offline (HF_HUB_OFFLINE=1). {how_to}")
+        raise VAEUnavailableError(
+            f"VAE '{repo_id}' is not in the local Hugging Face cache and the hub is "
+            f"offline (HF_HUB_OFFLINE=1). {how_to}"
+        )
     _probe_hub(repo_id, how_to)
     try:
         return AutoencoderKL.from_pretrained(repo_id)
@@ -122,15 +129,20 @@ def _probe_hub(repo_id: str, how_to: str) -> None:
     try:
         model_info(repo_id, timeout=HUB_PROBE_SECONDS)
     except RepositoryNotFoundError:
-        raise VAEUnavailableError(f"vae.name '{repo_id}': {constants.ENDPOINT} has no such model (or it is private "
-                                  f"and no token is set)") from None
+        raise VAEUnavailableError(
+            f"vae.name '{repo_id}': {constants.ENDPOINT} has no such model (or it is private and no token is set)"
+        ) from None
     except HfHubHTTPError as error:
-        raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and {constants.ENDPOINT} "
-                                  f"answered {_first_line(error)}. {how_to}") from None
+        raise VAEUnavailableError(
+            f"VAE '{repo_id}' is not in the local Hugging Face cache and {constants.ENDPOINT} "
+            f"answered {_first_line(error)}. {how_to}"
+        ) from None
     except _network_errors() as error:
-        raise VAEUnavailableError(f"VAE '{repo_id}' is not in the local Hugging Face cache and {constants.ENDPOINT} "
-                                  f"cannot be reached ({type(error).__name__}: {_first_line(error)}); no internet? "
-                                  f"{how_to}") from None
+        raise VAEUnavailableError(
+            f"VAE '{repo_id}' is not in the local Hugging Face cache and {constants.ENDPOINT} "
+            f"cannot be reached ({type(error).__name__}: {_first_line(error)}); no internet? "
+            f"{how_to}"
+        ) from None
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:

@@ -10,7 +10,6 @@ from .interface import ModelFn, SampleResult
 from .noise import PerSampleNoise, standard_normal_like
 
 
-
 class ReverseStep(NamedTuple):
     """What a model output implies about x_{t-1} given x_t (all shaped like x_t)."""
 
@@ -30,12 +29,14 @@ class DiscreteProcess(Protocol):
 
     def model_timesteps(self, t: Tensor) -> Tensor: ...
 
-    def p_mean_variance(self, model_output: Tensor, x_t: Tensor, t: Tensor,
-                        clip_denoised: bool = False) -> ReverseStep: ...
+    def p_mean_variance(
+        self, model_output: Tensor, x_t: Tensor, t: Tensor, clip_denoised: bool = False
+    ) -> ReverseStep: ...
 
 
-def _reverse_step(model_fn: ModelFn, process: DiscreteProcess, x: Tensor, labels: Tensor, i: int,
-                  clip_denoised: bool) -> ReverseStep:
+def _reverse_step(
+    model_fn: ModelFn, process: DiscreteProcess, x: Tensor, labels: Tensor, i: int, clip_denoised: bool
+) -> ReverseStep:
     """Evaluate the model at process step i; the model sees the original (un-respaced) timestep index."""
     t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)  # (B,)
     return process.p_mean_variance(model_fn(x, process.model_timesteps(t), labels), x, t, clip_denoised)

@@ -28,8 +28,10 @@ def classifier_free_guidance(
         return model
     if guided_channels is None:
         if not hasattr(model, "in_channels"):
-            raise ValueError("classifier_free_guidance needs model.in_channels (the prediction channels) "
-                             "or an explicit guided_channels")
+            raise ValueError(
+                "classifier_free_guidance needs model.in_channels (the prediction channels) "
+                "or an explicit guided_channels"
+            )
         guided_channels = int(model.in_channels)
     if guided_channels < 1:
         raise ValueError(f"guided_channels must be >= 1, got {guided_channels}")

@@ -27,17 +27,31 @@ SOLVER_ORDER = 2  # DPM-Solver++(2M) and UniPC-2 (bh2): the orders recommended f
 def _dpm_solver_pp_2m(**schedule) -> "SchedulerMixin":
     from diffusers import DPMSolverMultistepScheduler
 
-    return DPMSolverMultistepScheduler(**schedule, prediction_type="epsilon", algorithm_type="dpmsolver++",
-                                       solver_order=SOLVER_ORDER, solver_type="midpoint", lower_order_final=True,
-                                       final_sigmas_type="zero", timestep_spacing="linspace")
+    return DPMSolverMultistepScheduler(
+        **schedule,
+        prediction_type="epsilon",
+        algorithm_type="dpmsolver++",
+        solver_order=SOLVER_ORDER,
+        solver_type="midpoint",
+        lower_order_final=True,
+        final_sigmas_type="zero",
+        timestep_spacing="linspace",
+    )
 
 
 def _unipc(**schedule) -> "SchedulerMixin":
     from diffusers import UniPCMultistepScheduler
 
-    return UniPCMultistepScheduler(**schedule, prediction_type="epsilon", predict_x0=True, solver_type="bh2",
-                                   solver_order=SOLVER_ORDER, lower_order_final=True, final_sigmas_type="zero",
-                                   timestep_spacing="linspace")
+    return UniPCMultistepScheduler(
+        **schedule,
+        prediction_type="epsilon",
+        predict_x0=True,
+        solver_type="bh2",
+        solver_order=SOLVER_ORDER,
+        lower_order_final=True,
+        final_sigmas_type="zero",
+        timestep_spacing="linspace",
+    )
 
 
 # Sampler name -> the diffusers scheduler it runs, given the noise schedule as diffusers' keyword arguments

@@ -19,8 +19,9 @@ VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, ...), t (B,), 
 ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 
 
-def euler(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float],
-          progress: bool = False) -> SampleResult:
+def euler(
+    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], progress: bool = False
+) -> SampleResult:
     """Explicit Euler from t_steps[0] to t_steps[-1]: x += (t_next - t) * v(x, t)."""
     pairs = list(zip(t_steps[:-1], t_steps[1:]))
     for t_cur, t_next in tqdm(pairs, desc="ODE Euler", disable=not progress):
@@ -28,8 +29,9 @@ def euler(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[
     return SampleResult(samples=x, nfe=len(pairs))
 
 
-def heun(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float],
-         progress: bool = False) -> SampleResult:
+def heun(
+    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], progress: bool = False
+) -> SampleResult:
     """Heun's second-order method (explicit trapezoid): an Euler predictor, then the average of both slopes."""
     pairs = list(zip(t_steps[:-1], t_steps[1:]))
     for t_cur, t_next in tqdm(pairs, desc="ODE Heun", disable=not progress):
@@ -68,12 +70,23 @@ def _end_exactly(times: Tensor) -> dict:
     return {"step_t": times[-1:]}
 
 
-def adaptive(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t0: float, t1: float, method: str = "dopri5",
-             atol: float = 1e-6, rtol: float = 1e-3, progress: bool = False) -> SampleResult:
+def adaptive(
+    velocity: VelocityFn,
+    x: Tensor,
+    labels: Tensor,
+    *,
+    t0: float,
+    t1: float,
+    method: str = "dopri5",
+    atol: float = 1e-6,
+    rtol: float = 1e-3,
+    progress: bool = False,
+) -> SampleResult:
     """Integrate dx/dt = v(x, t) from t0 to t1 with a torchdiffeq adaptive solver (error-controlled steps)."""
     _check_adaptive(method)
-    field = _CountingField(lambda t, state: velocity(state, t.to(state.dtype).expand(state.shape[0]), labels),
-                           progress, f"ODE {method}")
+    field = _CountingField(
+        lambda t, state: velocity(state, t.to(state.dtype).expand(state.shape[0]), labels), progress, f"ODE {method}"
+    )
     times = torch.tensor([t0, t1], device=x.device, dtype=x.dtype)
     with torch.no_grad():
         trajectory = odeint(field, x, times, method=method, atol=atol, rtol=rtol, options=_end_exactly(times))
@@ -118,10 +131,20 @@ def standard_normal_log_prob(z: Tensor) -> Tensor:
     return -0.5 * (z.flatten(1) ** 2).sum(dim=1) - 0.5 * dims * math.log(2 * math.pi)  # (B,)
 
 
-def log_likelihood(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t0: float, t1: float,
-                   method: str = "dopri5", atol: float = 1e-6, rtol: float = 1e-3,
-                   divergence: str = "hutchinson", noise: PerSampleNoise | None = None,
-                   progress: bool = False) -> LogLikelihood:
+def log_likelihood(
+    velocity: VelocityFn,
+    x: Tensor,
+    labels: Tensor,
+    *,
+    t0: float,
+    t1: float,
+    method: str = "dopri5",
+    atol: float = 1e-6,
+    rtol: float = 1e-3,
+    divergence: str = "hutchinson",
+    noise: PerSampleNoise | None = None,
+    progress: bool = False,
+) -> LogLikelihood:
     """Exact-in-the-limit log-density of data x at time t1 under the probability-flow ODE with a N(0, I) prior at t0.
 
     Along a trajectory d/dt log p_t(x_t) = -div v(x_t, t), so integrating (x, l) backwards from t1 to t0 with
@@ -147,5 +170,6 @@ def log_likelihood(velocity: VelocityFn, x: Tensor, labels: Tensor, *, t0: float
         xs, ls = odeint(counted, start, times, method=method, atol=atol, rtol=rtol, options=_end_exactly(times))
     counted.bar.close()
     prior_point = xs[-1]  # (B, ...)
-    return LogLikelihood(log_prob=standard_normal_log_prob(prior_point) + ls[-1], prior_point=prior_point,
-                         nfe=counted.nfe)
+    return LogLikelihood(
+        log_prob=standard_normal_log_prob(prior_point) + ls[-1], prior_point=prior_point, nfe=counted.nfe
+    )

@@ -14,16 +14,23 @@ DiffusionFn = Callable[[float], float]  # t -> w(t) >= 0
 LastStepFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x, t (B,), y) -> final sample, one model evaluation
 
 
-
 def _finish(x: Tensor, labels: Tensor, t_end: float, last_step: LastStepFn | None, nfe: int) -> SampleResult:
     if last_step is None:
         return SampleResult(samples=x, nfe=nfe)
     return SampleResult(samples=last_step(x, batch_time(t_end, x), labels), nfe=nfe + 1)
 
 
-def euler_maruyama(drift: DriftFn, diffusion: DiffusionFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float],
-                   last_step: LastStepFn | None = None, noise: PerSampleNoise | None = None,
-                   progress: bool = False) -> SampleResult:
+def euler_maruyama(
+    drift: DriftFn,
+    diffusion: DiffusionFn,
+    x: Tensor,
+    labels: Tensor,
+    *,
+    t_steps: Sequence[float],
+    last_step: LastStepFn | None = None,
+    noise: PerSampleNoise | None = None,
+    progress: bool = False,
+) -> SampleResult:
     """Euler–Maruyama: x += f(x, t) h + sqrt(2 w(t) h) z on each interval, then the optional noise-free last step."""
     pairs = list(zip(t_steps[:-1], t_steps[1:]))
     for t_cur, t_next in tqdm(pairs, desc="SDE Euler", disable=not progress):
@@ -33,9 +40,17 @@ def euler_maruyama(drift: DriftFn, diffusion: DiffusionFn, x: Tensor, labels: Te
     return _finish(x, labels, t_steps[-1], last_step, len(pairs))
 
 
-def heun(drift: DriftFn, diffusion: DiffusionFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float],
-         last_step: LastStepFn | None = None, noise: PerSampleNoise | None = None,
-         progress: bool = False) -> SampleResult:
+def heun(
+    drift: DriftFn,
+    diffusion: DiffusionFn,
+    x: Tensor,
+    labels: Tensor,
+    *,
+    t_steps: Sequence[float],
+    last_step: LastStepFn | None = None,
+    noise: PerSampleNoise | None = None,
+    progress: bool = False,
+) -> SampleResult:
     """Stochastic Heun (as in SiT): add the step's noise first, then one deterministic Heun step of the drift."""
     pairs = list(zip(t_steps[:-1], t_steps[1:]))
     for t_cur, t_next in tqdm(pairs, desc="SDE Heun", disable=not progress):

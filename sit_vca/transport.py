@@ -8,10 +8,8 @@ import torch
 from torch import Tensor
 
 from dit_vca.losses import mean_flat
-from samplers import PerSampleNoise, SampleResult
-from samplers import ode, sde
+from samplers import PerSampleNoise, SampleResult, ode, sde
 from samplers.interface import ModelFn, check_sampler_request
-
 
 PREDICTIONS = ("velocity", "score", "noise")
 LOSS_WEIGHTS = (None, "velocity", "likelihood")
@@ -35,6 +33,7 @@ DEFAULT_SDE = {"diffusion_form": "sigma", "diffusion_norm": 1.0, "last_step": "M
 # ----------------------------------------------------------------------------------------------------------------
 # Paths
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class Path:
     """An interpolant x_t = alpha_t x_1 + sigma_t x_0; subclasses give alpha_t, sigma_t and their time derivatives.
@@ -155,6 +154,7 @@ PATHS = {"linear": LinearPath, "gvp": GVPPath, "vp": VPPath}
 # The transport objective
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _expand(t: Tensor, x: Tensor) -> Tensor:
     return t.view(-1, *([1] * (x.ndim - 1))).to(x.dtype)  # (B, 1, ..., 1)
 
@@ -206,8 +206,9 @@ class Transport:
 
     # -- training ----------------------------------------------------------------------------------------------
 
-    def training_losses(self, model: ModelFn, x1: Tensor, y: Tensor, t: Tensor | None = None,
-                        noise: Tensor | None = None) -> dict[str, Tensor]:
+    def training_losses(
+        self, model: ModelFn, x1: Tensor, y: Tensor, t: Tensor | None = None, noise: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """Per-sample loss (B,) for data x1: velocity models regress u_t; score and noise models regress
         -x_0 / sigma_t and x_0 under the chosen loss weight. t defaults to uniform on the training interval."""
         t0, t1 = self.interval(self.train_eps)
@@ -222,7 +223,8 @@ class Transport:
         sigma_t = self.path.sigma(t_)[0]
         b_t = self.path.score_coefficient(t_)
         weight = {None: torch.ones_like(b_t), "velocity": (b_t / sigma_t) ** 2, "likelihood": b_t / sigma_t**2}[
-            self.loss_weight]
+            self.loss_weight
+        ]
         error = output - x0 if self.prediction == "noise" else output * sigma_t + x0
         return {"loss": mean_flat(weight * error**2)}
 
@@ -232,9 +234,18 @@ class Transport:
         """The probability-flow ODE's right-hand side, one model call per evaluation."""
         return lambda x, t, y: self.velocity(self._prediction(model_fn, x, t, y), x, t)
 
-    def sample(self, model_fn: ModelFn, x_T: Tensor, labels: Tensor, *, sampler: str = "dopri5",
-               steps: int | None = None, noise: PerSampleNoise | None = None, progress: bool = False,
-               **options) -> SampleResult:
+    def sample(
+        self,
+        model_fn: ModelFn,
+        x_T: Tensor,
+        labels: Tensor,
+        *,
+        sampler: str = "dopri5",
+        steps: int | None = None,
+        noise: PerSampleNoise | None = None,
+        progress: bool = False,
+        **options,
+    ) -> SampleResult:
         """Integrate from noise x_T (t = 0) to data. Samplers: "euler"/"heun" (fixed ODE steps, default 50),
         adaptive torchdiffeq methods such as "dopri5" (options atol 1e-6, rtol 1e-3; no `steps`), and
         "sde-euler"/"sde-heun" (default 250 steps counting the last step; options diffusion_form "sigma",
@@ -252,8 +263,17 @@ class Transport:
         with torch.no_grad():
             if sampler in ode.ADAPTIVE_METHODS:
                 t0, t1 = self.interval(self.sample_eps)
-                return ode.adaptive(velocity, x_T, labels, t0=t0, t1=t1, method=sampler, progress=progress,
-                                    atol=options.get("atol", DEFAULT_ATOL), rtol=options.get("rtol", DEFAULT_RTOL))
+                return ode.adaptive(
+                    velocity,
+                    x_T,
+                    labels,
+                    t0=t0,
+                    t1=t1,
+                    method=sampler,
+                    progress=progress,
+                    atol=options.get("atol", DEFAULT_ATOL),
+                    rtol=options.get("rtol", DEFAULT_RTOL),
+                )
             if sampler in ("euler", "heun"):
                 t0, t1 = self.interval(self.sample_eps)
                 t_steps = torch.linspace(t0, t1, steps + 1, dtype=torch.float64).tolist()
@@ -261,8 +281,17 @@ class Transport:
                 return run(velocity, x_T, labels, t_steps=t_steps, progress=progress)
             return self._sample_sde(model_fn, x_T, labels, sampler, steps, noise, progress, **options)
 
-    def _sample_sde(self, model_fn: ModelFn, x_T: Tensor, labels: Tensor, sampler: str, steps: int,
-                    noise: PerSampleNoise | None, progress: bool, **options) -> SampleResult:
+    def _sample_sde(
+        self,
+        model_fn: ModelFn,
+        x_T: Tensor,
+        labels: Tensor,
+        sampler: str,
+        steps: int,
+        noise: PerSampleNoise | None,
+        progress: bool,
+        **options,
+    ) -> SampleResult:
         settings = {**DEFAULT_SDE, **options}
         form, norm = settings["diffusion_form"], float(settings["diffusion_norm"])
         last_step = settings["last_step"]
@@ -275,8 +304,10 @@ class Transport:
             raise ValueError(f"last_step_size must be in (0, 1), got {last_step_size}")
         t0, t1 = self.interval(self.sample_eps, sde_form=form, last_step_size=last_step_size)
         if form == "SBDM" and t0 == 0 and not isinstance(self.path, VPPath):
-            raise ValueError("diffusion_form 'SBDM' is infinite at t = 0 on the Linear/GVP paths; "
-                             "create the transport with sample_eps > 0 (e.g. 1e-3)")
+            raise ValueError(
+                "diffusion_form 'SBDM' is infinite at t = 0 on the Linear/GVP paths; "
+                "create the transport with sample_eps > 0 (e.g. 1e-3)"
+            )
 
         def diffusion(t: float) -> float:  # the noise scale of a step, from the loop's own (host) time
             return float(self.path.sde_diffusion(torch.tensor(t, dtype=torch.float64), form, norm))
@@ -295,8 +326,9 @@ class Transport:
         run = sde.euler_maruyama if sampler == "sde-euler" else sde.heun
         return run(drift, diffusion, x_T, labels, t_steps=t_steps, last_step=final, noise=noise, progress=progress)
 
-    def _last_step_fn(self, model_fn: ModelFn, drift: sde.DriftFn, last_step: str | None,
-                      size: float) -> sde.LastStepFn | None:
+    def _last_step_fn(
+        self, model_fn: ModelFn, drift: sde.DriftFn, last_step: str | None, size: float
+    ) -> sde.LastStepFn | None:
         """The noise-free final step from t1 to 1: "Mean" (an Euler step of the SDE drift), "Euler" (of the ODE
         velocity) or "Tweedie" (the denoised estimate E[x_1 | x_t] = (x + sigma^2 score) / alpha)."""
         if last_step is None:
@@ -313,19 +345,45 @@ class Transport:
 
         return tweedie
 
-    def log_likelihood(self, model_fn: ModelFn, x1: Tensor, labels: Tensor, *, method: str = "dopri5",
-                       atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, divergence: str = "hutchinson",
-                       noise: PerSampleNoise | None = None, progress: bool = False) -> ode.LogLikelihood:
+    def log_likelihood(
+        self,
+        model_fn: ModelFn,
+        x1: Tensor,
+        labels: Tensor,
+        *,
+        method: str = "dopri5",
+        atol: float = DEFAULT_ATOL,
+        rtol: float = DEFAULT_RTOL,
+        divergence: str = "hutchinson",
+        noise: PerSampleNoise | None = None,
+        progress: bool = False,
+    ) -> ode.LogLikelihood:
         """log p(x1) in nats per sample under the probability-flow ODE (prior N(0, I) at the interval start);
         divide by x1[0].numel() for nats per dimension. The interval is the sampling one, integrated backwards
         (on VP it differs from official SiT's by sample_eps: docs/VCA.md, "Conventions")."""
         t0, t1 = self.interval(self.sample_eps)
-        return ode.log_likelihood(self.velocity_fn(model_fn), x1, labels, t0=t0, t1=t1, method=method, atol=atol,
-                                  rtol=rtol, divergence=divergence, noise=noise, progress=progress)
+        return ode.log_likelihood(
+            self.velocity_fn(model_fn),
+            x1,
+            labels,
+            t0=t0,
+            t1=t1,
+            method=method,
+            atol=atol,
+            rtol=rtol,
+            divergence=divergence,
+            noise=noise,
+            progress=progress,
+        )
 
 
-def create_transport(path: str = "linear", prediction: str = "velocity", loss_weight: str | None = None,
-                     train_eps: float | None = None, sample_eps: float | None = None) -> Transport:
+def create_transport(
+    path: str = "linear",
+    prediction: str = "velocity",
+    loss_weight: str | None = None,
+    train_eps: float | None = None,
+    sample_eps: float | None = None,
+) -> Transport:
     """SiT's transport with its default epsilons: VP 1e-5 (train) / 1e-3 (sample); Linear or GVP with noise or
     score prediction 1e-3 / 1e-3; Linear or GVP with velocity 0 / 0 (stable everywhere)."""
     key = path.lower()
@@ -343,6 +401,10 @@ def create_transport(path: str = "linear", prediction: str = "velocity", loss_we
         default_train, default_sample = 1e-3, 1e-3
     else:
         default_train, default_sample = 0.0, 0.0
-    return Transport(PATHS[key](), prediction, loss_weight,
-                     default_train if train_eps is None else float(train_eps),
-                     default_sample if sample_eps is None else float(sample_eps))
+    return Transport(
+        PATHS[key](),
+        prediction,
+        loss_weight,
+        default_train if train_eps is None else float(train_eps),
+        default_sample if sample_eps is None else float(sample_eps),
+    )

@@ -43,6 +43,7 @@ def load_reference() -> dict:
 # DDPM (DiT): x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, t = original index 0..999
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def reference_alphas_cumprod() -> torch.Tensor:
     betas = np.array(load_reference()["betas_linear_1000"], dtype=np.float64)
     return torch.from_numpy(np.cumprod(1.0 - betas))  # (1000,)
@@ -77,6 +78,7 @@ def ddpm_optimal_model(kept_timesteps: list[int]):
 # ---------------------------------------------------------------------------------------------------------------
 # Interpolants (SiT): x_t = alpha_t x_1 + sigma_t x_0, t = 0 noise, t = 1 data
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _vp_alpha(t):
     log_mean = -0.25 * (1 - t) ** 2 * (20.0 - 0.1) - 0.5 * (1 - t) * 0.1

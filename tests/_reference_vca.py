@@ -87,14 +87,18 @@ def reference_vca(module: VisualContrastAttention, x: Tensor, block_index: int) 
     return out @ params["proj.weight"].T + params["proj.bias"]  # (B, N, C)
 
 
-def reference_mhsa(qkv_weight: Tensor, qkv_bias: Tensor, proj_weight: Tensor, proj_bias: Tensor,
-                   x: Tensor, num_heads: int) -> Tensor:
+def reference_mhsa(
+    qkv_weight: Tensor, qkv_bias: Tensor, proj_weight: Tensor, proj_bias: Tensor, x: Tensor, num_heads: int
+) -> Tensor:
     """softmax(QKᵀ/√d)V per head, concatenated and projected, in float64."""
     x = x.double()
     C = x.shape[-1]
     d = C // num_heads
-    q, k, v = (x @ qkv_weight.double()[i * C : (i + 1) * C].T + qkv_bias.double()[i * C : (i + 1) * C]
-               for i in range(3))
-    heads = [softmax_rows(q[..., s] @ k[..., s].transpose(1, 2) / math.sqrt(d)) @ v[..., s]
-             for s in (slice(i * d, (i + 1) * d) for i in range(num_heads))]
+    q, k, v = (
+        x @ qkv_weight.double()[i * C : (i + 1) * C].T + qkv_bias.double()[i * C : (i + 1) * C] for i in range(3)
+    )
+    heads = [
+        softmax_rows(q[..., s] @ k[..., s].transpose(1, 2) / math.sqrt(d)) @ v[..., s]
+        for s in (slice(i * d, (i + 1) * d) for i in range(num_heads))
+    ]
     return torch.cat(heads, dim=-1) @ proj_weight.double().T + proj_bias.double()

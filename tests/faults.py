@@ -19,14 +19,15 @@ import errno as errno_codes
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def signal_at_step(monkeypatch, step: int, signals: Sequence[str], rank: Optional[int] = None,
-                   target: str = "self") -> None:
+def signal_at_step(
+    monkeypatch, step: int, signals: Sequence[str], rank: int | None = None, target: str = "self"
+) -> None:
     """Make the trainer of `rank` (None: every rank) send `signals` (names, one after the other) to itself or
     to its parent process as soon as optimiser step `step` is done."""
     import training.loop

@@ -125,9 +125,16 @@ def test_state_dict_layout_is_unchanged():
     module = VisualContrastAttention(32, 2, 8, 0)
     lambda_shapes = {f"lambda{i}.{v}": (16,) for i in (1, 2) for v in ("q1", "k1", "q2", "k2")}
     assert {name: tuple(t.shape) for name, t in module.state_dict().items()} == {
-        "qkv.weight": (96, 32), "qkv.bias": (96,), "contrast_embed": (1, 2, 2, 16, 16), **lambda_shapes,
-        "norm1.weight": (16,), "norm2.weight": (16,), "value_conv.weight": (32, 1, 3, 3),
-        "value_conv.bias": (32,), "proj.weight": (32, 32), "proj.bias": (32,),
+        "qkv.weight": (96, 32),
+        "qkv.bias": (96,),
+        "contrast_embed": (1, 2, 2, 16, 16),
+        **lambda_shapes,
+        "norm1.weight": (16,),
+        "norm2.weight": (16,),
+        "value_conv.weight": (32, 1, 3, 3),
+        "value_conv.bias": (32,),
+        "proj.weight": (32, 32),
+        "proj.bias": (32,),
     }
 
 
@@ -146,7 +153,9 @@ def test_vca_saves_no_more_for_backward_than_mhsa(tokens):
         vca = VisualContrastAttention(dim, heads, grid, 0, VCAOptions(contrast_grid=contrast_grid))
         assert layer_saved_bytes(vca, tokens, dim) <= mhsa
         # The readable path keeps every intermediate, N×2n probabilities included: well above MHSA.
-        readable = saved_activation_bytes(lambda: vca.reference_forward(torch.randn(1, tokens, dim)), vca.parameters())
+        readable = saved_activation_bytes(
+            lambda vca=vca: vca.reference_forward(torch.randn(1, tokens, dim)), vca.parameters()
+        )
         assert readable > 2 * mhsa
         vca.recompute_qkv = True  # x and the projection input only: 2·N·C floats and n-row tensors
         assert layer_saved_bytes(vca, tokens, dim) < 0.45 * mhsa
@@ -308,15 +317,15 @@ def test_every_sdpa_call_meets_the_fused_kernel_constraints(options, path, preci
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         out = getattr(module, path.removesuffix("-sdpa2"))(x)
     out.float().square().mean().backward()
-    stage2_calls = (2 if options.stage2_differential and not options.joint_softmax else 1) if module.stage2_sdpa \
-        else 0
+    stage2_calls = (2 if options.stage2_differential and not options.joint_softmax else 1) if module.stage2_sdpa else 0
     assert len(recorder.calls) == 1 + stage2_calls  # Stage I is one call for both streams
     for call in recorder.calls:
         assert not fused_kernel_violations(call, precision == "bf16")
 
 
-def fp16_scaled_gradients(module: VisualContrastAttention, x: torch.Tensor, grad: torch.Tensor, scale: float,
-                          fp16: bool) -> dict[str, torch.Tensor]:
+def fp16_scaled_gradients(
+    module: VisualContrastAttention, x: torch.Tensor, grad: torch.Tensor, scale: float, fp16: bool
+) -> dict[str, torch.Tensor]:
     """The gradients of the parameters and of x for loss = scale · ⟨out, grad⟩ (fp16 autocast or fp32),
     unscaled as a GradScaler would unscale them."""
     module.zero_grad(set_to_none=True)

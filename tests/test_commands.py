@@ -10,10 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from commands import UserError, run_command
 from configs import CONFIG_DIR, config_names, find_config
@@ -34,12 +34,13 @@ def test_a_bare_name_resolves_to_the_shipped_config():
 
 def test_a_path_still_wins(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "digits.yaml").write_text((CONFIG_DIR / "digits.yaml").read_text().replace("max_steps: 2000",
-                                                                                           "max_steps: 7"))
-    assert load_config("digits.yaml").train.max_steps == 7          # the file in the working folder
-    assert load_config("digits").train.max_steps == 2000            # no such file: the shipped config
+    (tmp_path / "digits.yaml").write_text(
+        (CONFIG_DIR / "digits.yaml").read_text().replace("max_steps: 2000", "max_steps: 7")
+    )
+    assert load_config("digits.yaml").train.max_steps == 7  # the file in the working folder
+    assert load_config("digits").train.max_steps == 2000  # no such file: the shipped config
     with pytest.raises(ConfigError, match=r"sub/digits\.yaml does not exist"):
-        load_config("sub/digits.yaml")                              # a path is never looked up among the shipped
+        load_config("sub/digits.yaml")  # a path is never looked up among the shipped
 
 
 def test_an_unknown_name_lists_the_shipped_configs_in_one_line():
@@ -72,8 +73,11 @@ def project_exception_classes() -> list[type[BaseException]]:
         if name.endswith("__main__") or name == "demo":
             continue
         module = importlib.import_module(name)
-        found += [value for value in vars(module).values() if inspect.isclass(value)
-                  and issubclass(value, BaseException) and value.__module__ == module.__name__]
+        found += [
+            value
+            for value in vars(module).values()
+            if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == module.__name__
+        ]
     return found
 
 
@@ -114,10 +118,25 @@ def test_an_error_of_a_module_run_with_dash_m_is_one_line(tmp_path):
     """Under `python -m generation.official` its error class is `__main__.OfficialCheckpointError`, still a
     UserError: one line, exit 2."""
     (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole zip")
-    result = subprocess.run([sys.executable, "-m", "generation.official", str(tmp_path / "cut.pt"),
-                             "--out", str(tmp_path / "export"), "--model", "DiT-S/8", "--image-size", "256"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "generation.official",
+            str(tmp_path / "cut.pt"),
+            "--out",
+            str(tmp_path / "export"),
+            "--model",
+            "DiT-S/8",
+            "--image-size",
+            "256",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and "cut.pt" in line
@@ -140,11 +159,15 @@ def test_the_wheel_installs_commands_and_configs(tmp_path):
         folder.mkdir()
     _package_files(source)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
-    subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels)],
+        check=True,
+        timeout=300,
+    )
     (wheel,) = wheels.glob("*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)], check=True, timeout=300
+    )
 
     # The installed packages come first on the path; the working folder holds no source.
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
@@ -161,8 +184,15 @@ print(json.dumps({"commands": commands, "model": config.model.name, "vae": confi
                   "shipped": [str(p) for p in dist.files if p.parts[0] == "configs" and p.suffix == ".yaml"],
                   "config_file": sys.modules["configs"].__file__}))
 """
-    result = subprocess.run([sys.executable, "-c", probe, str(target)], cwd=elsewhere, env=env, check=True,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(target)],
+        cwd=elsewhere,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     seen = json.loads(result.stdout.splitlines()[-1])
     assert seen["commands"].keys() == SCRIPTS.keys()
     for name, (is_callable, file) in seen["commands"].items():
@@ -172,6 +202,13 @@ print(json.dumps({"commands": commands, "model": config.model.name, "vae": confi
     assert sorted(Path(p).stem for p in seen["shipped"]) == config_names()
 
     # The generated console script runs (pip writes it with this interpreter in its first line).
-    help_text = subprocess.run([str(target / "bin" / "vca-sample"), "--help"], cwd=elsewhere, env=env, check=True,
-                               capture_output=True, text=True, timeout=300).stdout
+    help_text = subprocess.run(
+        [str(target / "bin" / "vca-sample"), "--help"],
+        cwd=elsewhere,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
     assert "--num-samples" in help_text

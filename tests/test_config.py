@@ -7,8 +7,9 @@ import pytest
 from training.config import ConfigError, config_to_yaml, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-EXPERIMENTS = sorted(path for path in CONFIGS.glob("*.yaml")
-                     if path.name not in ("imagenet256.yaml", "digits.yaml", "shapes.yaml"))
+EXPERIMENTS = sorted(
+    path for path in CONFIGS.glob("*.yaml") if path.name not in ("imagenet256.yaml", "digits.yaml", "shapes.yaml")
+)
 
 
 def write(path: Path, text: str) -> Path:
@@ -19,10 +20,19 @@ def write(path: Path, text: str) -> Path:
 def test_one_config_per_paper_experiment():
     # DiT and SiT x S and B x patch 2/4/8 x VCA and MHSA, plus L/2 and XL/2 of both families and attentions.
     names = {path.stem for path in EXPERIMENTS}
-    expected = {f"{family}-{size}{patch}-{attention}" for family in ("dit", "sit") for size in ("s", "b")
-                for patch in (2, 4, 8) for attention in ("vca", "mhsa")}
-    expected |= {f"{family}-{size}2-{attention}" for family in ("dit", "sit") for size in ("l", "xl")
-                 for attention in ("vca", "mhsa")}
+    expected = {
+        f"{family}-{size}{patch}-{attention}"
+        for family in ("dit", "sit")
+        for size in ("s", "b")
+        for patch in (2, 4, 8)
+        for attention in ("vca", "mhsa")
+    }
+    expected |= {
+        f"{family}-{size}2-{attention}"
+        for family in ("dit", "sit")
+        for size in ("l", "xl")
+        for attention in ("vca", "mhsa")
+    }
     assert names == expected
 
 
@@ -34,16 +44,26 @@ def test_experiment_configs_share_the_paper_recipe(path):
     assert config.model.attention == attention
     # The paper's recipe (docs/VCA.md), written once in imagenet256.yaml.
     train = config.train
-    assert (train.global_batch_size, train.lr, train.weight_decay, train.ema_decay, train.max_steps) == \
-        (256, 1e-4, 0.0, 0.9999, 400_000)
+    assert (train.global_batch_size, train.lr, train.weight_decay, train.ema_decay, train.max_steps) == (
+        256,
+        1e-4,
+        0.0,
+        0.9999,
+        400_000,
+    )
     assert train.warmup_steps == 0 and train.max_grad_norm is None and not train.ema_warmup
-    assert (config.data.source, config.data.image_size, config.data.num_classes, config.data.random_flip) == \
-        ("latents", 256, 1000, True)
+    assert (config.data.source, config.data.image_size, config.data.num_classes, config.data.random_flip) == (
+        "latents",
+        256,
+        1000,
+        True,
+    )
     assert (config.vae.name, config.vae.scale) == ("stabilityai/sd-vae-ft-ema", 0.18215)
     assert config.run.dir == str(Path("results") / path.stem)
     # Each experiment file states only its base and its model: nothing of the recipe is repeated.
-    assert set(line.split(":")[0] for line in path.read_text().splitlines()
-               if line and not line.startswith((" ", "#"))) == {"base", "model"}
+    assert set(
+        line.split(":")[0] for line in path.read_text().splitlines() if line and not line.startswith((" ", "#"))
+    ) == {"base", "model"}
 
 
 def test_digits_config_matches_the_calibration():
@@ -58,12 +78,23 @@ def test_digits_config_matches_the_calibration():
 def test_overrides_are_typed_and_win_over_files(tmp_path):
     base = write(tmp_path / "base.yaml", "train: {lr: 1.0e-4, betas: [0.9, 0.95]}\nlog: {every: 7}\n")
     child = write(tmp_path / "child.yaml", "base: base.yaml\nlog: {every: 9}\n")
-    config = load_config(child, ["model.name=SiT-B/4", "data.source=digits", "data.image_size=8",
-                                 "data.num_classes=10", "train.global_batch_size=32", "train.max_steps=5",
-                                 "train.ema_decay=0.99", "train.lr=2e-4", "train.max_grad_norm=null"])
-    assert config.train.lr == 2e-4 and isinstance(config.train.lr, float)   # "2e-4" parsed as a float
-    assert config.train.betas == [0.9, 0.95]                                  # from the base
-    assert config.log.every == 9                                              # the file overrides its base
+    config = load_config(
+        child,
+        [
+            "model.name=SiT-B/4",
+            "data.source=digits",
+            "data.image_size=8",
+            "data.num_classes=10",
+            "train.global_batch_size=32",
+            "train.max_steps=5",
+            "train.ema_decay=0.99",
+            "train.lr=2e-4",
+            "train.max_grad_norm=null",
+        ],
+    )
+    assert config.train.lr == 2e-4 and isinstance(config.train.lr, float)  # "2e-4" parsed as a float
+    assert config.train.betas == [0.9, 0.95]  # from the base
+    assert config.log.every == 9  # the file overrides its base
     assert config.train.max_grad_norm is None
     assert config.run.dir == str(Path("results") / "child")
     assert base.exists()
@@ -75,17 +106,20 @@ def test_resolved_yaml_loads_back_to_the_same_config(tmp_path):
     assert load_config(saved) == config
 
 
-@pytest.mark.parametrize("override, message", [
-    (["train.lrr=1"], "unknown key 'train.lrr'; valid keys under 'train': global_batch_size"),
-    (["trian.lr=1"], "unknown key 'trian'; valid keys at the top level: model, diffusion"),
-    (["train.lr=fast"], "bad value for 'train.lr' (expected float)"),
-    (["log.every=2.5"], "bad value for 'log.every' (expected int)"),
-    (["train=3"], "'train' must be a section of keys"),
-    (["model.attention=mha"], "'model.attention' is 'mha'; valid choices: vca, mhsa"),
-    (["data.source=imagenet"], "valid choices: latents, images, digits, shapes"),
-    (["model.name=DiT-M/2"], "'model.name' is 'DiT-M/2'; valid choices: DiT-S/2, DiT-S/4"),
-    (["train.lr"], "is not of the form section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["train.lrr=1"], "unknown key 'train.lrr'; valid keys under 'train': global_batch_size"),
+        (["trian.lr=1"], "unknown key 'trian'; valid keys at the top level: model, diffusion"),
+        (["train.lr=fast"], "bad value for 'train.lr' (expected float)"),
+        (["log.every=2.5"], "bad value for 'log.every' (expected int)"),
+        (["train=3"], "'train' must be a section of keys"),
+        (["model.attention=mha"], "'model.attention' is 'mha'; valid choices: vca, mhsa"),
+        (["data.source=imagenet"], "valid choices: latents, images, digits, shapes"),
+        (["model.name=DiT-M/2"], "'model.name' is 'DiT-M/2'; valid choices: DiT-S/2, DiT-S/4"),
+        (["train.lr"], "is not of the form section.key=value"),
+    ],
+)
 def test_bad_overrides_name_the_key_and_the_valid_choices(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(CONFIGS / "dit-s2-vca.yaml", override)
@@ -105,8 +139,10 @@ def test_missing_required_values_are_listed(tmp_path):
 
 
 def test_latent_space_needs_a_vae(tmp_path):
-    no_vae = write(tmp_path / "no_vae.yaml", "base: " + str(CONFIGS / "imagenet256.yaml") +
-                   "\nmodel: {name: DiT-S/2}\nvae: {name: null}\n")
+    no_vae = write(
+        tmp_path / "no_vae.yaml",
+        "base: " + str(CONFIGS / "imagenet256.yaml") + "\nmodel: {name: DiT-S/2}\nvae: {name: null}\n",
+    )
     with pytest.raises(ConfigError, match="needs vae.name and vae.scale"):
         load_config(no_vae)
 
@@ -123,21 +159,24 @@ def test_base_chain_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.ema_decay=1.5", "'train.ema_decay' is 1.5; expected a finite value >= 0 and <= 1"),
-    ("train.betas=[0.9,1.5]", "'train.betas' is [0.9, 1.5]; expected a finite value >= 0 and <= 1"),
-    ("train.lr=nan", "'train.lr' is nan; expected a finite value >= 0"),
-    ("train.lr=inf", "'train.lr' is inf; expected a finite value >= 0"),
-    ("train.warmup_steps=-1", "'train.warmup_steps' is -1; expected a finite value >= 0"),
-    ("train.max_grad_norm=0", "'train.max_grad_norm' is 0.0; expected a finite value > 0"),
-    ("data.num_workers=-1", "'data.num_workers' is -1; expected a finite value >= 0"),
-    ("log.sample_every=-5", "'log.sample_every' is -5; expected a finite value >= 0"),
-    ("log.export_every=-1", "'log.export_every' is -1; expected a finite value >= 0"),
-    ("log.fid_samples=1", "'log.fid_samples' is 1; expected a finite value >= 2"),
-    ("log.sample_count=0", "'log.sample_count' is 0; expected a finite value >= 1"),
-    ("model.class_dropout_prob=-0.1", "'model.class_dropout_prob' is -0.1; expected a finite value >= 0 and <= 1"),
-    ("vae.scale=0", "'vae.scale' is 0.0; expected a finite value > 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.ema_decay=1.5", "'train.ema_decay' is 1.5; expected a finite value >= 0 and <= 1"),
+        ("train.betas=[0.9,1.5]", "'train.betas' is [0.9, 1.5]; expected a finite value >= 0 and <= 1"),
+        ("train.lr=nan", "'train.lr' is nan; expected a finite value >= 0"),
+        ("train.lr=inf", "'train.lr' is inf; expected a finite value >= 0"),
+        ("train.warmup_steps=-1", "'train.warmup_steps' is -1; expected a finite value >= 0"),
+        ("train.max_grad_norm=0", "'train.max_grad_norm' is 0.0; expected a finite value > 0"),
+        ("data.num_workers=-1", "'data.num_workers' is -1; expected a finite value >= 0"),
+        ("log.sample_every=-5", "'log.sample_every' is -5; expected a finite value >= 0"),
+        ("log.export_every=-1", "'log.export_every' is -1; expected a finite value >= 0"),
+        ("log.fid_samples=1", "'log.fid_samples' is 1; expected a finite value >= 2"),
+        ("log.sample_count=0", "'log.sample_count' is 0; expected a finite value >= 1"),
+        ("model.class_dropout_prob=-0.1", "'model.class_dropout_prob' is -0.1; expected a finite value >= 0 and <= 1"),
+        ("vae.scale=0", "'vae.scale' is 0.0; expected a finite value > 0"),
+    ],
+)
 def test_values_out_of_range_name_the_key_and_the_range(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(CONFIGS / "dit-s2-vca.yaml", [override])
@@ -145,8 +184,17 @@ def test_values_out_of_range_name_the_key_and_the_range(override, message):
 
 
 def test_zero_switches_off_what_it_documents():
-    config = load_config(CONFIGS / "dit-s2-vca.yaml", ["log.sample_every=0", "log.fid_every=0", "log.export_every=0",
-                                                      "train.warmup_steps=0", "data.num_workers=0", "train.lr=0"])
+    config = load_config(
+        CONFIGS / "dit-s2-vca.yaml",
+        [
+            "log.sample_every=0",
+            "log.fid_every=0",
+            "log.export_every=0",
+            "train.warmup_steps=0",
+            "data.num_workers=0",
+            "train.lr=0",
+        ],
+    )
     assert (config.log.sample_every, config.log.fid_every, config.log.export_every) == (0, 0, 0)
 
 

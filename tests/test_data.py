@@ -11,8 +11,16 @@ from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torchvision import transforms
 
-from training.data import (CorruptImageError, DigitsDataset, ImageFolderDataset, LatentShardDataset,
-                           ShardedBatches, center_crop_adm, collate_examples, read_manifest)
+from training.data import (
+    CorruptImageError,
+    DigitsDataset,
+    ImageFolderDataset,
+    LatentShardDataset,
+    ShardedBatches,
+    center_crop_adm,
+    collate_examples,
+    read_manifest,
+)
 
 
 def make_image_folder(root, classes=("cat", "dog"), per_class=6, size=(40, 48), seed=0):
@@ -94,9 +102,18 @@ def write_latent_shards(root, means, stds, labels, shard_size):
         part = slice(start, start + shard_size)
         save_file({"mean": means[part], "std": stds[part], "labels": labels[part]}, root / f"shard-{k:05d}.safetensors")
         shards.append({"file": f"shard-{k:05d}.safetensors", "count": len(labels[part]), "skipped": 0})
-    manifest = {"format": 1, "image_size": 32, "vae": "test", "latent_channels": 4, "latent_size": 4,
-                "dtype": "float32", "classes": ["a", "b", "c"], "num_images": len(labels), "num_skipped": 0,
-                "shards": shards}
+    manifest = {
+        "format": 1,
+        "image_size": 32,
+        "vae": "test",
+        "latent_channels": 4,
+        "latent_size": 4,
+        "dtype": "float32",
+        "classes": ["a", "b", "c"],
+        "num_images": len(labels),
+        "num_skipped": 0,
+        "shards": shards,
+    }
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -118,7 +135,7 @@ def test_latent_shards_draw_a_fresh_posterior_sample_and_flip(tmp_path):
         residuals = [((z / scale - means[6, f]) / stds[6, f]).abs().max() for f in (0, 1)]
         flip = int(residuals[1] < residuals[0])
         flips.append(flip)
-        draws.append(((z / scale - means[6, flip]) / stds[6, flip]))
+        draws.append((z / scale - means[6, flip]) / stds[6, flip])
     eps = torch.stack(draws)  # (400, 4, 4, 4) standardised samples
     # Mean 0 and variance 1 of 25 600 draws: tolerances are ~6 standard errors (0.006 and 0.009).
     assert eps.mean().abs() < 0.04 and (eps.var() - 1).abs() < 0.06

@@ -36,11 +36,17 @@ def test_report_lists_every_set_against_its_goal():
     results = {
         "train": {"steps": 3000, "seconds_this_invocation": 301.0, "final_loss": 0.0812, "steps_per_s": 10.2},
         "model": "DiT-S/2 (vca, hidden 128, depth 4, 4 heads)",
-        "num_samples": 1000, "num_real": 1797, "real_file": "results/demo/real-digits.npz", "sampler": "DDIM, 50 steps",
+        "num_samples": 1000,
+        "num_real": 1797,
+        "real_file": "results/demo/real-digits.npz",
+        "sampler": "DDIM, 50 steps",
         "classifier": {"kind": "SVC", "held_out_accuracy": 0.9889, "train_size": 1347, "test_size": 450},
-        "inception_weights": "bundled", "fid_real_halves": {"fid": 3.21, "sizes": [899, 898]},
-        "sets": [{"cfg_scale": 1.0, "fid": 12.345, "accuracy": 0.962, "goal": 0.95, "grid": "samples-cfg1.png"},
-                 {"cfg_scale": 2.0, "fid": None, "accuracy": 0.985, "goal": 0.99, "grid": "samples-cfg2.png"}],
+        "inception_weights": "bundled",
+        "fid_real_halves": {"fid": 3.21, "sizes": [899, 898]},
+        "sets": [
+            {"cfg_scale": 1.0, "fid": 12.345, "accuracy": 0.962, "goal": 0.95, "grid": "samples-cfg1.png"},
+            {"cfg_scale": 2.0, "fid": None, "accuracy": 0.985, "goal": 0.99, "grid": "samples-cfg2.png"},
+        ],
         "seconds": {"train": 300.0, "sample": 120.0, "score": 240.0, "total": 660.0},
     }
     markdown = demo.render_markdown(results)
@@ -48,7 +54,10 @@ def test_report_lists_every_set_against_its_goal():
     assert "| 2 | – | 98.5 % | ≥ 99 % (missed) | ![](samples-cfg2.png) |" in markdown  # FID not measured
     assert "trained 3000 steps (final loss 0.0812" in markdown and "98.9 % on the 450 held out" in markdown
     assert "(899 vs. 898) are 3.21 apart" in markdown
-    assert "`python -m fid SET.npz results/demo/real-digits.npz --weights bundled --metrics fid`" in markdown and "11.0 min in all (training 5.0" in markdown
+    assert (
+        "`python -m fid SET.npz results/demo/real-digits.npz --weights bundled --metrics fid`" in markdown
+        and "11.0 min in all (training 5.0" in markdown
+    )
 
 
 def test_committed_real_digit_features_match_a_fresh_computation():

@@ -56,15 +56,33 @@ def test_a_training_step_moves_nothing_between_host_and_device(family, objective
     """Trainer.train_step (forward, backward, clipping, AdamW, LR schedule, EMA) on batches already on the
     device. The first step moves the schedule to the device (once per device); the second must move nothing."""
     model_name = f"{family}-S/2"
-    config = load_config(DIGITS, [f"model.name={model_name}", "model.depth=1", "model.hidden_size=32",
-                                  "model.num_heads=2", f"train.global_batch_size={BATCH}", "log.trackers=[]"])
+    config = load_config(
+        DIGITS,
+        [
+            f"model.name={model_name}",
+            "model.depth=1",
+            "model.hidden_size=32",
+            "model.num_heads=2",
+            f"train.global_batch_size={BATCH}",
+            "log.trackers=[]",
+        ],
+    )
     model = (create_model if family == "DiT" else create_sit_model)(model_name, attention="vca", **TINY)
     ema = create_ema(model, config.train).to(META)  # built on the CPU: timm seeds a generator on its device
     model.to(META)
     optimizer, scheduler = create_optimizer(model, config, META)
     batches = SimpleNamespace(loader=SimpleNamespace(batch_size=BATCH))
-    parts = SimpleNamespace(model=model, ema=ema, objective=objective(), optimizer=optimizer, scheduler=scheduler,
-                            batches=batches, encoder=None, alignment=None, trained_modules=[model])
+    parts = SimpleNamespace(
+        model=model,
+        ema=ema,
+        objective=objective(),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=batches,
+        encoder=None,
+        alignment=None,
+        trained_modules=[model],
+    )
     trainer = Trainer(meta_accelerator, config, RunDirectory(tmp_path), parts, TrainerState())
     images = torch.zeros(BATCH, 1, 8, 8, device=META)
     labels = torch.zeros(BATCH, dtype=torch.long, device=META)
@@ -83,8 +101,9 @@ DIFFUSION_SAMPLERS = ("ddpm", "ddim")
 TRANSPORT_SAMPLERS = ("euler", "heun", "sde-euler", "sde-heun")
 
 
-@pytest.mark.parametrize("family,sampler", [("DiT", s) for s in DIFFUSION_SAMPLERS]
-                         + [("SiT", s) for s in TRANSPORT_SAMPLERS])
+@pytest.mark.parametrize(
+    "family,sampler", [("DiT", s) for s in DIFFUSION_SAMPLERS] + [("SiT", s) for s in TRANSPORT_SAMPLERS]
+)
 def test_sampler_loops_move_nothing_between_host_and_device(family, sampler):
     model = meta_model(family).eval()
     objective = create_diffusion(learn_sigma=True) if family == "DiT" else create_transport()

@@ -14,9 +14,15 @@ from diffusers.models.embeddings import get_timestep_embedding
 
 import commands
 from dit_vca import create_diffusion, create_model
-from generation.diffusers_interop import (ConversionError, dit_scheduler, from_diffusers, main, to_diffusers,
-                                       use_dit_timestep_frequencies)
 from dit_vca.models import timestep_embedding
+from generation.diffusers_interop import (
+    ConversionError,
+    dit_scheduler,
+    from_diffusers,
+    main,
+    to_diffusers,
+    use_dit_timestep_frequencies,
+)
 from sit_vca import create_model as create_sit_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,8 +37,16 @@ def tiny_dit(learn_sigma: bool = True, attention: str = "mhsa", seed: int = 0) -
     """DiT-S/2 shrunk to 2 blocks of width 64 on an 8x8x4 latent, every trained weight perturbed (adaLN-Zero
     would otherwise make it the zero function)."""
     torch.manual_seed(seed)
-    model = create_model("DiT-S/2", attention=attention, input_size=8, num_classes=NUM_CLASSES, depth=2,
-                         hidden_size=64, num_heads=4, learn_sigma=learn_sigma)
+    model = create_model(
+        "DiT-S/2",
+        attention=attention,
+        input_size=8,
+        num_classes=NUM_CLASSES,
+        depth=2,
+        hidden_size=64,
+        num_heads=4,
+        learn_sigma=learn_sigma,
+    )
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.requires_grad:
@@ -66,8 +80,12 @@ def test_diffusers_own_timestep_frequencies_differ_from_dit():
     """diffusers' DiT divides the frequency exponent by 127 (downscale_freq_shift=1), the official DiT by 128:
     with shift 0 diffusers' features are ours; with its default the converted model's output changes."""
     t = torch.tensor([0.0, 1.0, 250.0, 999.0])
-    torch.testing.assert_close(get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0),
-                               timestep_embedding(t), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0),
+        timestep_embedding(t),
+        rtol=0,
+        atol=1e-5,
+    )
     model = tiny_dit()
     transformer = to_diffusers(model)
     for block in transformer.transformer_blocks:
@@ -76,8 +94,7 @@ def test_diffusers_own_timestep_frequencies_differ_from_dit():
     with torch.no_grad():
         assert (transformer(x, timestep=t, class_labels=y).sample - model(x, t, y)).abs().max() > 1e-3
         use_dit_timestep_frequencies(transformer)
-        torch.testing.assert_close(transformer(x, timestep=t, class_labels=y).sample, model(x, t, y), rtol=0,
-                                   atol=ATOL)
+        torch.testing.assert_close(transformer(x, timestep=t, class_labels=y).sample, model(x, t, y), rtol=0, atol=ATOL)
 
 
 def test_round_trip_gives_back_the_same_state_dict_and_config():
@@ -103,9 +120,17 @@ def test_saved_folder_reloads(tmp_path):
 def tiny_vae() -> AutoencoderKL:
     """A randomly initialised 2-level AutoencoderKL (8x8x4 latents <-> 16x16 RGB), built from a config."""
     torch.manual_seed(0)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
-                         latent_channels=4, norm_num_groups=4, sample_size=16).eval()
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    ).eval()
 
 
 @pytest.mark.parametrize("solver", ["dpm++2m", "unipc"])
@@ -122,9 +147,15 @@ def test_dit_pipeline_follows_our_sampler_step_by_step(solver):
     seen_by_pipeline = []
     pipeline.transformer.register_forward_hook(
         lambda module, args, kwargs, output: seen_by_pipeline.append((args[0].clone(), kwargs["timestep"].clone())),
-        with_kwargs=True)
-    images = pipeline(labels, guidance_scale=1.0, generator=torch.Generator().manual_seed(0),
-                      num_inference_steps=steps, output_type="pt").images  # (B, 3, 16, 16) in [0, 1]
+        with_kwargs=True,
+    )
+    images = pipeline(
+        labels,
+        guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0),
+        num_inference_steps=steps,
+        output_type="pt",
+    ).images  # (B, 3, 16, 16) in [0, 1]
 
     seen_by_us = []
 
@@ -146,8 +177,9 @@ def test_dit_pipeline_follows_our_sampler_step_by_step(solver):
 def test_vca_and_sit_models_are_refused():
     with pytest.raises(ConversionError, match="only the MHSA baseline.*attention='vca'"):
         to_diffusers(tiny_dit(attention="vca"))
-    sit = create_sit_model("SiT-S/2", attention="mhsa", input_size=8, num_classes=NUM_CLASSES, depth=1,
-                           hidden_size=32, num_heads=2)
+    sit = create_sit_model(
+        "SiT-S/2", attention="mhsa", input_size=8, num_classes=NUM_CLASSES, depth=1, hidden_size=32, num_heads=2
+    )
     with pytest.raises(ConversionError, match="SiT"):
         to_diffusers(sit)
 
@@ -164,20 +196,36 @@ def test_untied_embedders_cannot_go_back():
 # The command
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def write_tiny_export(folder: Path, attention: str = "mhsa") -> torch.nn.Module:
     from generation import ExportDescription, write_export
 
     model = tiny_dit(attention=attention)
-    write_export(folder, model.state_dict(), ExportDescription(
-        model=model.config, objective={"kind": "diffusion", "learn_sigma": True}, space="latents", image_size=64,
-        num_classes=NUM_CLASSES, latent_scale=0.18215, vae="stabilityai/sd-vae-ft-ema"))
+    write_export(
+        folder,
+        model.state_dict(),
+        ExportDescription(
+            model=model.config,
+            objective={"kind": "diffusion", "learn_sigma": True},
+            space="latents",
+            image_size=64,
+            num_classes=NUM_CLASSES,
+            latent_scale=0.18215,
+            vae="stabilityai/sd-vae-ft-ema",
+        ),
+    )
     return model
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "generation.diffusers_interop", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "generation.diffusers_interop", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def test_command_writes_a_diffusers_folder_from_an_export(tmp_path):
@@ -188,8 +236,7 @@ def test_command_writes_a_diffusers_folder_from_an_export(tmp_path):
     transformer = use_dit_timestep_frequencies(DiTTransformer2DModel.from_pretrained(out / "transformer"))
     x, t, y = inputs()
     with torch.no_grad():
-        torch.testing.assert_close(transformer(x, timestep=t, class_labels=y).sample, model(x, t, y), rtol=0,
-                                   atol=ATOL)
+        torch.testing.assert_close(transformer(x, timestep=t, class_labels=y).sample, model(x, t, y), rtol=0, atol=ATOL)
     assert (out / "scheduler" / "scheduler_config.json").is_file()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["diffusers", "export"]  # no staging left
 
@@ -229,9 +276,15 @@ def test_command_reads_an_official_state_dict_with_weights_only(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case, message", [("vca", "only the MHSA baseline"), ("missing", "no such file or folder"),
-                                           ("pt-without-model", "name its architecture with --model"),
-                                           ("bad-vae", "--vae")])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("vca", "only the MHSA baseline"),
+        ("missing", "no such file or folder"),
+        ("pt-without-model", "name its architecture with --model"),
+        ("bad-vae", "--vae"),
+    ],
+)
 def test_command_user_errors(tmp_path, capsys, case, message):
     extra, source = [], tmp_path / "src"
     if case in ("vca", "bad-vae"):

@@ -38,6 +38,7 @@ def reference_schedule(reference) -> tuple[np.ndarray, np.ndarray]:
 # Schedules and respacing
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_training_schedule_matches_reference(diffusion, reference):
     assert diffusion.num_timesteps == reference["train_T"] == 1000
     np.testing.assert_allclose(diffusion.betas.numpy(), reference["betas_linear_1000"], rtol=0, atol=EXACT)
@@ -54,8 +55,9 @@ def test_respacing_matches_reference(diffusion, reference, spec):
     assert process.timestep_map.tolist() == expected["timesteps"]
     np.testing.assert_allclose(process.betas.numpy(), expected["betas"], rtol=0, atol=EXACT)
     # Respacing keeps the marginals q(x_t | x_0) of the retained steps (relative float64 rounding only).
-    np.testing.assert_allclose(process.alphas_cumprod.numpy(),
-                               diffusion.alphas_cumprod.numpy()[expected["timesteps"]], rtol=1e-13)
+    np.testing.assert_allclose(
+        process.alphas_cumprod.numpy(), diffusion.alphas_cumprod.numpy()[expected["timesteps"]], rtol=1e-13
+    )
 
 
 def test_alphas_cumprod_match_diffusers(diffusion):
@@ -92,6 +94,7 @@ def test_model_is_called_with_original_timesteps(reference):
 # ----------------------------------------------------------------------------------------------------------------
 # Learned-range variance and the variational bound
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_learned_range_extremes_are_beta_tilde_and_beta(diffusion, reference):
     betas, alphas_cumprod = reference_schedule(reference)
@@ -139,14 +142,19 @@ def test_vb_term_is_the_gaussian_kl_in_bits(diffusion, reference):
     eps = noise + 0.3 * rng.normal(size=x_start.shape)  # an imperfect prediction
     v = rng.uniform(-1, 1, size=x_start.shape)
     t = np.array([1, 300, 999])
-    x_t = np.stack([math.sqrt(a) * x0 + math.sqrt(1 - a) * n for a, x0, n in
-                    zip(reference_schedule(reference)[1][t], x_start, noise)])
+    x_t = np.stack(
+        [
+            math.sqrt(a) * x0 + math.sqrt(1 - a) * n
+            for a, x0, n in zip(reference_schedule(reference)[1][t], x_start, noise)
+        ]
+    )
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     step = diffusion.p_mean_variance(torch.cat([as_t(eps), as_t(v)], dim=1), as_t(x_t), as_t(t))
     vb = diffusion.vb_terms_bits(as_t(x_start), as_t(x_t), as_t(t), step).numpy()  # (3,)
     for i in range(3):
-        true_mean, true_var, model_mean, model_var = _reverse_gaussians(reference, x_start[i], x_t[i], eps[i], v[i],
-                                                                        t[i])
+        true_mean, true_var, model_mean, model_var = _reverse_gaussians(
+            reference, x_start[i], x_t[i], eps[i], v[i], t[i]
+        )
         kl = gaussian_kl(true_mean, true_var, model_mean, model_var)
         # float64 arithmetic on O(1) quantities; 1e-10 relative allows reordering only.
         assert vb[i] == pytest.approx(kl.mean() / math.log(2), rel=1e-10)
@@ -177,6 +185,7 @@ def official_log_likelihood(level: np.ndarray, mean: np.ndarray, scale: np.ndarr
     """ADM/DiT's discretised Gaussian log-likelihood re-derived in float64 NumPy from its definition: the tanh
     approximation of the normal CDF, bins of half-width 1/255 around each pixel level, level 0 open to -inf and
     level 255 to +inf, every log-probability floored at log(1e-12). Branches are chosen by level index."""
+
     def cdf(z):
         return 0.5 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
 
@@ -277,6 +286,7 @@ def test_unknown_decoder_cdf_is_rejected():
 # Training losses
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_hybrid_loss_trains_the_mean_by_mse_and_the_variance_by_vb(diffusion):
     # Seeded: at t = 0 a decoder-NLL bin probability can hit its 1e-12 floor, whose gradient is exactly 0 (7 %
     # of seeds 0-199, which made the last assertion depend on the RNG state earlier tests left).
@@ -297,8 +307,9 @@ def test_hybrid_loss_trains_the_mean_by_mse_and_the_variance_by_vb(diffusion):
 def test_training_losses_without_learned_sigma():
     diffusion = create_diffusion(learn_sigma=False)
     x = torch.randn(2, 4, 2, 2)
-    terms = diffusion.training_losses(lambda x_t, t, y: torch.zeros_like(x_t), x, torch.zeros(2, dtype=torch.long),
-                                      noise=torch.ones_like(x))
+    terms = diffusion.training_losses(
+        lambda x_t, t, y: torch.zeros_like(x_t), x, torch.zeros(2, dtype=torch.long), noise=torch.ones_like(x)
+    )
     assert set(terms) == {"mse", "loss"}
     torch.testing.assert_close(terms["loss"], torch.ones(2), rtol=0, atol=0)  # mean((1 - 0)^2)
 
@@ -312,8 +323,9 @@ def test_clip_denoised_keeps_eps_consistent_with_the_clipped_x0(diffusion):
     step = diffusion.p_mean_variance(output, x_t, t, clip_denoised=True)
     assert step.pred_xstart.abs().max() <= 1 and (step.pred_xstart.abs() == 1).any()
     abar = diffusion.alphas_cumprod[t].view(-1, 1, 1, 1)
-    torch.testing.assert_close(abar.sqrt() * step.pred_xstart + (1 - abar).sqrt() * step.eps, x_t, rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(
+        abar.sqrt() * step.pred_xstart + (1 - abar).sqrt() * step.eps, x_t, rtol=1e-12, atol=1e-12
+    )
 
 
 def test_wrong_model_output_channels_are_reported(diffusion):

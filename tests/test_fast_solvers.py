@@ -116,16 +116,18 @@ def test_the_model_sees_original_timesteps_and_only_its_eps_half_counts(solver):
     assert seen == [[round(k * 999 / 249)] for k in process_steps.tolist()]
 
 
-@pytest.mark.parametrize("solver, scheduler_class", [("dpm++2m", DPMSolverMultistepScheduler),
-                                                     ("unipc", UniPCMultistepScheduler)])
+@pytest.mark.parametrize(
+    "solver, scheduler_class", [("dpm++2m", DPMSolverMultistepScheduler), ("unipc", UniPCMultistepScheduler)]
+)
 def test_matches_a_diffusers_scheduler_built_from_beta_start_and_end(solver, scheduler_class):
     """Our schedule (float64 betas from respacing) and diffusers' own linear schedule (beta_start=1e-4,
     beta_end=0.02, float32) are the same schedule: the outputs agree to float32 rounding amplified over the
     steps (measured 2e-6): atol 1e-4."""
     x_T, model = prior(64).float(), learned_sigma_model()
     options = {"algorithm_type": "dpmsolver++"} if solver == "dpm++2m" else {}
-    scheduler = scheduler_class(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
-                                solver_order=2, **options)
+    scheduler = scheduler_class(
+        num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear", solver_order=2, **options
+    )
     scheduler.set_timesteps(20)
     x = x_T
     for t in scheduler.timesteps:
@@ -137,15 +139,23 @@ def test_matches_a_diffusers_scheduler_built_from_beta_start_and_end(solver, sch
 def test_deterministic_given_x_T_in_any_batch_split(solver):
     seeds = [11, 3, 7, 42]
     x_T = PerSampleNoise(seeds)(SHAPE, dtype=torch.float64)
-    whole = create_diffusion().sample(learned_sigma_model(), x_T, labels(4), sampler=solver, steps=8,
-                                      noise=PerSampleNoise(seeds)).samples
+    whole = (
+        create_diffusion()
+        .sample(learned_sigma_model(), x_T, labels(4), sampler=solver, steps=8, noise=PerSampleNoise(seeds))
+        .samples
+    )
     split = torch.cat([solve(solver, x_T[:1], 8), solve(solver, x_T[1:], 8)])
     assert torch.equal(whole, split)
 
 
-@pytest.mark.parametrize("kwargs, message", [({"sampler": "dpm++2m", "steps": 0}, r"1 <= steps < 1000"),
-                                             ({"sampler": "unipc", "steps": 1000}, r"1 <= steps < 1000"),
-                                             ({"sampler": "unipc", "eta": 0.5}, r"unknown option\(s\) \['eta'\]")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sampler": "dpm++2m", "steps": 0}, r"1 <= steps < 1000"),
+        ({"sampler": "unipc", "steps": 1000}, r"1 <= steps < 1000"),
+        ({"sampler": "unipc", "eta": 0.5}, r"unknown option\(s\) \['eta'\]"),
+    ],
+)
 def test_bad_requests_fail_before_sampling(kwargs, message):
     model = lambda x, t, y: pytest.fail("the model must not run for a bad request")  # noqa: E731
     with pytest.raises(ValueError, match=message):
@@ -156,6 +166,7 @@ def test_defaults_and_names():
     diffusion = create_diffusion()
     assert {"dpm++2m", "unipc"} <= set(diffusion.sampler_names)
     calls = []
-    diffusion.sample(lambda x, t, y: calls.append(1) or learned_sigma_model()(x, t, y), prior(2), labels(2),
-                     sampler="unipc")
+    diffusion.sample(
+        lambda x, t, y: calls.append(1) or learned_sigma_model()(x, t, y), prior(2), labels(2), sampler="unipc"
+    )
     assert len(calls) == 20

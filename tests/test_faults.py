@@ -24,15 +24,35 @@ from training.stop_signals import STOPPED_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "train.global_batch_size=64",
-        "train.warmup_steps=5", "log.sample_count=8", "log.sample_steps=5", "log.trackers=[]"]
-ONE_PROCESS = ["--config", str(DIGITS), *TINY, "log.every=2", "log.checkpoint_every=4", "log.sample_every=0",
-               "train.max_steps=8"]
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "train.global_batch_size=64",
+    "train.warmup_steps=5",
+    "log.sample_count=8",
+    "log.sample_steps=5",
+    "log.trackers=[]",
+]
+ONE_PROCESS = [
+    "--config",
+    str(DIGITS),
+    *TINY,
+    "log.every=2",
+    "log.checkpoint_every=4",
+    "log.sample_every=0",
+    "train.max_steps=8",
+]
 
 
 def subprocess_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+    }
 
 
 @pytest.fixture
@@ -50,8 +70,7 @@ def uninterrupted(tmp_path_factory):
 
 def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
     """Byte for byte: weights, EMA, optimiser and scheduler state, trainer state."""
-    for name in ("model.safetensors", "export/ema.safetensors", "optimizer.bin", "scheduler.bin",
-                 "trainer_state.json"):
+    for name in ("model.safetensors", "export/ema.safetensors", "optimizer.bin", "scheduler.bin", "trainer_state.json"):
         if name.endswith(".safetensors"):  # the header records no time, but compare tensors for a clear message
             a, b = load_file(ours / name), load_file(theirs / name)
             assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), name
@@ -62,9 +81,11 @@ def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
 #                                          Stop signals
 # --------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIGINT"])
 def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninterrupted_one(
-        train_script, uninterrupted, tmp_path, monkeypatch, name):
+    train_script, uninterrupted, tmp_path, monkeypatch, name
+):
     run_dir = tmp_path / "run"
     handler_before = signal.getsignal(getattr(signal, name))
     signal_at_step(monkeypatch, step=3, signals=[name])
@@ -82,25 +103,56 @@ def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninte
 def test_a_second_signal_ends_the_process_at_once(tmp_path):
     # SIGUSR1 is noted (the process would stop after the step); the SIGTERM right after it ends the process.
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
-                          cwd=ROOT, env={**subprocess_env(), "FAULT_SIGNAL": "3:*:SIGUSR1+SIGTERM:self"},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
+        cwd=ROOT,
+        env={**subprocess_env(), "FAULT_SIGNAL": "3:*:SIGUSR1+SIGTERM:self"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
 
-TWO_PROCESS = ["--config", str(DIGITS), *TINY, "train.cpu=true", "train.grad_accum_steps=2", "train.max_steps=8",
-               "log.every=2", "log.checkpoint_every=4", "log.sample_every=0"]
+TWO_PROCESS = [
+    "--config",
+    str(DIGITS),
+    *TINY,
+    "train.cpu=true",
+    "train.grad_accum_steps=2",
+    "train.max_steps=8",
+    "log.every=2",
+    "log.checkpoint_every=4",
+    "log.sample_every=0",
+]
 
 
 def torchrun(run_dir: Path, *extra: str, script: Path = ROOT / "train.py", launcher: tuple = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launcher,
-            str(script), *TWO_PROCESS, f"run.dir={run_dir}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *launcher,
+        str(script),
+        *TWO_PROCESS,
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def launch(command: list[str], fault: str = "", **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=ROOT, env={**subprocess_env(), "FAULT_SIGNAL": fault, **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**subprocess_env(), "FAULT_SIGNAL": fault, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_resumes_exactly(tmp_path):
@@ -122,7 +174,8 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_res
 
 
 def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):
-    # torchrun (like accelerate launch) forwards SIGTERM to its workers, as the batch script of docs/training.md relies on.
+    # torchrun (like accelerate launch) forwards SIGTERM to its workers, as the batch script of docs/training.md
+    # relies on.
     # Rank 0 signals torchrun after step 3; both workers stop after the same step.
     run_dir = tmp_path / "run"
     stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py"), fault="3:0:SIGTERM:parent")
@@ -139,18 +192,22 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path
 #                                 Full and read-only disks (tests/faults.py)
 # --------------------------------------------------------------------------------------------------
 
+
 def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def test_a_full_disk_during_a_checkpoint_leaves_the_earlier_one_to_resume(train_script, uninterrupted, tmp_path,
-                                                                         monkeypatch):
+def test_a_full_disk_during_a_checkpoint_leaves_the_earlier_one_to_resume(
+    train_script, uninterrupted, tmp_path, monkeypatch
+):
     run_dir = tmp_path / "run"
     # Room for config.yaml and the checkpoint of step 4, and half of the one of step 8.
-    room = len((uninterrupted / "config.yaml").read_bytes()) + folder_bytes(uninterrupted / "checkpoints" /
-                                                                             "step-0000004")
-    budget = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=room + folder_bytes(
-        uninterrupted / "checkpoints" / "step-0000008") // 2)
+    room = len((uninterrupted / "config.yaml").read_bytes()) + folder_bytes(
+        uninterrupted / "checkpoints" / "step-0000004"
+    )
+    budget = failing_writes(
+        monkeypatch, errno.ENOSPC, after_bytes=room + folder_bytes(uninterrupted / "checkpoints" / "step-0000008") // 2
+    )
     with pytest.raises(OutputError) as raised:
         train_script(*ONE_PROCESS, f"run.dir={run_dir}")
     message = str(raised.value)
@@ -188,8 +245,10 @@ def fid_inputs(tmp_path):
     return statistics(tmp_path / "samples.npz", 0.0), statistics(tmp_path / "ref.npz", 0.1)
 
 
-@pytest.mark.parametrize("flag, target", [("--json", "samples.npz"), ("--json", "ref.npz"),
-                                          ("--save-stats", "ref.npz"), ("--save-stats", "samples.npz")])
+@pytest.mark.parametrize(
+    "flag, target",
+    [("--json", "samples.npz"), ("--json", "ref.npz"), ("--save-stats", "ref.npz"), ("--save-stats", "samples.npz")],
+)
 def test_fid_refuses_an_output_that_is_an_input(fid_inputs, flag, target):
     import fid.__main__ as fid_command
     from fid.errors import InputError
@@ -224,8 +283,9 @@ def test_fid_replaces_only_files_it_wrote(fid_inputs, tmp_path):
         assert sorted(copied.files) == ["mu", "mu_s", "sigma", "sigma_s"]
 
 
-@pytest.mark.parametrize("error, message", [(errno.EROFS, "read-only file system"),
-                                            (errno.ENOSPC, "no space left on its disk")])
+@pytest.mark.parametrize(
+    "error, message", [(errno.EROFS, "read-only file system"), (errno.ENOSPC, "no space left on its disk")]
+)
 def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path, monkeypatch, error, message):
     import fid.__main__ as fid_command
     import fid.evaluation
@@ -237,18 +297,23 @@ def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path,
     before = report.read_bytes()
     # a read-only folder is found before any feature is computed; a full disk when the report is written
     evaluate = fid.evaluation.evaluate
-    monkeypatch.setattr(fid_command, "evaluate",
-                        lambda *a, **k: pytest.fail("evaluated") if error == errno.EROFS else evaluate(*a, **k))
+    monkeypatch.setattr(
+        fid_command, "evaluate", lambda *a, **k: pytest.fail("evaluated") if error == errno.EROFS else evaluate(*a, **k)
+    )
     failing_writes(monkeypatch, error, after_bytes=10)
     with pytest.raises(OutputError, match=f"cannot write .*: {message}"):
         fid_command.main([str(samples), "--save-stats", str(tmp_path / "stats.npz"), "--json", str(report)])
-    assert report.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == \
-        ["ref.npz", "report.json", "samples.npz"]
+    assert report.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "ref.npz",
+        "report.json",
+        "samples.npz",
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
 #                                 --resume with changed settings
 # --------------------------------------------------------------------------------------------------
+
 
 def copy_run(source: Path, target: Path) -> Path:
     import shutil
@@ -260,15 +325,23 @@ def copy_run(source: Path, target: Path) -> Path:
 
 def test_optimiser_settings_given_with_resume_apply_from_the_resume_step(train_script, uninterrupted, tmp_path):
     run_dir = copy_run(uninterrupted, tmp_path / "run")
-    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "train.lr=5e-4", "train.weight_decay=0.25",
-                 "train.betas=[0.8,0.99]", "--resume", "latest")
+    train_script(
+        *ONE_PROCESS,
+        f"run.dir={run_dir}",
+        "train.lr=5e-4",
+        "train.weight_decay=0.25",
+        "train.betas=[0.8,0.99]",
+        "--resume",
+        "latest",
+    )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     original = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [line["lr"] for line in lines[:2]] == [line["lr"] for line in original[:2]]  # steps 2, 4: before
     assert [line["lr"] for line in lines[2:]] == [5e-4, 5e-4]  # steps 6, 8 (warm-up of 5 steps done)
     groups = torch.load(run_dir / "checkpoints" / "step-0000008" / "optimizer.bin", weights_only=True)["param_groups"]
-    assert all((group["lr"], group["weight_decay"], tuple(group["betas"])) == (5e-4, 0.25, (0.8, 0.99))
-               for group in groups)
+    assert all(
+        (group["lr"], group["weight_decay"], tuple(group["betas"])) == (5e-4, 0.25, (0.8, 0.99)) for group in groups
+    )
     config = (run_dir / "config.yaml").read_text()
     assert "lr: 0.0005" in config and "weight_decay: 0.25" in config  # config.yaml tells what was applied
     ours = load_file(run_dir / "checkpoints" / "step-0000008" / "model.safetensors")
@@ -276,16 +349,18 @@ def test_optimiser_settings_given_with_resume_apply_from_the_resume_step(train_s
     assert any(not torch.equal(ours[key], theirs[key]) for key in ours)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.name=SiT-S/2", "model.name is 'DiT-S/2' in the checkpoint, not 'SiT-S/2'"),
-    ("model.hidden_size=64", "model.hidden_size is 32 in the checkpoint, not 64"),
-    ("model.vca.joint_softmax=false", "model.vca.joint_softmax is True in the checkpoint, not False"),
-    ("diffusion.learn_sigma=true", "diffusion.learn_sigma is False in the checkpoint, not True"),
-    ("data.num_classes=5", "data.num_classes is 10 in the checkpoint, not 5"),
-    ("train.seed=1", "train.seed is 0 in the checkpoint, not 1"),
-])
-def test_resume_refuses_another_model_objective_data_or_seed(train_script, uninterrupted, tmp_path, override,
-                                                             message):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.name=SiT-S/2", "model.name is 'DiT-S/2' in the checkpoint, not 'SiT-S/2'"),
+        ("model.hidden_size=64", "model.hidden_size is 32 in the checkpoint, not 64"),
+        ("model.vca.joint_softmax=false", "model.vca.joint_softmax is True in the checkpoint, not False"),
+        ("diffusion.learn_sigma=true", "diffusion.learn_sigma is False in the checkpoint, not True"),
+        ("data.num_classes=5", "data.num_classes is 10 in the checkpoint, not 5"),
+        ("train.seed=1", "train.seed is 0 in the checkpoint, not 1"),
+    ],
+)
+def test_resume_refuses_another_model_objective_data_or_seed(train_script, uninterrupted, tmp_path, override, message):
     from training.config import ConfigError
 
     run_dir = copy_run(uninterrupted, tmp_path / "run")
@@ -299,8 +374,12 @@ def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(train_scrip
     run_dir = copy_run(uninterrupted, tmp_path / "run")
     (run_dir / "samples").mkdir()
     (run_dir / "exports").mkdir()
-    mine = [run_dir / "samples" / "holiday.png", run_dir / "exports" / "report.pdf",
-            run_dir / "checkpoints" / "mine.txt", run_dir / "notes.md"]
+    mine = [
+        run_dir / "samples" / "holiday.png",
+        run_dir / "exports" / "report.pdf",
+        run_dir / "checkpoints" / "mine.txt",
+        run_dir / "notes.md",
+    ]
     for path in mine:
         path.write_text("the user's")
     (run_dir / "samples" / "step-0000004.png").write_bytes(b"a grid of the earlier run")
@@ -308,8 +387,10 @@ def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(train_scrip
     assert all(path.read_text() == "the user's" for path in mine)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["mine.txt", "step-0000002"]
     assert not (run_dir / "samples" / "step-0000004.png").exists()
-    assert "--overwrite: kept checkpoints/mine.txt, exports/report.pdf, samples/holiday.png (not written by a " \
-           "training run)" in capsys.readouterr().out
+    assert (
+        "--overwrite: kept checkpoints/mine.txt, exports/report.pdf, samples/holiday.png (not written by a "
+        "training run)" in capsys.readouterr().out
+    )
 
 
 def test_a_resume_removes_the_partial_folder_of_a_killed_save(train_script, uninterrupted, tmp_path):
@@ -328,16 +409,31 @@ def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_
     means, stds = torch.randn(16, 2, 4, 4, 4, generator=generator), torch.full((16, 2, 4, 4, 4), 0.1)
     write_latent_shards(tmp_path / "latents", means, stds, torch.arange(16) % 3, shard_size=8)
     run_dir = tmp_path / "run"
-    train_script("--config", str(DIGITS), *TINY, "data.source=latents", f"data.latents={tmp_path / 'latents'}",
-                 "data.image_size=32", "data.num_classes=3", "vae.name=not-loaded/anywhere", "vae.scale=0.5",
-                 "train.global_batch_size=4", "train.max_steps=2", "log.every=1", "log.checkpoint_every=2",
-                 "log.sample_every=0", "log.fid_every=0", f"run.dir={run_dir}")
+    train_script(
+        "--config",
+        str(DIGITS),
+        *TINY,
+        "data.source=latents",
+        f"data.latents={tmp_path / 'latents'}",
+        "data.image_size=32",
+        "data.num_classes=3",
+        "vae.name=not-loaded/anywhere",
+        "vae.scale=0.5",
+        "train.global_batch_size=4",
+        "train.max_steps=2",
+        "log.every=1",
+        "log.checkpoint_every=2",
+        "log.sample_every=0",
+        "log.fid_every=0",
+        f"run.dir={run_dir}",
+    )
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-0000002"]
 
 
 # --------------------------------------------------------------------------------------------------
 #                          sample.py: nothing claimed before everything is checked
 # --------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
@@ -346,8 +442,20 @@ def export(tmp_path_factory) -> Path:
     return tiny_export(tmp_path_factory.mktemp("export"))
 
 
-SAMPLE_RUN = ["--num-samples", "8", "--shard-size", "4", "--per-proc-batch-size", "4", "--grid-size", "4",
-              "--sampler", "ddim", "--steps", "3"]
+SAMPLE_RUN = [
+    "--num-samples",
+    "8",
+    "--shard-size",
+    "4",
+    "--per-proc-batch-size",
+    "4",
+    "--grid-size",
+    "4",
+    "--sampler",
+    "ddim",
+    "--steps",
+    "3",
+]
 
 
 @pytest.fixture
@@ -363,12 +471,16 @@ def sample_script():
     return run
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--eta", "-1"], "DDIM eta must be >= 0, got -1.0"),
-    (["--steps", "5000"], "no integer stride gives exactly 5000 of 1000 steps"),
-])
-def test_a_sampler_option_out_of_range_fails_before_the_folder_is_claimed(sample_script, export, tmp_path, options,
-                                                                        message):
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--eta", "-1"], "DDIM eta must be >= 0, got -1.0"),
+        (["--steps", "5000"], "no integer stride gives exactly 5000 of 1000 steps"),
+    ],
+)
+def test_a_sampler_option_out_of_range_fails_before_the_folder_is_claimed(
+    sample_script, export, tmp_path, options, message
+):
     out = tmp_path / "samples.npz"
     with pytest.raises(SystemExit, match=f"--sampler ddim with these options: .*{message}"):
         sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN, *options)
@@ -404,8 +516,9 @@ def test_an_export_with_non_finite_weights_is_refused_when_it_loads(sample_scrip
     assert list(out.parent.iterdir()) == []
 
 
-def test_sampling_into_a_read_only_folder_fails_before_the_checkpoint_loads(sample_script, export, tmp_path,
-                                                                           monkeypatch):
+def test_sampling_into_a_read_only_folder_fails_before_the_checkpoint_loads(
+    sample_script, export, tmp_path, monkeypatch
+):
     import sample
 
     monkeypatch.setattr(sample, "load_checkpoint", lambda args: pytest.fail("the checkpoint was loaded"))
@@ -416,15 +529,16 @@ def test_sampling_into_a_read_only_folder_fails_before_the_checkpoint_loads(samp
 
 
 @pytest.mark.parametrize("fail_at", ["shard", "merge"])
-def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_completes(sample_script, export, tmp_path,
-                                                                                 monkeypatch, fail_at):
+def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_completes(
+    sample_script, export, tmp_path, monkeypatch, fail_at
+):
     import numpy as np
 
     reference = tmp_path / "reference" / "samples.npz"
     reference.parent.mkdir()
-    everything = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=10 ** 9)  # counts what a whole run writes
+    everything = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=10**9)  # counts what a whole run writes
     sample_script("--ckpt", str(export), "--out", str(reference), *SAMPLE_RUN)
-    written = 10 ** 9 - everything.left
+    written = 10**9 - everything.left
     monkeypatch.undo()
     out = tmp_path / "run" / "samples.npz"
     out.parent.mkdir()
@@ -433,7 +547,9 @@ def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_complete
     budget = failing_writes(monkeypatch, errno.ENOSPC, after_bytes=room)
     with pytest.raises(OutputError, match=r"cannot write .*: no space left on its disk \("):
         sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN)
-    assert budget.failures[-1].name.lstrip(".").startswith({"shard": "shard-000000.npz", "merge": "samples.npz"}[fail_at])
+    assert (
+        budget.failures[-1].name.lstrip(".").startswith({"shard": "shard-000000.npz", "merge": "samples.npz"}[fail_at])
+    )
     left = sorted(p.name for p in (out.parent / "samples.npz.shards").iterdir())
     assert not any(".tmp-" in name for name in left)  # no partial file
     assert not out.exists()
@@ -443,12 +559,16 @@ def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_complete
         assert np.array_equal(ours["arr_0"], theirs["arr_0"]) and np.array_equal(ours["arr_1"], theirs["arr_1"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.num_heads=3", "hidden_size=32 is not divisible by num_heads=3"),
-    ("model.vca.contrast_grid=3", "contrast_grid=3 must be a positive divisor of the token grid side 4"),
-])
-def test_model_settings_that_build_no_model_are_one_line_before_anything_is_written(train_script, tmp_path,
-                                                                                   override, message):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.num_heads=3", "hidden_size=32 is not divisible by num_heads=3"),
+        ("model.vca.contrast_grid=3", "contrast_grid=3 must be a positive divisor of the token grid side 4"),
+    ],
+)
+def test_model_settings_that_build_no_model_are_one_line_before_anything_is_written(
+    train_script, tmp_path, override, message
+):
     from training.config import ConfigError
 
     with pytest.raises(ConfigError, match=f"model settings that build no model for 1x8x8 inputs: {message}"):
@@ -471,11 +591,14 @@ def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, 
     assert list(out.parent.iterdir()) == []
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("cut", "cannot be read"),
-    ("shape", r"holds \{'mean': \[8, 2, 4, 2, 2\]"),
-    ("labels", "holds labels 0..7; data.num_classes=3 allows 0..2"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("cut", "cannot be read"),
+        ("shape", r"holds \{'mean': \[8, 2, 4, 2, 2\]"),
+        ("labels", "holds labels 0..7; data.num_classes=3 allows 0..2"),
+    ],
+)
 def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path, damage, message):
     from safetensors.torch import save_file
 
@@ -489,15 +612,32 @@ def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path,
     if damage == "cut":
         shard.write_bytes(shard.read_bytes()[:-100])
     elif damage == "shape":
-        save_file({"mean": means[8:, :, :, :2, :2].contiguous(), "std": stds[8:, :, :, :2, :2].contiguous(),
-                   "labels": torch.arange(8)}, shard)
+        save_file(
+            {
+                "mean": means[8:, :, :, :2, :2].contiguous(),
+                "std": stds[8:, :, :, :2, :2].contiguous(),
+                "labels": torch.arange(8),
+            },
+            shard,
+        )
     else:
         save_file({"mean": means[8:], "std": stds[8:], "labels": torch.arange(8)}, shard)
     with pytest.raises(LatentShardError, match=f"latent shard {shard} {message}"):
-        train_script("--config", str(DIGITS), *TINY, "data.source=latents", f"data.latents={tmp_path / 'latents'}",
-                     "data.image_size=32", "data.num_classes=3", "vae.name=not-loaded", "vae.scale=0.5",
-                     "train.global_batch_size=4", "train.max_steps=2", "log.sample_every=0",
-                     f"run.dir={tmp_path / 'run'}")
+        train_script(
+            "--config",
+            str(DIGITS),
+            *TINY,
+            "data.source=latents",
+            f"data.latents={tmp_path / 'latents'}",
+            "data.image_size=32",
+            "data.num_classes=3",
+            "vae.name=not-loaded",
+            "vae.scale=0.5",
+            "train.global_batch_size=4",
+            "train.max_steps=2",
+            "log.sample_every=0",
+            f"run.dir={tmp_path / 'run'}",
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -508,8 +648,10 @@ def test_checkpoint_files_of_another_model_are_one_line(train_script, uninterrup
 
     run_dir = copy_run(uninterrupted, tmp_path / "run")
     weights = load_file(run_dir / "checkpoints" / "step-0000004" / "model.safetensors")
-    save_file({key: value[..., :1].contiguous() if value.ndim else value for key, value in weights.items()},
-              run_dir / "checkpoints" / "step-0000004" / "model.safetensors")  # valid file, other shapes
+    save_file(
+        {key: value[..., :1].contiguous() if value.ndim else value for key, value in weights.items()},
+        run_dir / "checkpoints" / "step-0000004" / "model.safetensors",
+    )  # valid file, other shapes
     with pytest.raises(CheckpointError, match="cannot resume from .*step-0000004: its files belong to another model"):
         train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
 
@@ -538,25 +680,41 @@ def test_a_vae_folder_that_cannot_be_loaded_is_one_line(tmp_path):
 
 
 def test_a_second_run_into_a_claimed_shard_folder_is_refused_at_once(tmp_path):
-    from atomic_files.shards import ShardFolder, ShardFolderError
+    from atomic_files.shards import ShardFolder
 
     names = ["shard-0.npz", "shard-1.npz"]
     first = ShardFolder(tmp_path / "out.shards", names, {"seed": 0})
     assert first.claim() == [0, 1]
     holder = subprocess.run(  # another process, as a second sample.py would be
-        [sys.executable, "-c", "import sys; from atomic_files.shards import ShardFolder\n"
-         "try:\n    ShardFolder(sys.argv[1], ['shard-0.npz', 'shard-1.npz'], {'seed': 0}).claim()\n"
-         "except Exception as error:\n    print(type(error).__name__, error)", str(tmp_path / "out.shards")],
-        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from atomic_files.shards import ShardFolder\n"
+            "try:\n    ShardFolder(sys.argv[1], ['shard-0.npz', 'shard-1.npz'], {'seed': 0}).claim()\n"
+            "except Exception as error:\n    print(type(error).__name__, error)",
+            str(tmp_path / "out.shards"),
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "ShardFolderError" in holder.stdout and "is being written by another run right now" in holder.stdout
     first.release()  # the first run ends (so does its lock when the process ends)
     assert ShardFolder(tmp_path / "out.shards", names, {"seed": 0}).claim() == [0, 1]
 
 
-@pytest.mark.parametrize("message, expected", [
-    ("Error while serializing: I/O error: No space left on device (os error 28)", "no space left on its disk"),
-    ("PytorchStreamWriter failed writing file data/0: Read-only file system (os error 30)", "read-only file system"),
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("Error while serializing: I/O error: No space left on device (os error 28)", "no space left on its disk"),
+        (
+            "PytorchStreamWriter failed writing file data/0: Read-only file system (os error 30)",
+            "read-only file system",
+        ),
+    ],
+)
 def test_writers_without_an_errno_are_recognised(tmp_path, message, expected):
     # Measured on a 560 KiB tmpfs: safetensors reports a full disk as SafetensorError with this text, no errno.
     from atomic_files import output_error
@@ -577,8 +735,8 @@ def test_demo_into_a_read_only_folder_fails_before_training(tmp_path, monkeypatc
 
 
 def test_latent_extraction_writes_nothing_before_the_vae_has_loaded(tmp_path):
-    from test_latents import extraction_config, make_images
     from generation.vae import VAEUnavailableError
+    from test_latents import extraction_config, make_images
     from training.config import load_config
     from training.latents import extract_latents
 

@@ -15,14 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from commands import run_command
 import fid.weights
+from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
+from commands import run_command
 from fid import evaluate, load_inception
 from fid.__main__ import main
 from fid.errors import InputError
 from fid.inputs import FolderImages
-
-from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -44,6 +43,7 @@ def image_folder(folder: Path, count: int = 4, size: int = 16) -> Path:
 # The table of input errors. Each case builds its inputs in tmp_path and returns the command's
 # arguments and a text the one-line message must contain (the file or value at fault).
 # ----------------------------------------------------------------------------------------------
+
 
 def empty_set(tmp: Path):
     np.savez(tmp / "samples.npz", arr_0=np.zeros((0, 8, 8, 3), np.uint8))
@@ -103,14 +103,18 @@ def missing_file(tmp: Path):
 
 def uncached_reference_batch(tmp: Path):
     np.savez(tmp / "samples.npz", **pool_stats())
-    return (["samples.npz", "imagenet256", "--metrics", "fid"],
-            "imagenet256: the ADM reference batch is not in the cache")
+    return (
+        ["samples.npz", "imagenet256", "--metrics", "fid"],
+        "imagenet256: the ADM reference batch is not in the cache",
+    )
 
 
 def unpublished_resolution(tmp: Path):
     np.savez(tmp / "samples.npz", **pool_stats())
-    return (["samples.npz", "imagenet300", "--metrics", "fid"],
-            "imagenet300: ADM published ImageNet reference batches at 64, 128")
+    return (
+        ["samples.npz", "imagenet300", "--metrics", "fid"],
+        "imagenet300: ADM published ImageNet reference batches at 64, 128",
+    )
 
 
 def center_crop_of_npz_only(tmp: Path):
@@ -128,15 +132,26 @@ def missing_weights_file(tmp: Path):
     return ["samples.npz", "--save-stats", "s.npz", "--weights", "inception.pth"], "inception.pth not found"
 
 
-INPUT_ERRORS = [empty_set, single_image, too_few_for_precision_recall, float_images, channels_first,
-                zero_batch_size, jpeg_with_a_bad_header, jpeg_cut_after_its_header, folder_of_mixed_sizes,
-                missing_file, uncached_reference_batch, unpublished_resolution, center_crop_of_npz_only,
-                unknown_metric]
+INPUT_ERRORS = [
+    empty_set,
+    single_image,
+    too_few_for_precision_recall,
+    float_images,
+    channels_first,
+    zero_batch_size,
+    jpeg_with_a_bad_header,
+    jpeg_cut_after_its_header,
+    folder_of_mixed_sizes,
+    missing_file,
+    uncached_reference_batch,
+    unpublished_resolution,
+    center_crop_of_npz_only,
+    unknown_metric,
+]
 
 
 @pytest.mark.parametrize("case", INPUT_ERRORS, ids=lambda case: case.__name__)
-def test_input_error_is_one_line_with_exit_status_2_before_inception(case, tmp_path, monkeypatch, no_inception,
-                                                                      capsys):
+def test_input_error_is_one_line_with_exit_status_2_before_inception(case, tmp_path, monkeypatch, no_inception, capsys):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))  # an empty cache, never the user's
     arguments, expected = case(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -158,18 +173,25 @@ def test_debug_keeps_the_traceback_of_an_input_error(tmp_path, monkeypatch, no_i
 
 def test_exit_status_of_the_command(tmp_path):
     arguments, expected = jpeg_cut_after_its_header(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "fid", *arguments], cwd=tmp_path, capture_output=True, text=True,
-                            env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY), "PATH": "/usr/bin:/bin"},
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fid", *arguments],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()  # one line, no traceback
-    assert line.startswith("error: images/03.jpg: not a readable image (") and line.endswith("--skip-corrupt "
-                                                                                             "leaves such files out")
+    assert line.startswith("error: images/03.jpg: not a readable image (") and line.endswith(
+        "--skip-corrupt leaves such files out"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Corrupt files in image folders: named at once, or left out with --skip-corrupt
 # ----------------------------------------------------------------------------------------------
+
 
 def truncated_bmp(path: Path) -> None:
     """A BMP cut in the middle: its header is valid and PIL's verify passes; only decoding finds the cut."""
@@ -196,8 +218,9 @@ def test_skip_corrupt_leaves_out_each_unreadable_file_with_a_warning(tmp_path):
     with pytest.warns(UserWarning) as warned:
         images = FolderImages(folder, skip_corrupt=True)
         batches = list(images.batches(3))
-    assert [w.message.args[0].split(": ")[0] for w in warned] == [str(folder / n) for n in ("00a.jpg", "02a.jpg",
-                                                                                           "03a.bmp")]
+    assert [w.message.args[0].split(": ")[0] for w in warned] == [
+        str(folder / n) for n in ("00a.jpg", "02a.jpg", "03a.bmp")
+    ]
     good = sorted(folder.glob("0?.jpg"))
     expected = np.stack([np.asarray(Image.open(path).convert("RGB")) for path in good])
     np.testing.assert_array_equal(np.concatenate(batches), expected)
@@ -206,6 +229,7 @@ def test_skip_corrupt_leaves_out_each_unreadable_file_with_a_warning(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Warnings: small sets, and SAMPLES / REF in ADM's order
 # ----------------------------------------------------------------------------------------------
+
 
 def test_small_sets_are_warned_about_before_inception_runs(tmp_path, no_inception, capsys):
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(2))
@@ -250,6 +274,7 @@ def test_a_reference_batch_given_first_is_warned_about(tmp_path, no_inception, s
 # ----------------------------------------------------------------------------------------------
 # Weights files never run code
 # ----------------------------------------------------------------------------------------------
+
 
 class Payload:
     """Unpickling this calls open(marker, "w"): a file appears when the pickle's code runs."""
@@ -300,8 +325,9 @@ def test_cli_refuses_a_pickle_that_runs_code(malicious_weights, tmp_path, capsys
     path, marker = malicious_weights
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4))
     with pytest.raises(SystemExit) as exit_:
-        run_command(main, [str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz"),
-                           "--weights", str(path)])
+        run_command(
+            main, [str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz"), "--weights", str(path)]
+        )
     assert exit_.value.code == 2 and not marker.exists()
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {path}: not a plain state dict")
 
@@ -321,12 +347,20 @@ def test_hub_cache_file_that_runs_code_is_refused(malicious_weights, tmp_path, m
 # Provenance: the settings sample.py records beside its .npz go into the JSON report
 # ----------------------------------------------------------------------------------------------
 
+
 def test_json_report_carries_the_settings_of_the_samples(tmp_path, no_inception):
     np.savez(tmp_path / "samples.npz", **all_stats())
     settings = {"ckpt": "runs/x/exports/0001000", "cfg_scale": 1.5, "sampler": "ode", "steps": 50}
     (tmp_path / "samples.json").write_text(json.dumps({"settings": settings, "elapsed_s": 12.5}))
-    main([str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "stats.npz"),
-          "--json", str(tmp_path / "metrics.json")])
+    main(
+        [
+            str(tmp_path / "samples.npz"),
+            "--save-stats",
+            str(tmp_path / "stats.npz"),
+            "--json",
+            str(tmp_path / "metrics.json"),
+        ]
+    )
     report = json.loads((tmp_path / "metrics.json").read_text())
     assert report["samples_settings"] == settings
 

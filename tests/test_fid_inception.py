@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch_fidelity
 
+from _fid_reference import numpy_inception_score, self_distance_tolerance
 from fid import evaluate, extract_features, fid_from_batches, load_inception, precision_recall
 from fid.__main__ import main
 from fid.statistics import load_statistics
 from fid.weights import bundled_torchscript_path, bundled_weights
-
-from _fid_reference import numpy_inception_score, self_distance_tolerance
 
 # Small image sets are the point here (Inception is slow on the CPU): the warning that FID of fewer than
 # 2048 images is biased is expected and tested in test_fid_errors.py.
@@ -85,8 +84,9 @@ def test_sfid_features_are_mixed_6_conv_first_channels_in_hwc_order(bundled, fid
 def test_inception_score_with_a_full_weights_file(bundled, full_weights_file, tmp_path):
     images = blocky_images(4, seed=2)
     np.savez(tmp_path / "samples.npz", arr_0=images)
-    result = evaluate(tmp_path / "samples.npz", metrics=["is"], weights=full_weights_file, device="cpu",
-                      batch_size=3, is_split_size=2)
+    result = evaluate(
+        tmp_path / "samples.npz", metrics=["is"], weights=full_weights_file, device="cpu", batch_size=3, is_split_size=2
+    )
     # Reference: pool_3 from the (same-convolution) bundled network, times the file's 1008-class
     # weights without the bias (ADM's softmax input), then the numpy score. The fp32 features of
     # the two runs differ by ~1e-6 relative (batch sizes 3 and 4), far below 1e-5.
@@ -112,12 +112,19 @@ def test_fid_matches_torch_fidelity(full_weights_file, tmp_path):
     samples, ref = blocky_images(16, seed=3), blocky_images(16, seed=4, brightness=50)
     np.savez(tmp_path / "samples.npz", arr_0=samples)
     np.savez(tmp_path / "ref.npz", arr_0=ref)
-    ours = evaluate(tmp_path / "samples.npz", tmp_path / "ref.npz", ["fid"], weights=full_weights_file,
-                    device="cpu", batch_size=10).metrics["fid"]
+    ours = evaluate(
+        tmp_path / "samples.npz", tmp_path / "ref.npz", ["fid"], weights=full_weights_file, device="cpu", batch_size=10
+    ).metrics["fid"]
     theirs = torch_fidelity.calculate_metrics(
-        input1=UInt8Dataset(samples), input2=UInt8Dataset(ref), fid=True,
-        feature_extractor_weights_path=str(full_weights_file), batch_size=10,
-        cuda=False, cache=False, verbose=False, save_cpu_ram=True,  # save_cpu_ram: no worker processes
+        input1=UInt8Dataset(samples),
+        input2=UInt8Dataset(ref),
+        fid=True,
+        feature_extractor_weights_path=str(full_weights_file),
+        batch_size=10,
+        cuda=False,
+        cache=False,
+        verbose=False,
+        save_cpu_ram=True,  # save_cpu_ram: no worker processes
     )["frechet_inception_distance"]
     # Same features; torch-fidelity keeps float32 means and takes sqrt of the eigenvalues of S1 S2,
     # we use float64 throughout and the symmetric form: observed 2e-7 apart at 16 to 40 images a side.
@@ -131,13 +138,29 @@ def test_cli_with_an_adm_style_reference_batch_and_saved_statistics(bundled, tmp
     pool, spatial = sample_features.gaussians["pool"], sample_features.gaussians["spatial"]
     # Like VIRTUAL_imagenet256_labeled.npz: images plus statistics. The statistics are those of the
     # samples, so FID and sFID are ~0 exactly when the stored statistics (not the images) are used.
-    np.savez(tmp_path / "ref.npz", arr_0=ref_images, mu=pool.mean, sigma=pool.cov,
-             mu_s=spatial.mean, sigma_s=spatial.cov)
+    np.savez(
+        tmp_path / "ref.npz", arr_0=ref_images, mu=pool.mean, sigma=pool.cov, mu_s=spatial.mean, sigma_s=spatial.cov
+    )
     np.savez(tmp_path / "samples.npz", arr_0=samples, arr_1=np.arange(8))
 
-    report = main([str(tmp_path / "samples.npz"), str(tmp_path / "ref.npz"), "--metrics", "fid,sfid,prc",
-                   "--weights", "bundled", "--device", "cpu", "--batch-size", "3",
-                   "--json", str(tmp_path / "metrics.json"), "--save-stats", str(tmp_path / "stats.npz")])
+    report = main(
+        [
+            str(tmp_path / "samples.npz"),
+            str(tmp_path / "ref.npz"),
+            "--metrics",
+            "fid,sfid,prc",
+            "--weights",
+            "bundled",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "3",
+            "--json",
+            str(tmp_path / "metrics.json"),
+            "--save-stats",
+            str(tmp_path / "stats.npz"),
+        ]
+    )
 
     # Rank-7 covariances: the distance of a Gaussian to itself is 0 up to eigenvalue round-off.
     assert abs(report["fid"]) <= self_distance_tolerance(pool.cov)

@@ -6,14 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-from commands import run_command
 import fid.weights
+from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
+from commands import run_command
 from fid import Gaussian, StatisticsFile, evaluate, load_inception, load_statistics, save_statistics
 from fid.__main__ import main
 from fid.errors import InputError
 from fid.inputs import FolderImages, NpzImages, open_input
-
-from _fid_reference import no_inception, pool_stats, uint8_images  # noqa: F401 (no_inception is a fixture)
 
 # The tiny image sets here are expected to draw the small-set warning (tested in test_fid_errors.py).
 pytestmark = pytest.mark.filterwarnings("ignore:.*fewer than 2048 per set:UserWarning")
@@ -22,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*fewer than 2048 per set:UserWa
 # ----------------------------------------------------------------------------------------------
 # Image sources
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
 def test_npz_images_stream_in_file_order(tmp_path, save):
@@ -56,6 +56,7 @@ def test_folder_images_reject_mixed_sizes_and_empty_folders(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Bad sample and statistics files
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "arrays, message",
@@ -113,8 +114,9 @@ def all_statistics(seed: int) -> dict[str, np.ndarray]:
 
 
 def test_default_metrics_are_what_the_inputs_allow(tmp_path, no_inception, capsys):
-    """The two steps of docs/evaluation.md: --save-stats writes statistics only, and `python -m fid samples ref_stats.npz`
-    then scores FID and sFID, with one line saying precision/recall was left out and why."""
+    """The two steps of docs/evaluation.md: --save-stats writes statistics only, and
+    `python -m fid samples ref_stats.npz` then scores FID and sFID, with one line saying precision/recall was
+    left out and why."""
     np.savez(tmp_path / "samples_stats.npz", **all_statistics(0))
     np.savez(tmp_path / "ref_stats.npz", **all_statistics(1))
     report = main([str(tmp_path / "samples_stats.npz"), str(tmp_path / "ref_stats.npz")])
@@ -162,6 +164,7 @@ def test_metric_arguments(tmp_path, no_inception):
 # Statistics files and atomic outputs
 # ----------------------------------------------------------------------------------------------
 
+
 def test_statistics_round_trip_with_adm_keys(tmp_path):
     rng = np.random.default_rng(0)
     pool, spatial = Gaussian(rng.normal(size=5), np.eye(5)), Gaussian(rng.normal(size=3), 2 * np.eye(3))
@@ -192,8 +195,16 @@ def test_failed_statistics_write_keeps_the_old_file(tmp_path, monkeypatch):
 def test_cli_error_writes_nothing(tmp_path, no_inception, capsys):
     np.savez(tmp_path / "samples.npz", arr_0=uint8_images(4).astype(np.int16))
     with pytest.raises(SystemExit) as exit_:
-        run_command(main, [str(tmp_path / "samples.npz"), "--save-stats", str(tmp_path / "out.npz"),
-                           "--json", str(tmp_path / "out.json")])
+        run_command(
+            main,
+            [
+                str(tmp_path / "samples.npz"),
+                "--save-stats",
+                str(tmp_path / "out.npz"),
+                "--json",
+                str(tmp_path / "out.json"),
+            ],
+        )
     assert exit_.value.code == 2 and "dtype int16" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.npz"]
 
@@ -201,6 +212,7 @@ def test_cli_error_writes_nothing(tmp_path, no_inception, capsys):
 # ----------------------------------------------------------------------------------------------
 # Weights resolution (never downloads: the network probe is replaced)
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
@@ -232,11 +244,14 @@ def test_missing_explicit_weights_file(tmp_path, offline_hub):
         fid.weights.resolve_weights(tmp_path / "inception.pth")
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"not a checkpoint", "not a plain state dict of tensors"),
-    ([torch.zeros(1)], "holds a list, not a state dict"),
-    ({"conv.weight": torch.zeros(1)}, "not a torch-fidelity Inception-v3 weights file .*Missing key"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"not a checkpoint", "not a plain state dict of tensors"),
+        ([torch.zeros(1)], "holds a list, not a state dict"),
+        ({"conv.weight": torch.zeros(1)}, "not a torch-fidelity Inception-v3 weights file .*Missing key"),
+    ],
+)
 def test_weights_file_of_the_wrong_kind(tmp_path, content, message):
     path = tmp_path / "other.pth"
     if isinstance(content, bytes):

@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _fid_reference import numpy_inception_score, self_distance_tolerance
 from fid import FeatureMoments, Gaussian, frechet_distance, inception_score, precision_recall
 from fid.precision_recall import manifold_radii
-
-from _fid_reference import numpy_inception_score, self_distance_tolerance
 
 
 def random_gaussian(rng: np.random.Generator, dim: int, samples: int, shift: float = 0.0) -> Gaussian:
@@ -31,6 +30,7 @@ def sqrtm_frechet(a: Gaussian, b: Gaussian) -> float:
 # ----------------------------------------------------------------------------------------------
 # Fréchet distance
 # ----------------------------------------------------------------------------------------------
+
 
 def test_frechet_matches_scipy_sqrtm_full_rank():
     rng = np.random.default_rng(0)
@@ -88,6 +88,7 @@ def test_frechet_rejects_mismatched_dimensions():
 # ----------------------------------------------------------------------------------------------
 # Streamed statistics
 # ----------------------------------------------------------------------------------------------
+
 
 def _features(seed: int = 0) -> np.ndarray:
     # Non-negative, offset features like pool_3 (mean ~ std): the case where sum x x^T loses digits.
@@ -160,6 +161,7 @@ def test_moments_need_two_vectors():
 # Inception Score
 # ----------------------------------------------------------------------------------------------
 
+
 def test_inception_score_matches_numpy_with_a_partial_last_split():
     logits = np.random.default_rng(6).normal(0, 3, size=(250, 1008))
     # Same float64 formula, different association order (log-softmax vs log of softmax): ~1e-14.
@@ -182,6 +184,7 @@ def test_inception_score_needs_one_full_split():
 # ----------------------------------------------------------------------------------------------
 # Precision / recall
 # ----------------------------------------------------------------------------------------------
+
 
 def test_precision_recall_identical_sets_are_one():
     x = torch.randn(200, 32, generator=torch.Generator().manual_seed(7))

@@ -46,19 +46,38 @@ def test_fid_logged_by_a_bf16_training_run_equals_python_m_fid(bundled, tmp_path
     real = to_uint8(DigitsDataset().images[:FID_SAMPLES])
     reference_features = bundled(real).pool.double().numpy()
     reference = tmp_path / "reference.npz"
-    save_statistics(reference, StatisticsFile(pool=Gaussian(reference_features.mean(0),
-                                                           np.cov(reference_features, rowvar=False))))
+    save_statistics(
+        reference, StatisticsFile(pool=Gaussian(reference_features.mean(0), np.cov(reference_features, rowvar=False)))
+    )
     run_dir = tmp_path / "run"
     spec = importlib.util.spec_from_file_location("train_for_fid", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     try:
-        train.main(["--config", str(DIGITS), "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-                    "train.global_batch_size=16", "train.max_steps=2", "train.mixed_precision=bf16",
-                    "train.cpu=true", "log.every=2", "log.checkpoint_every=100", "log.sample_every=0",
-                    "log.trackers=[]", "log.fid_every=2", f"log.fid_samples={FID_SAMPLES}",
-                    "log.fid_inception=bundled", f"log.fid_reference={reference}", "log.sample_sampler=ddim",
-                    "log.sample_steps=3", f"run.dir={run_dir}"])
+        train.main(
+            [
+                "--config",
+                str(DIGITS),
+                "model.hidden_size=32",
+                "model.depth=1",
+                "model.num_heads=2",
+                "train.global_batch_size=16",
+                "train.max_steps=2",
+                "train.mixed_precision=bf16",
+                "train.cpu=true",
+                "log.every=2",
+                "log.checkpoint_every=100",
+                "log.sample_every=0",
+                "log.trackers=[]",
+                "log.fid_every=2",
+                f"log.fid_samples={FID_SAMPLES}",
+                "log.fid_inception=bundled",
+                f"log.fid_reference={reference}",
+                "log.sample_sampler=ddim",
+                "log.sample_steps=3",
+                f"run.dir={run_dir}",
+            ]
+        )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -70,7 +89,19 @@ def test_fid_logged_by_a_bf16_training_run_equals_python_m_fid(bundled, tmp_path
         images = generator.generate([i % 10 for i in indices], sample_seeds(0, indices), sampler="ddim", steps=3)
     samples = tmp_path / "samples.npz"
     np.savez(samples, arr_0=images)
-    report = fid_main([str(samples), str(reference), "--metrics", "fid", "--weights", "bundled",
-                       "--device", "cpu", "--json", str(tmp_path / "fid.json")])
+    report = fid_main(
+        [
+            str(samples),
+            str(reference),
+            "--metrics",
+            "fid",
+            "--weights",
+            "bundled",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "fid.json"),
+        ]
+    )
     # Same images, same fp32 Inception; the batch sizes differ (8 in both here), float64 statistics.
     assert logged["fid"] == pytest.approx(report["fid"], rel=1e-6)

@@ -15,8 +15,9 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from commands import run_command
 import fid.reference.batches
+from _fid_reference import no_inception, uint8_images  # noqa: F401 (no_inception is a fixture)
+from commands import run_command
 from fid import evaluate, extract_features, load_inception, load_statistics
 from fid.__main__ import main as fid_main
 from fid.errors import InputError
@@ -24,8 +25,6 @@ from fid.inputs import FolderImages
 from fid.preprocess import center_crop_adm
 from fid.reference import ReferenceBatch, fetch, reference_batch, resolve_input
 from fid.reference.__main__ import main
-
-from _fid_reference import no_inception, uint8_images  # noqa: F401 (no_inception is a fixture)
 
 
 @pytest.fixture
@@ -36,9 +35,14 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 def fake_batch(path: Path, resolution: int = 64, **changes) -> Path:
     """A batch with few images but the statistics shapes of the published ones (zeros compress to little)."""
-    arrays = {"arr_0": uint8_images(3, resolution), "arr_1": np.arange(3),
-              "mu": np.zeros(2048, np.float32), "sigma": np.zeros((2048, 2048), np.float32),
-              "mu_s": np.zeros(2023, np.float32), "sigma_s": np.zeros((2023, 2023), np.float32)}
+    arrays = {
+        "arr_0": uint8_images(3, resolution),
+        "arr_1": np.arange(3),
+        "mu": np.zeros(2048, np.float32),
+        "sigma": np.zeros((2048, 2048), np.float32),
+        "mu_s": np.zeros(2023, np.float32),
+        "sigma_s": np.zeros((2023, 2023), np.float32),
+    }
     arrays.update(changes)
     np.savez_compressed(path, **{key: value for key, value in arrays.items() if value is not None})
     return path
@@ -65,8 +69,10 @@ def served(monkeypatch) -> Downloads:
 def test_short_names():
     assert reference_batch("imagenet256") == reference_batch("adm:imagenet256") == ReferenceBatch(256)
     assert reference_batch("samples.npz") is None
-    assert ReferenceBatch(512).url == ("https://openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/"
-                                       "imagenet/512/VIRTUAL_imagenet512_labeled.npz")
+    assert ReferenceBatch(512).url == (
+        "https://openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/"
+        "imagenet/512/VIRTUAL_imagenet512_labeled.npz"
+    )
     with pytest.raises(InputError, match="imagenet100: ADM published ImageNet reference batches at 64, 128, 256"):
         reference_batch("imagenet100")
 
@@ -84,15 +90,18 @@ def test_download_is_checked_renamed_and_hashed(cache, served, tmp_path, capsys)
     assert main(["imagenet64"]) == [path] and len(served) == 1  # cached: checked again, not downloaded again
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"arr_0": uint8_images(3, 32)}, r"'arr_0' has shape \(3, 32, 32, 3\); expected \(N, 64, 64, 3\)"),
-    ({"arr_0": uint8_images(3, 64).astype(np.float32)}, "'arr_0' has dtype float32"),
-    ({"arr_0": None}, "no images 'arr_0'"),
-    ({"sigma_s": None}, "has 'mu_s' but no 'sigma_s'"),
-    ({"mu_s": None, "sigma_s": None}, "'mu_s'/'sigma_s' missing"),
-    ({"mu": np.zeros(64), "sigma": np.zeros((64, 64))}, r"'mu'/'sigma' of shape \(64,\); expected \(2048,\)"),
-    ("cut", "not a readable .npz"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"arr_0": uint8_images(3, 32)}, r"'arr_0' has shape \(3, 32, 32, 3\); expected \(N, 64, 64, 3\)"),
+        ({"arr_0": uint8_images(3, 64).astype(np.float32)}, "'arr_0' has dtype float32"),
+        ({"arr_0": None}, "no images 'arr_0'"),
+        ({"sigma_s": None}, "has 'mu_s' but no 'sigma_s'"),
+        ({"mu_s": None, "sigma_s": None}, "'mu_s'/'sigma_s' missing"),
+        ({"mu": np.zeros(64), "sigma": np.zeros((64, 64))}, r"'mu'/'sigma' of shape \(64,\); expected \(2048,\)"),
+        ("cut", "not a readable .npz"),
+    ],
+)
 def test_malformed_download_is_rejected_and_leaves_nothing(cache, served, tmp_path, changes, message):
     if changes == "cut":
         whole = fake_batch(tmp_path / "whole.npz").read_bytes()
@@ -142,6 +151,7 @@ def test_fid_takes_the_short_name_of_a_cached_batch(cache, served, tmp_path, no_
 # ADM's centre crop
 # ----------------------------------------------------------------------------------------------
 
+
 def noise_image(height: int, width: int, seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
@@ -182,8 +192,21 @@ def test_save_stats_of_a_raw_mixed_size_folder(tmp_path):
     sizes = [(300, 200), (90, 120), (64, 64), (200, 150)]
     for i, (height, width) in enumerate(sizes):
         noise_image(height, width, seed=i).convert("RGB").save(tmp_path / f"{i}.jpg", quality=95)
-    fid_main([str(tmp_path), "--save-stats", str(tmp_path / "stats.npz"), "--center-crop", "64",
-              "--weights", "bundled", "--device", "cpu", "--batch-size", "3"])
+    fid_main(
+        [
+            str(tmp_path),
+            "--save-stats",
+            str(tmp_path / "stats.npz"),
+            "--center-crop",
+            "64",
+            "--weights",
+            "bundled",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "3",
+        ]
+    )
     crops = np.stack([center_crop_adm(Image.open(tmp_path / f"{i}.jpg").convert("RGB"), 64) for i in range(4)])
     expected = extract_features([crops], load_inception("bundled", "cpu"), gaussians=("pool",)).gaussians["pool"]
     saved = load_statistics(tmp_path / "stats.npz").pool
@@ -200,9 +223,20 @@ def test_evaluate_reports_every_input_problem_before_inception(tmp_path, no_ince
 
 def test_command_line_error_is_one_line_and_exit_2(tmp_path):
     repository = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "fid.reference", "imagenet100"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(repository),
-                                                         "PATH": "/usr/bin:/bin", "TORCH_HOME": str(tmp_path)})
+    result = subprocess.run(
+        [sys.executable, "-m", "fid.reference", "imagenet100"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(repository),
+            "PATH": "/usr/bin:/bin",
+            "TORCH_HOME": str(tmp_path),
+        },
+    )
     assert result.returncode == 2
-    assert result.stderr.splitlines() == ["error: imagenet100: ADM published ImageNet reference batches at 64, 128, "
-                                          "256, 512 pixels only"]  # and no runpy warning about a module run twice
+    assert result.stderr.splitlines() == [
+        "error: imagenet100: ADM published ImageNet reference batches at 64, 128, 256, 512 pixels only"
+    ]  # and no runpy warning about a module run twice

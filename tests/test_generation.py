@@ -35,8 +35,13 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def pixel_description(model, **changes) -> ExportDescription:
-    values = dict(model=model.config, objective={"kind": "diffusion", "learn_sigma": True}, space="pixels",
-                  image_size=model.input_size, num_classes=model.num_classes)
+    values = dict(
+        model=model.config,
+        objective={"kind": "diffusion", "learn_sigma": True},
+        space="pixels",
+        image_size=model.input_size,
+        num_classes=model.num_classes,
+    )
     return ExportDescription(**{**values, **changes})
 
 
@@ -44,13 +49,19 @@ def pixel_description(model, **changes) -> ExportDescription:
 # The export format
 # ----------------------------------------------------------------------------------------------
 
+
 def test_an_export_written_by_the_first_format_still_loads_and_computes_the_same():
     # tests/data/legacy-export was written by the code before generation/ existed (config.json with a "data"
     # section and the VCA switches at the top level of the model config); its output was recorded then.
     export = read_export(DATA / "legacy-export")
     assert export.description.space == "pixels" and export.description.train_step == 7
-    assert export.description.model["vca"] == {"contrast_grid": 1, "joint_softmax": True, "stage1_differential": True,
-                                               "stage2_differential": True, "pooled_content": True}
+    assert export.description.model["vca"] == {
+        "contrast_grid": 1,
+        "joint_softmax": True,
+        "stage1_differential": True,
+        "stage2_differential": True,
+        "pooled_content": True,
+    }
     model = ImageGenerator.from_export(export).model
     recorded = load_file(DATA / "legacy-export-output.safetensors")
     out = model(recorded["x"], torch.tensor([3, 500]), torch.tensor([0, 3]))
@@ -66,12 +77,23 @@ def test_description_round_trips_through_json(tmp_path):
     assert read_export(tmp_path).description == description
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda folder: (folder / "config.json").write_text('{"model": {"name": "DiT-S/2"'), "config.json is not valid JSON"),
-    (lambda folder: (folder / "config.json").write_text('{"format": 2, "model": {}}'), "config.json is not an export"),
-    (lambda folder: (folder / "ema.safetensors").write_bytes((folder / "ema.safetensors").read_bytes()[:100]),
-     "ema.safetensors cannot be read as safetensors"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda folder: (folder / "config.json").write_text('{"model": {"name": "DiT-S/2"'),
+            "config.json is not valid JSON",
+        ),
+        (
+            lambda folder: (folder / "config.json").write_text('{"format": 2, "model": {}}'),
+            "config.json is not an export",
+        ),
+        (
+            lambda folder: (folder / "ema.safetensors").write_bytes((folder / "ema.safetensors").read_bytes()[:100]),
+            "ema.safetensors cannot be read as safetensors",
+        ),
+    ],
+)
 def test_a_damaged_export_is_named(tmp_path, damage, message):
     model = create_model("DiT-S/2", in_channels=1, num_classes=3, **TINY)
     write_export(tmp_path, model.state_dict(), pixel_description(model))
@@ -130,6 +152,7 @@ def test_export_saves_and_loads_through_the_hub_mixin(tmp_path, monkeypatch, cap
 # Official checkpoints
 # ----------------------------------------------------------------------------------------------
 
+
 def official_sit_state(learn_sigma: bool) -> dict[str, torch.Tensor]:
     """A SiT-S/8 at 64 px in the official layout; learn_sigma=True as the released SiT-XL/2 (8 output channels)."""
     return perturbed(create_sit("SiT-S/8", attention="mhsa", input_size=8, learn_sigma=learn_sigma)).state_dict()
@@ -143,8 +166,11 @@ def test_official_sit_with_learned_sigma_channels_uses_the_velocity_half(tmp_pat
     assert description.model["learn_sigma"] is True and description.model["name"] == "SiT-S/8"
     assert description.image_size == 64 and description.model["input_size"] == 8
     assert description.objective == {"kind": "transport"}
-    assert (description.vae, description.latent_scale, description.num_classes) == ("stabilityai/sd-vae-ft-ema",
-                                                                                     0.18215, 1000)
+    assert (description.vae, description.latent_scale, description.num_classes) == (
+        "stabilityai/sd-vae-ft-ema",
+        0.18215,
+        1000,
+    )
     model = build_model_from_config(description.model).eval()  # no random label dropout between the two calls
     model.load_state_dict(export.weights)
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.9]), torch.tensor([1, 1000])
@@ -199,8 +225,9 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
 def small_release(monkeypatch) -> str:
     """Make "SiT-XL-2-256x256.pt" a SiT-S/8 at 64 px, so the by-name path runs on a small file."""
     name = "SiT-XL-2-256x256.pt"
-    monkeypatch.setitem(official.RELEASED, name, official.ReleasedCheckpoint("https://example.invalid/x.pt",
-                                                                             "SiT-S/8", 64))
+    monkeypatch.setitem(
+        official.RELEASED, name, official.ReleasedCheckpoint("https://example.invalid/x.pt", "SiT-S/8", 64)
+    )
     return name
 
 
@@ -212,8 +239,9 @@ def test_a_released_checkpoint_placed_in_the_cache_loads_by_name(hub_cache, smal
     assert export.description.source == str(hub_cache / small_release)
 
 
-def test_a_released_checkpoint_downloads_through_a_checked_temporary_file(hub_cache, small_release, tmp_path,
-                                                                         monkeypatch):
+def test_a_released_checkpoint_downloads_through_a_checked_temporary_file(
+    hub_cache, small_release, tmp_path, monkeypatch
+):
     good = tmp_path / "good.pt"
     torch.save(official_sit_state(learn_sigma=True), good)
     monkeypatch.setattr(torch.hub, "download_url_to_file", lambda url, dst, **k: shutil.copy(good, dst))

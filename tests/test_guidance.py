@@ -115,8 +115,9 @@ def test_plain_function_needs_guided_channels():
     torch.testing.assert_close(classifier_free_guidance(function, 2.0, NUM_CLASSES, guided_channels=4)(x, t, y), x)
 
 
-@pytest.mark.parametrize("family, t", [(dit_vca, torch.tensor([10, 500, 999])),
-                                       (sit_vca, torch.tensor([0.1, 0.5, 0.9]))])
+@pytest.mark.parametrize(
+    "family, t", [(dit_vca, torch.tensor([10, 500, 999])), (sit_vca, torch.tensor([0.1, 0.5, 0.9]))]
+)
 def test_guidance_on_a_tiny_backbone(family, t):
     """On the real backbone (DiT: learn_sigma, 8 output channels; SiT: 4) the doubled batch runs through the
     network together, so agreement with separate passes is to float32 GEMM rounding: atol 1e-5."""

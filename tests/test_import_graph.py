@@ -85,14 +85,20 @@ def top(module: str) -> str:
 
 
 def test_every_project_package_has_a_floor():
-    tops = {path.parts[0] if len(path.parts) > 1 else path.stem
-            for path in (p.relative_to(REPO) for p in REPO.glob("*/__init__.py"))} | {"train", "sample", "demo"}
+    tops = {
+        path.parts[0] if len(path.parts) > 1 else path.stem
+        for path in (p.relative_to(REPO) for p in REPO.glob("*/__init__.py"))
+    } | {"train", "sample", "demo"}
     assert tops - {"tests"} <= set(FLOOR), f"packages without a floor in FLOORS: {sorted(tops - set(FLOOR))}"
 
 
 def test_packages_import_only_packages_below_them():
-    arrows_up = sorted(f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
-                       if top(target) != top(module) and FLOOR[top(target)] >= FLOOR[top(module)])
+    arrows_up = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if top(target) != top(module) and FLOOR[top(target)] >= FLOOR[top(module)]
+    )
     assert not arrows_up, "imports that run sideways or back up:\n" + "\n".join(arrows_up)
 
 
@@ -112,7 +118,7 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (circle := visit(target)):
                 return circle
         path.pop()
@@ -130,18 +136,26 @@ def test_no_module_imports_itself_through_a_circle():
     assert circle is None, "import circle: " + " -> ".join(circle)
 
 
-@pytest.mark.parametrize("graph, expected", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
-])
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
 def test_find_circle_finds_circles(graph, expected):
     assert find_circle(graph) == expected
 
 
 def test_the_graph_sees_imports_inside_functions_and_type_checking(tmp_path):
     source = tmp_path / "mod.py"
-    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.run import X\n"
-                      "def f():\n    from generation.export import Export\n    import dit_vca.models\n")
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.run import X\n"
+        "def f():\n    from generation.export import Export\n    import dit_vca.models\n"
+    )
     known = {"training.run", "generation.export", "dit_vca.models", "dit_vca", "training", "generation"}
-    assert imported_modules(source, "training.trackers", known) == {"training.run", "generation.export",
-                                                                    "dit_vca.models"}
+    assert imported_modules(source, "training.trackers", known) == {
+        "training.run",
+        "generation.export",
+        "dit_vca.models",
+    }

@@ -15,15 +15,21 @@ from diffusers import AutoencoderKL
 from PIL import Image
 from safetensors.torch import load_file
 
+from generation.vae import VAEUnavailableError, encode_posterior, load_vae
 from training.config import load_config
 from training.data import CorruptImageError, LatentShardDataset
 from training.latents import extract_latents, plan_shards, shard_name
-from generation.vae import VAEUnavailableError, encode_posterior, load_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small AutoencoderKL: two resolutions (2x downsampling), 4 latent channels, random weights.
-TINY_VAE = dict(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8)
+TINY_VAE = dict(
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,7 @@ def extraction_config(tmp_path: Path, images: Path, latents: Path, vae_folder: P
     path = tmp_path / f"extract-{latents.name}.yaml"
     path.write_text(f"""
 model: {{name: DiT-S/2}}
-data: {{source: images, images: {images}, latents: {latents}, image_size: {settings.pop('image_size', 32)},
+data: {{source: images, images: {images}, latents: {latents}, image_size: {settings.pop("image_size", 32)},
         num_classes: 2, num_workers: 0}}
 vae: {{name: {vae_folder}, scale: 0.5}}
 extract: {json.dumps(settings)}
@@ -105,16 +111,21 @@ def test_extracted_shards_hold_the_posterior_of_each_image_and_its_mirror(tmp_pa
     out = extract_latents(config, single_process)
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["count"] for s in manifest["shards"]] == [4, 4, 2]
-    assert (manifest["num_images"], manifest["classes"], manifest["latent_channels"], manifest["latent_size"]) == \
-        (10, ["ant", "bee"], 4, 16)
+    assert (manifest["num_images"], manifest["classes"], manifest["latent_channels"], manifest["latent_size"]) == (
+        10,
+        ["ant", "bee"],
+        4,
+        16,
+    )
 
     vae = load_vae(str(vae_folder))
     from training.data import ImageFolderDataset
+
     dataset = ImageFolderDataset(images, 32, random_flip=False)
     pixels = torch.stack([dataset[i][0] for i in range(10)])
     mean, std = encode_posterior(vae, torch.cat([pixels, pixels.flip(-1)]))
     shards = [load_file(out / shard_name(k)) for k in range(3)]
-    stored_mean = torch.cat([s["mean"] for s in shards])                    # (10, 2, 4, 16, 16)
+    stored_mean = torch.cat([s["mean"] for s in shards])  # (10, 2, 4, 16, 16)
     stored_std = torch.cat([s["std"] for s in shards])
     # Same VAE and images, encoded in batches of 6 instead of 20: float32 convolutions may round differently
     # with the batch size, hence a tolerance far below any real error (values are O(1)).
@@ -138,8 +149,9 @@ def test_corrupt_image_fails_naming_it_without_a_partial_shard(tmp_path, vae_fol
     # Image 7 lies in shard 1: shard 0 is complete, nothing of shard 1 (not even a temporary file) remains.
     assert sorted(p.name for p in (tmp_path / "latents").iterdir()) == ["settings.json", shard_name(0)]
 
-    skipping = load_config(extraction_config(tmp_path, images, tmp_path / "skipped", vae_folder),
-                           ["data.on_corrupt=skip"])
+    skipping = load_config(
+        extraction_config(tmp_path, images, tmp_path / "skipped", vae_folder), ["data.on_corrupt=skip"]
+    )
     manifest = json.loads((extract_latents(skipping, single_process) / "manifest.json").read_text())
     assert manifest["num_images"] == 9 and manifest["num_skipped"] == 1
     assert [s["skipped"] for s in manifest["shards"]] == [0, 1, 0]
@@ -156,12 +168,14 @@ def test_a_folder_started_with_other_settings_is_refused(tmp_path, vae_folder, s
 def test_killed_extraction_keeps_finished_shards_and_completes_identically(tmp_path, vae_folder, single_process):
     # 24 shards of 2 images at 64 px: each shard takes long enough that the kill lands well before the end.
     images = make_images(tmp_path / "images", per_class=24, size=64)
-    interrupted = extraction_config(tmp_path, images, tmp_path / "interrupted", vae_folder, shard_size=2,
-                                    batch_size=2, image_size=64)
+    interrupted = extraction_config(
+        tmp_path, images, tmp_path / "interrupted", vae_folder, shard_size=2, batch_size=2, image_size=64
+    )
     command = [sys.executable, "-m", "training.latents", "--config", str(interrupted)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     for line in process.stdout:
         if f"wrote {shard_name(1)}" in line:
             os.killpg(process.pid, signal.SIGKILL)
@@ -171,18 +185,19 @@ def test_killed_extraction_keeps_finished_shards_and_completes_identically(tmp_p
     folder = tmp_path / "interrupted"
     finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.glob("shard-*.safetensors")}
     assert 2 <= len(finished) < 24 and not (folder / "manifest.json").exists()
-    assert all(name.startswith(".") for name in os.listdir(folder)
-               if name not in finished and name != "settings.json")  # only temporaries besides whole shards
+    assert all(
+        name.startswith(".") for name in os.listdir(folder) if name not in finished and name != "settings.json"
+    )  # only temporaries besides whole shards
 
     extract_latents(load_config(interrupted), single_process)
     for name, identity in finished.items():  # not redone: same file, never rewritten
         path = folder / name
         assert (path.stat().st_ino, path.stat().st_mtime_ns) == identity
-    assert sorted(os.listdir(folder)) == sorted(["settings.json", "manifest.json"] +
-                                                [shard_name(k) for k in range(24)])
+    assert sorted(os.listdir(folder)) == sorted(["settings.json", "manifest.json"] + [shard_name(k) for k in range(24)])
 
-    uninterrupted = extraction_config(tmp_path, images, tmp_path / "uninterrupted", vae_folder, shard_size=2,
-                                      batch_size=2, image_size=64)
+    uninterrupted = extraction_config(
+        tmp_path, images, tmp_path / "uninterrupted", vae_folder, shard_size=2, batch_size=2, image_size=64
+    )
     reference = extract_latents(load_config(uninterrupted), single_process)
     assert (folder / "manifest.json").read_text() == (reference / "manifest.json").read_text()
     for k in range(24):
@@ -194,13 +209,15 @@ def test_latents_are_paired_with_their_own_image_under_the_same_flip(tmp_path, v
     # A skipped corrupt image shifts every later latent against the folder: the stored indices keep the pairs.
     images = make_images(tmp_path / "images", per_class=5)
     (images / "ant" / "1.png").write_bytes(b"not a png")
-    config = load_config(extraction_config(tmp_path, images, tmp_path / "latents", vae_folder),
-                         ["data.on_corrupt=skip"])
+    config = load_config(
+        extraction_config(tmp_path, images, tmp_path / "latents", vae_folder), ["data.on_corrupt=skip"]
+    )
     out = extract_latents(config, single_process)
     indices = torch.cat([load_file(out / shard_name(k))["indices"] for k in range(3)])
     assert indices.tolist() == [0, 2, 3, 4, 5, 6, 7, 8, 9]
 
     from training.data import ImageFolderDataset
+
     folder = ImageFolderDataset(images, 32, random_flip=False, on_corrupt="skip")
     latents = LatentShardDataset(out, scale=0.5, random_flip=True, seed=3, images=folder)
     vae = load_vae(str(vae_folder))
@@ -219,25 +236,42 @@ def test_latents_are_paired_with_their_own_image_under_the_same_flip(tmp_path, v
 def test_repa_trains_on_latents_and_on_images(tmp_path, vae_folder, single_process):
     import importlib.util
 
+    import timm
     from accelerate.state import AcceleratorState, GradientState
     from timm.models import save_for_hf
-    import timm
 
     images = make_images(tmp_path / "images", per_class=8)
     config = extraction_config(tmp_path, images, tmp_path / "latents", vae_folder)
     extract_latents(load_config(config), single_process)
     torch.manual_seed(0)
-    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=2, embed_dim=24,
-                            depth=1, num_heads=2, num_classes=0)
+    vit = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=16,
+        patch_size=2,
+        embed_dim=24,
+        depth=1,
+        num_heads=2,
+        num_classes=0,
+    )
     save_for_hf(vit, tmp_path / "encoder", safe_serialization=True)
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
     train_script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_script)
     PartialState._reset_state()
     # 32 px images, 2x VAE: 16 x 16 latents, 8 x 8 tokens at patch 2; the encoder sees 16 px: 8 x 8 patches.
-    common = [f"train.repa.encoder={tmp_path / 'encoder'}", "train.repa.input_size=16", "train.repa.depth=1",
-              "train.repa.projector_dim=16", "model.depth=1", "model.hidden_size=32", "model.num_heads=2",
-              "train.max_steps=2", "log.every=1", "log.trackers=[]"]
+    common = [
+        f"train.repa.encoder={tmp_path / 'encoder'}",
+        "train.repa.input_size=16",
+        "train.repa.depth=1",
+        "train.repa.projector_dim=16",
+        "model.depth=1",
+        "model.hidden_size=32",
+        "model.num_heads=2",
+        "train.max_steps=2",
+        "log.every=1",
+        "log.trackers=[]",
+    ]
     for source in ("latents", "images"):
         run_dir = tmp_path / f"run-{source}"
         try:
@@ -246,7 +280,7 @@ def test_repa_trains_on_latents_and_on_images(tmp_path, vae_folder, single_proce
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
         lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [line["step"] for line in lines] == [1, 2] and all(-1 <= l["alignment_loss"] <= 1 for l in lines)
+        assert [line["step"] for line in lines] == [1, 2] and all(-1 <= line["alignment_loss"] <= 1 for line in lines)
 
     format_1 = json.loads((tmp_path / "latents" / "manifest.json").read_text())
     format_1["format"] = 1
@@ -289,10 +323,22 @@ def offline_commands(tmp_path: Path, vae_folder: Path) -> dict[str, tuple[list[s
     config = extraction_config(tmp_path, make_images(tmp_path / "images", 2), tmp_path / "latents", vae_folder)
     write_tiny_export(tmp_path / "export")  # a latent-space export naming vae=stabilityai/sd-vae-ft-ema
     hub = ["vae.name=stabilityai/sd-vae-ft-ema"]
-    return {"latents": (["-m", "training.latents", "--config", str(config), *hub], tmp_path / "latents"),
-            "train": (["train.py", "--config", str(config), *hub, f"run.dir={tmp_path}/run"], tmp_path / "run"),
-            "sample": (["sample.py", "--ckpt", str(tmp_path / "export"), "--num-samples", "2", "--out",
-                        str(tmp_path / "samples.npz")], tmp_path / "samples.shards")}
+    return {
+        "latents": (["-m", "training.latents", "--config", str(config), *hub], tmp_path / "latents"),
+        "train": (["train.py", "--config", str(config), *hub, f"run.dir={tmp_path}/run"], tmp_path / "run"),
+        "sample": (
+            [
+                "sample.py",
+                "--ckpt",
+                str(tmp_path / "export"),
+                "--num-samples",
+                "2",
+                "--out",
+                str(tmp_path / "samples.npz"),
+            ],
+            tmp_path / "samples.shards",
+        ),
+    }
 
 
 @pytest.mark.parametrize("command", ["latents", "train", "sample"])
@@ -300,9 +346,20 @@ def test_an_unreachable_hub_is_one_line_naming_it_after_one_request(tmp_path, va
     url, requests = dead_hub
     arguments, output = offline_commands(tmp_path, vae_folder)[command]
     env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    result = subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**env, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf-home"),
-                                 "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **env,
+            "HF_ENDPOINT": url,
+            "HF_HOME": str(tmp_path / "hf-home"),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        },
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert f"not in the local Hugging Face cache and {url} cannot be reached" in errors[0]
@@ -314,10 +371,21 @@ def test_an_unreachable_hub_is_one_line_naming_it_after_one_request(tmp_path, va
 def test_hub_offline_mode_sends_no_request(tmp_path, vae_folder, dead_hub):
     url, requests = dead_hub
     arguments, output = offline_commands(tmp_path, vae_folder)["latents"]
-    result = subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": url,
-                                 "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": "1",
-                                 "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "HF_ENDPOINT": url,
+            "HF_HOME": str(tmp_path / "hf-home"),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        },
+    )
     assert result.returncode == 2 and "the hub is offline (HF_HUB_OFFLINE=1)" in result.stderr, result.stderr
     assert requests == [] and not output.exists()
 

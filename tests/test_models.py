@@ -11,8 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import dit_vca
-from dit_vca.attention import VCAOptions
 import sit_vca
+from dit_vca.attention import VCAOptions
 from dit_vca.models import build_model_from_config, model_names, sincos_pos_embed_2d, timestep_embedding
 
 REFERENCE = Path(__file__).resolve().parent / "data"  # official state-dict shapes, see tests/data/README.md

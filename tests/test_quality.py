@@ -8,10 +8,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _study import run_quick as run_study_quick
 
-from bench.quality import (ABLATIONS, CONFIG, FULL, MHSA, QUICK, SIT, VCA, checkpoint_steps, parse_arguments, reading,
-                           run_name, spread, stage_runs)
+from _study import run_quick as run_study_quick
+from bench.quality import (
+    ABLATIONS,
+    CONFIG,
+    FULL,
+    MHSA,
+    QUICK,
+    SIT,
+    VCA,
+    checkpoint_steps,
+    parse_arguments,
+    reading,
+    run_name,
+    spread,
+    stage_runs,
+)
 from training.build import build_model
 from training.config import load_config
 
@@ -56,8 +69,9 @@ def test_quick_study_reports_and_a_rerun_redoes_only_missing_work(tmp_path):
     second = run_quick(out)
     assert "quality: training" not in second
     assert second.count("quality: sampling and scoring") == 1 and "mhsa-seed0 at step 2" in second
-    assert {path: path.stat().st_mtime_ns for path in scores if path != lost} == \
-        {path: stamp for path, stamp in stamps.items() if path != lost}
+    assert {path: path.stat().st_mtime_ns for path in scores if path != lost} == {
+        path: stamp for path, stamp in stamps.items() if path != lost
+    }
     after = json.loads(lost.read_text())
     assert after["fid_curve"] == pytest.approx(before["fid_curve"], rel=1e-6)
     assert after["accuracy"] == before["accuracy"]
@@ -68,7 +82,7 @@ def test_every_arm_is_a_valid_override_of_the_shared_recipe():
     for arm in (VCA, MHSA, *ABLATIONS, *SIT):
         config = load_config(CONFIG, list(arm.overrides))
         assert config.train == load_config(CONFIG).train  # no arm touches the recipe
-        built = build_model(config, 3, 16).config                         # each builds, with its switches
+        built = build_model(config, 3, 16).config  # each builds, with its switches
         assert built["attention"] == config.model.attention and built["name"] == config.model.name
         assert built["vca"] == (asdict(config.model.vca) if config.model.attention == "vca" else None)
     switches = {arm.name: load_config(CONFIG, list(arm.overrides)).model.vca for arm in ABLATIONS}
@@ -86,10 +100,13 @@ def test_stages_share_the_main_runs_at_the_first_seed():
     assert ablations[:2] == [("vca", 0), ("mhsa", 0)] and len(ablations) == 6
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--quick", "--stage", "sit"], "--quick runs the main stage only"),
-    (["--stage", "everything"], "invalid choice: 'everything'"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--quick", "--stage", "sit"], "--quick runs the main stage only"),
+        (["--stage", "everything"], "invalid choice: 'everything'"),
+    ],
+)
 def test_bad_arguments_exit_with_status_2(arguments, message, capsys):
     with pytest.raises(SystemExit) as stop:
         parse_arguments(arguments)
@@ -116,7 +133,7 @@ def test_reading_calls_a_difference_within_the_seed_spread_no_difference():
 
 def test_the_full_study_meets_the_issue_minimums():
     budget = replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
-    assert checkpoint_steps(budget) == [750, 1500, 2250, 3000]    # 25/50/75/100 % of training
-    assert load_config(CONFIG).log.checkpoint_every == 750         # what a plain train.py run of the config saves
+    assert checkpoint_steps(budget) == [750, 1500, 2250, 3000]  # 25/50/75/100 % of training
+    assert load_config(CONFIG).log.checkpoint_every == 750  # what a plain train.py run of the config saves
     assert budget.final_samples >= 1000 and len(budget.seeds) >= 3 and budget.real_images is None
-    assert budget.model_overrides == ()                            # the config's model, unchanged
+    assert budget.model_overrides == ()  # the config's model, unchanged

@@ -18,12 +18,12 @@ import re
 import runpy
 import shlex
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 from generation.export import EXPORT_DIR
 from training.config import load_config
@@ -53,8 +53,13 @@ def fenced_blocks(text: str) -> list[tuple[str, int, str]]:
     """(language, first line number, body) of every fenced code block."""
     blocks = []
     for match in re.finditer(r"^( *)```(\w*)\n(.*?)^\1```", text, re.S | re.M):
-        blocks.append((match.group(2), text.count("\n", 0, match.start()) + 2,
-                       re.sub(rf"^{match.group(1)}", "", match.group(3), flags=re.M)))
+        blocks.append(
+            (
+                match.group(2),
+                text.count("\n", 0, match.start()) + 2,
+                re.sub(rf"^{match.group(1)}", "", match.group(3), flags=re.M),
+            )
+        )
     return blocks
 
 
@@ -74,8 +79,9 @@ def documented_commands() -> list[DocumentedCommand]:
         prose = re.sub(r"^( *)```.*?^\1```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
         for match in re.finditer(r"`([^`\n]+)`", prose):
             if COMMAND_START.match(match.group(1)):
-                found.append(DocumentedCommand(name, prose.count("\n", 0, match.start()) + 1, match.group(1),
-                                               inline=True))
+                found.append(
+                    DocumentedCommand(name, prose.count("\n", 0, match.start()) + 1, match.group(1), inline=True)
+                )
     return found
 
 
@@ -131,13 +137,13 @@ def check_run_paths(tokens: list[str], where: DocumentedCommand) -> None:
 
     run = RunDirectory(Path("results/RUN"))
     layouts = [run.checkpoints / "step-0000000" / EXPORT_DIR, run.exports / "step-0000000"]
-    pattern = "|".join(re.escape(str(layout.relative_to(run.root))).replace("0000000", r"\d{7,}")
-                       for layout in layouts)
+    pattern = "|".join(re.escape(str(layout.relative_to(run.root))).replace("0000000", r"\d{7,}") for layout in layouts)
     for token in tokens:
         path = token.partition("=")[2] if "=" in token else token
         if path.startswith("results/") and "export" in path:
-            assert re.fullmatch(rf"results/[^/]+/({pattern})/?", path), \
+            assert re.fullmatch(rf"results/[^/]+/({pattern})/?", path), (
                 f"{where}: {path} is not where a run keeps exports ({', '.join(map(str, layouts))})"
+            )
 
 
 def check_command(where: DocumentedCommand, monkeypatch) -> None:
@@ -171,15 +177,19 @@ def check_command(where: DocumentedCommand, monkeypatch) -> None:
             PARSE_ARGS(launch_command_parser(), rest[1:])
             return
         launch = PARSE_ARGS(launch_command_parser(), rest[1:])  # its own options, then the script and its args
-        tokens = ([("-m" if launch.module else ""), launch.training_script] if launch.module
-                  else [launch.training_script])
+        tokens = (
+            [("-m" if launch.module else ""), launch.training_script] if launch.module else [launch.training_script]
+        )
         return parse_python([t for t in tokens if t] + launch.training_script_args, where, monkeypatch)
     if head == "torchrun":
         from torch.distributed.run import get_args_parser
 
         launch = PARSE_ARGS(get_args_parser(), rest)
-        return parse_python(["-m", launch.training_script] if launch.module else
-                            [launch.training_script, *launch.training_script_args], where, monkeypatch)
+        return parse_python(
+            ["-m", launch.training_script] if launch.module else [launch.training_script, *launch.training_script_args],
+            where,
+            monkeypatch,
+        )
     assert head in ("python", "python3"), f"{where}: unknown command {head}"
     parse_python(rest, where, monkeypatch)
 
@@ -210,8 +220,14 @@ def test_documented_command_names_exist(where):
     if tokens[0] == "srun" and "-c" in tokens:  # srun bash -c '…': the command it runs
         tokens = tokens[tokens.index("-c") + 1].split()
     if tokens[:2] == ["accelerate", "launch"]:  # the script it launches, if the span names one
-        tokens = ["python", *([tokens[tokens.index("-m")], tokens[tokens.index("-m") + 1]] if "-m" in tokens
-                              else [token for token in tokens if token.endswith(".py")][:1])]
+        tokens = [
+            "python",
+            *(
+                [tokens[tokens.index("-m")], tokens[tokens.index("-m") + 1]]
+                if "-m" in tokens
+                else [token for token in tokens if token.endswith(".py")][:1]
+            ),
+        ]
     head = tokens[0]
     if head.startswith("vca-"):
         assert head in SCRIPTS or head == "vca-diffusion", f"{where}: no such installed command"
@@ -228,13 +244,15 @@ def test_documented_command_names_exist(where):
 
 def test_a_wrong_flag_or_config_is_caught(stopped_parsers, monkeypatch):
     """The check above can fail: a flag that does not exist, a bad choice and an unknown config key."""
-    for text in ("python sample.py --ckpt x --num-samples 4 --out x.npz --sampler-steps 3",
-                 "python sample.py --ckpt x --num-samples 4 --out x.npz --precision fp8",
-                 "accelerate launch --num_processes two train.py --config digits",
-                 "python train.py --config dit-s2-vca train.lrate=1e-4",
-                 "python train.py --config dit-s9-vca",
-                 "python -m generation.diffusers_interop results/run/export out_dir",
-                 "make bench-everything"):
+    for text in (
+        "python sample.py --ckpt x --num-samples 4 --out x.npz --sampler-steps 3",
+        "python sample.py --ckpt x --num-samples 4 --out x.npz --precision fp8",
+        "accelerate launch --num_processes two train.py --config digits",
+        "python train.py --config dit-s2-vca train.lrate=1e-4",
+        "python train.py --config dit-s9-vca",
+        "python -m generation.diffusers_interop results/run/export out_dir",
+        "make bench-everything",
+    ):
         with pytest.raises((AssertionError, SystemExit, ValueError)):
             check_command(DocumentedCommand("test", 0, text, False), monkeypatch)
 
@@ -242,6 +260,7 @@ def test_a_wrong_flag_or_config_is_caught(stopped_parsers, monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # The README's "From Python" snippet
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def from_python_snippet() -> str:
     text = (REPO / "README.md").read_text()
@@ -288,7 +307,9 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
 def test_relative_links_point_at_files(page):
-    broken = [target for target in LINK.findall(page.read_text())
-              if not re.match(r"^(https?:|mailto:|#)", target)
-              and not (page.parent / target.split("#")[0]).exists()]
+    broken = [
+        target
+        for target in LINK.findall(page.read_text())
+        if not re.match(r"^(https?:|mailto:|#)", target) and not (page.parent / target.split("#")[0]).exists()
+    ]
     assert broken == [], f"{page.name}: links to nothing: {broken}"

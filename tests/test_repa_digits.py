@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _study import run_quick as run_study_quick
 
+from _study import run_quick as run_study_quick
 from bench.digits_encoder import FOLDER, accuracy, split_digits
 from bench.quality import checkpoint_steps
 from bench.repa_digits import QUICK, QUICK_PROJECTOR, arms
@@ -26,7 +26,7 @@ def test_committed_digits_encoder_loads_and_has_its_recorded_accuracy():
     # The classifier head on the average of the encoder's patch features (what REPA aligns with): the accuracy
     # training.json recorded, on the same 450 held-out digits (the same float32 ops: equal to 1e-6).
     assert accuracy(encoder.vit, test_x, test_y) == pytest.approx(record["held_out_accuracy"], abs=1e-6)
-    features = encoder(test_x)                                                  # (450, 16, 64)
+    features = encoder(test_x)  # (450, 16, 64)
     logits = encoder.vit.head(encoder.vit.fc_norm(features.mean(1)))
     assert float((logits.argmax(-1) == test_y).float().mean()) == pytest.approx(record["held_out_accuracy"], abs=1e-6)
 

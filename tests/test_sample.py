@@ -20,14 +20,21 @@ from atomic_files.shards import ShardFolder, ShardFolderError
 from generation import ImageGenerator, load_export
 from generation.images import to_uint8
 from generation.official import official_export
-from generation.sample_file import (DamagedShardError, SampleFiles, SampleFilesError, leading_images, merge_shards,
-                                    plan_shards, shard_reader)
+from generation.sample_file import (
+    DamagedShardError,
+    SampleFiles,
+    SampleFilesError,
+    leading_images,
+    merge_shards,
+    plan_shards,
+    shard_reader,
+)
 from generation.sample_plan import assign_labels, sample_seeds
-
 
 # ----------------------------------------------------------------------------------------------
 # Pixels
 # ----------------------------------------------------------------------------------------------
+
 
 def test_to_uint8_maps_stored_pixels_back_to_themselves():
     # A uint8 value k read as x = k / 127.5 - 1 must come back as k: float32 puts 127.5 x + 128 within
@@ -68,6 +75,7 @@ def test_to_uint8_rejects_non_finite_and_odd_channels():
 # Labels and seeds
 # ----------------------------------------------------------------------------------------------
 
+
 def test_balanced_labels_are_balanced_in_every_prefix():
     labels = assign_labels(1003, 10, "balanced", seed=0)
     assert labels.dtype == np.int64 and labels.shape == (1003,)
@@ -97,6 +105,7 @@ def test_sample_seeds_depend_on_seed_and_index_only():
 # Shards
 # ----------------------------------------------------------------------------------------------
 
+
 def test_plan_shards_covers_every_index_once():
     shards = plan_shards(1001, 256)
     assert [(s.start, s.stop) for s in shards] == [(0, 256), (256, 512), (512, 768), (768, 1001)]
@@ -107,8 +116,12 @@ def test_plan_shards_covers_every_index_once():
 
 def write_shards(folder, images, labels, shards):
     for shard in shards:
-        save_npz_atomic(folder / shard.file_name, arr_0=images[shard.start:shard.stop],
-                               arr_1=labels[shard.start:shard.stop], index=np.arange(shard.start, shard.stop))
+        save_npz_atomic(
+            folder / shard.file_name,
+            arr_0=images[shard.start : shard.stop],
+            arr_1=labels[shard.start : shard.stop],
+            index=np.arange(shard.start, shard.stop),
+        )
 
 
 def test_merge_shards_writes_a_standard_npz(tmp_path):
@@ -141,7 +154,7 @@ def test_merge_shards_hands_a_shard_of_other_samples_to_repair(tmp_path):
     def repair(shard, error):
         assert shard.file_name in str(error)
         repaired.append(shard.number)
-        return images[shard.start:shard.stop]
+        return images[shard.start : shard.stop]
 
     merge_shards(shards, shard_reader(tmp_path, labels, repair), labels, tmp_path / "out.npz")
     assert repaired == [0, 1]
@@ -170,16 +183,25 @@ def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "Di
     from generation import ExportDescription, write_export
 
     create_model = {"DiT": dit_vca.create_model, "SiT": sit_vca.create_model}[family]
-    model = create_model(f"{family}-S/2", depth=1, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
-                         num_classes=NUM_CLASSES, class_dropout_prob=class_dropout_prob)
+    model = create_model(
+        f"{family}-S/2",
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        input_size=8,
+        in_channels=1,
+        num_classes=NUM_CLASSES,
+        class_dropout_prob=class_dropout_prob,
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight
                 parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     objective = {"kind": "diffusion", "learn_sigma": True} if family == "DiT" else {"kind": "transport"}
-    description = ExportDescription(model=model.config, objective=objective, space="pixels", image_size=8,
-                                    num_classes=NUM_CLASSES)
+    description = ExportDescription(
+        model=model.config, objective=objective, space="pixels", image_size=8, num_classes=NUM_CLASSES
+    )
     write_export(folder, model.state_dict(), description)
     return folder
 
@@ -238,7 +260,7 @@ def test_samples_do_not_depend_on_the_batch_split(export):
     options = dict(sampler="ddpm", steps=12, guidance=2.0)
     labels, seeds = assign_labels(8, NUM_CLASSES, "balanced", 0), sample_seeds(7, range(8))
     whole = generator.generate(labels, seeds, **options)
-    split = np.concatenate([generator.generate(labels[i:i + 3], seeds[i:i + 3], **options) for i in range(0, 8, 3)])
+    split = np.concatenate([generator.generate(labels[i : i + 3], seeds[i : i + 3], **options) for i in range(0, 8, 3)])
     # Per-sample noise makes the two identical in exact arithmetic; kernels may round differently for
     # other batch sizes, which can move a pixel across a uint8 boundary (bit-identical on this CPU).
     assert np.abs(whole.astype(int) - split).max() <= 1 and np.mean(whole != split) < 0.01
@@ -255,14 +277,32 @@ def test_two_processes_give_the_same_file(export, reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", [["--sampler", "sde-euler", "--steps", "6"], ["--sampler", "heun", "--steps", "3"]],
-                         ids=["sde-euler", "heun"])
+@pytest.mark.parametrize(
+    "sampler",
+    [["--sampler", "sde-euler", "--steps", "6"], ["--sampler", "heun", "--steps", "3"]],
+    ids=["sde-euler", "heun"],
+)
 def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tmp_path):
     """What docs/sampling.md promises for SiT's ODE and SDE: the same bytes from 1 and 2 processes when both run one
     thread per process (environment()) and the same per-process batch; the noise per sample is the same anyway."""
     export = tiny_export(tmp_path / "sit-export", family="SiT")
-    command = [sys.executable, str(REPO / "sample.py"), "--ckpt", str(export), "--num-samples", "8", "--shard-size",
-               "2", "--per-proc-batch-size", "2", "--grid-size", "0", "--cfg-scale", "2", *sampler]
+    command = [
+        sys.executable,
+        str(REPO / "sample.py"),
+        "--ckpt",
+        str(export),
+        "--num-samples",
+        "8",
+        "--shard-size",
+        "2",
+        "--per-proc-batch-size",
+        "2",
+        "--grid-size",
+        "0",
+        "--cfg-scale",
+        "2",
+        *sampler,
+    ]
     run([*command, "--out", str(tmp_path / "one.npz")])
     run([*TORCHRUN, *command[1:], "--cpu", "--out", str(tmp_path / "two.npz")])
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
@@ -273,8 +313,9 @@ def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tm
 def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(export, tmp_path):
     out = tmp_path / "samples.npz"
     cpu_only = {**environment(), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([*TORCHRUN, *sample_command(export, out)[1:]], env=cpu_only,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [*TORCHRUN, *sample_command(export, out)[1:]], env=cpu_only, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs pass --cpu" in result.stderr
     assert result.stderr.count("Accelerate sees one") == 1, result.stderr  # rank 0 says it, once
     assert list(tmp_path.iterdir()) == []
@@ -283,8 +324,9 @@ def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(expo
 def test_killed_run_resumes_without_redoing_finished_shards(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
     folder = SampleFiles(out).shards
-    process = subprocess.Popen(sample_command(export, out), env=environment(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        sample_command(export, out), env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 180
     while not list(folder.glob("shard-*.npz")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -315,29 +357,38 @@ def test_killed_run_resumes_without_redoing_finished_shards(export, reference, t
 # Bad input: a clear error naming the argument, before anything heavy, nothing written
 # ----------------------------------------------------------------------------------------------
 
+
 def written(out: Path) -> list[Path]:
     return [path for path in out.parent.iterdir() if path.name.startswith((out.stem, f".{out.stem}"))]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"--ckpt": "missing-export"}, "--ckpt: missing-export: no such file"),
-    ({"--num-samples": "0"}, "--num-samples must be positive"),
-    ({"--shard-size": "-3"}, "--shard-size must be positive"),
-    ({"--out": "samples.npy"}, "ending in .npz"),
-    ({"--out": "no-such-folder/samples.npz"}, "folder .*no-such-folder does not exist"),
-    ({"--sampler": "euler"}, "--sampler 'euler': this checkpoint's objective offers ddpm, ddim, dpm\\+\\+2m, unipc"),
-    ({"--guidance-channels": "2"}, "--guidance-channels 2: the model predicts only 1 channels"),
-    ({"--guidance-interval": ["500", "100"]}, "--guidance-interval 500.0 100.0: expected LO < HI"),
-    ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
-    ({"--vae": "stabilityai/sd-vae-ft-ema"}, "--vae .* pixel space"),
-    ({"--model": "DiT-S/2"}, "--model and --image-size are only for official .pt checkpoints"),
-    ({"--protocol": "sit"}, r"--protocol sit: made for SiT models, but .* is a DiT model; use dit"),
-    ({"--protocol": "dit"}, "--guidance-channels 3: the model predicts only 1 channels"),  # the preset is checked
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"--ckpt": "missing-export"}, "--ckpt: missing-export: no such file"),
+        ({"--num-samples": "0"}, "--num-samples must be positive"),
+        ({"--shard-size": "-3"}, "--shard-size must be positive"),
+        ({"--out": "samples.npy"}, "ending in .npz"),
+        ({"--out": "no-such-folder/samples.npz"}, "folder .*no-such-folder does not exist"),
+        (
+            {"--sampler": "euler"},
+            "--sampler 'euler': this checkpoint's objective offers ddpm, ddim, dpm\\+\\+2m, unipc",
+        ),
+        ({"--guidance-channels": "2"}, "--guidance-channels 2: the model predicts only 1 channels"),
+        ({"--guidance-interval": ["500", "100"]}, "--guidance-interval 500.0 100.0: expected LO < HI"),
+        ({"--cfg-scale": "-1"}, "--cfg-scale must be a finite number >= 0"),
+        ({"--vae": "stabilityai/sd-vae-ft-ema"}, "--vae .* pixel space"),
+        ({"--model": "DiT-S/2"}, "--model and --image-size are only for official .pt checkpoints"),
+        ({"--protocol": "sit"}, r"--protocol sit: made for SiT models, but .* is a DiT model; use dit"),
+        ({"--protocol": "dit"}, "--guidance-channels 3: the model predicts only 1 channels"),  # the preset is checked
+    ],
+)
 def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypatch, change, message):
     monkeypatch.chdir(tmp_path)
     arguments = {"--ckpt": str(export), "--out": "samples.npz", "--num-samples": "8", **change}
-    argv = [item for key, value in arguments.items() for item in [key, *(value if isinstance(value, list) else [value])]]
+    argv = [
+        item for key, value in arguments.items() for item in [key, *(value if isinstance(value, list) else [value])]
+    ]
     with pytest.raises(SystemExit, match=message):
         sample.main(argv)
     assert not list(tmp_path.iterdir())
@@ -347,8 +398,7 @@ def test_guidance_needs_a_null_class(tmp_path):
     export = tmp_path / "export"
     tiny_export(export, class_dropout_prob=0.0)
     with pytest.raises(SystemExit, match="--cfg-scale 2.0: the model was trained without label dropout"):
-        sample.main(["--ckpt", str(export), "--out", str(tmp_path / "s.npz"), "--num-samples", "4",
-                     "--cfg-scale", "2"])
+        sample.main(["--ckpt", str(export), "--out", str(tmp_path / "s.npz"), "--num-samples", "4", "--cfg-scale", "2"])
     assert written(tmp_path / "s.npz") == []
 
 
@@ -411,15 +461,21 @@ def test_shards_of_another_run_are_not_mixed_in(main_process, tmp_path):
 # Official checkpoints: a DiT state dict in the MHSA baseline, decoded by a (tiny, local) VAE
 # ----------------------------------------------------------------------------------------------
 
+
 def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
     from diffusers import AutoencoderKL
 
     from dit_vca import create_model
 
     vae_folder = tmp_path / "vae"  # SD-VAE layout (4 levels: 8x downsampling, 4 latent channels), tiny widths
-    AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4,
-                  norm_num_groups=4).save_pretrained(vae_folder)
+    AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+    ).save_pretrained(vae_folder)
     official = create_model("DiT-S/8", attention="mhsa", input_size=32)
     torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")  # architecture read from the name
 
@@ -443,10 +499,26 @@ MINIMAL = ["--ckpt", "export", "--out", "samples.npz", "--num-samples", "50000"]
 # not from generation/protocols.py: uniform labels, guidance on 3 channels at scale 1.5, and the sampler.
 OFFICIAL = {
     "dit": {"labels": "uniform", "guidance": 1.5, "guidance_channels": 3, "sampler": "ddpm", "steps": 250},
-    "sit": {"labels": "uniform", "guidance": 1.5, "guidance_channels": 3, "sampler": "sde-euler", "steps": 250,
-            "diffusion_form": "sigma", "diffusion_norm": 1.0, "last_step": "Mean", "last_step_size": 0.04},
-    "sit-ode": {"labels": "uniform", "guidance": 1.5, "guidance_channels": 3, "sampler": "dopri5", "steps": None,
-                "atol": 1e-6, "rtol": 1e-3},
+    "sit": {
+        "labels": "uniform",
+        "guidance": 1.5,
+        "guidance_channels": 3,
+        "sampler": "sde-euler",
+        "steps": 250,
+        "diffusion_form": "sigma",
+        "diffusion_norm": 1.0,
+        "last_step": "Mean",
+        "last_step_size": 0.04,
+    },
+    "sit-ode": {
+        "labels": "uniform",
+        "guidance": 1.5,
+        "guidance_channels": 3,
+        "sampler": "dopri5",
+        "steps": None,
+        "atol": 1e-6,
+        "rtol": 1e-3,
+    },
 }
 
 
@@ -460,28 +532,69 @@ def test_protocol_sets_the_official_settings(name):
 
 
 def test_explicit_flags_win_over_the_protocol():
-    args = sample.parse_args([*MINIMAL, "--protocol", "sit", "--cfg-scale", "1", "--labels", "balanced",
-                              "--steps", "100", "--last-step", "Euler"])
+    args = sample.parse_args(
+        [
+            *MINIMAL,
+            "--protocol",
+            "sit",
+            "--cfg-scale",
+            "1",
+            "--labels",
+            "balanced",
+            "--steps",
+            "100",
+            "--last-step",
+            "Euler",
+        ]
+    )
     settings = sample.run_settings(args)
-    assert (settings["guidance"], settings["labels"], settings["steps"], settings["last_step"]) == \
-        (1.0, "balanced", 100, "Euler")
+    assert (settings["guidance"], settings["labels"], settings["steps"], settings["last_step"]) == (
+        1.0,
+        "balanced",
+        100,
+        "Euler",
+    )
     assert (settings["sampler"], settings["guidance_channels"], settings["last_step_size"]) == ("sde-euler", 3, 0.04)
 
 
 def test_without_a_protocol_the_plain_defaults_apply():
     settings = sample.run_settings(sample.parse_args(MINIMAL))
     assert "protocol" not in settings  # the settings of runs from before protocols existed still match
-    assert (settings["labels"], settings["guidance"], settings["guidance_channels"], settings["sampler"]) == \
-        ("balanced", 1.0, None, None)
+    assert (settings["labels"], settings["guidance"], settings["guidance_channels"], settings["sampler"]) == (
+        "balanced",
+        1.0,
+        None,
+        None,
+    )
 
 
 def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_path):
     out = tmp_path / "samples.npz"
-    sample.main(["--ckpt", str(export), "--out", str(out), "--num-samples", "4", "--grid-size", "0",
-                 "--protocol", "dit", "--guidance-channels", "1", "--steps", "3"])
+    sample.main(
+        [
+            "--ckpt",
+            str(export),
+            "--out",
+            str(out),
+            "--num-samples",
+            "4",
+            "--grid-size",
+            "0",
+            "--protocol",
+            "dit",
+            "--guidance-channels",
+            "1",
+            "--steps",
+            "3",
+        ]
+    )
     settings = json.loads(out.with_suffix(".json").read_text())["settings"]
-    assert (settings["protocol"], settings["labels"], settings["guidance"], settings["sampler"]) == \
-        ("dit", "uniform", 1.5, "ddpm")
+    assert (settings["protocol"], settings["labels"], settings["guidance"], settings["sampler"]) == (
+        "dit",
+        "uniform",
+        1.5,
+        "ddpm",
+    )
     assert (settings["steps"], settings["guidance_channels"]) == (3, 1)  # given on the command line
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_1"], assign_labels(4, NUM_CLASSES, "uniform", seed=0))
@@ -490,6 +603,7 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
 # ----------------------------------------------------------------------------------------------
 # Outputs of a killed run: stale temporaries, a shard damaged on disk before the merge
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def one_thread():
@@ -516,8 +630,9 @@ def test_stale_temporaries_of_the_outputs_are_removed(export, reference, tmp_pat
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])
 
 
-def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(export, reference, tmp_path, monkeypatch,
-                                                                     capsys, one_thread):
+def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(
+    export, reference, tmp_path, monkeypatch, capsys, one_thread
+):
     out = tmp_path / "samples.npz"
     argv = sample_command(export, out)[2:]
     with monkeypatch.context() as patch:
@@ -542,8 +657,10 @@ def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(export, ref
 # A run folder as --ckpt; --overwrite
 # ----------------------------------------------------------------------------------------------
 
-def test_a_run_folder_is_sampled_from_its_newest_export_which_is_printed_and_recorded(export, tmp_path, capsys,
-                                                                                      one_thread):
+
+def test_a_run_folder_is_sampled_from_its_newest_export_which_is_printed_and_recorded(
+    export, tmp_path, capsys, one_thread
+):
     import shutil
 
     run_dir = tmp_path / "run"
@@ -574,8 +691,10 @@ def test_overwrite_replaces_only_what_an_earlier_sample_run_wrote(export, tmp_pa
         sample.main([*command, "--seed", "2"])
     capsys.readouterr()
     sample.main([*command, "--seed", "2", "--overwrite"])
-    assert ("--overwrite: removed samples.npz, samples.png, samples.json of a run with other settings"
-            in capsys.readouterr().out)
+    assert (
+        "--overwrite: removed samples.npz, samples.png, samples.json of a run with other settings"
+        in capsys.readouterr().out
+    )
     assert json.loads(out.with_suffix(".json").read_text())["settings"]["seed"] == 2
     assert not np.array_equal(np.load(out)["arr_0"], first) and not shards.exists()
     assert (tmp_path / "notes.txt").read_text() == "the user's own file"

@@ -5,9 +5,21 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
-from _gaussian import (MU, SHAPE, STD, assert_moments, ddpm_optimal_model, exact_flow, flow_log_density,
-                       gaussian_log_density, interpolant_optimal_model, load_reference, mean_last_step, rotation,
-                       rotated_velocity_model, single_thread)  # noqa: F401 (single_thread: autouse fixture)
+from _gaussian import (
+    MU,
+    SHAPE,
+    STD,
+    assert_moments,
+    ddpm_optimal_model,
+    exact_flow,
+    flow_log_density,
+    gaussian_log_density,
+    interpolant_optimal_model,
+    load_reference,
+    mean_last_step,
+    rotated_velocity_model,  # noqa: F401 (single_thread: autouse fixture)
+    rotation,
+)
 from dit_vca import create_diffusion
 from samplers import PerSampleNoise, SampleResult
 from sit_vca import create_transport
@@ -40,6 +52,7 @@ class SharedStream:
 # DDPM and DDIM
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_ddpm_250_samples_the_gaussian():
     """With the exact conditional mean and variance of every reverse step, ancestral sampling is exact up to the
     prior mismatch at t = 999 (abar = 4e-5) and the final denoising step (variance 1e-4 of STD^2): no
@@ -60,8 +73,14 @@ def test_ddpm_matches_diffusers_step_by_step():
     x_T = prior(n).float()
     ours = create_diffusion().sample(model, x_T, labels(n), sampler="ddpm", steps=250, noise=SharedStream(n, 7))
 
-    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
-                              variance_type="learned_range", clip_sample=False)
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_start=1e-4,
+        beta_end=0.02,
+        beta_schedule="linear",
+        variance_type="learned_range",
+        clip_sample=False,
+    )
     scheduler.set_timesteps(timesteps=kept[::-1])
     generator, x = torch.Generator().manual_seed(7), x_T
     for t in scheduler.timesteps:
@@ -78,8 +97,16 @@ def test_ddim_matches_diffusers_step_by_step():
     x_T = prior(n).float()
     ours = create_diffusion().sample(model, x_T, labels(n), sampler="ddim", steps=50, eta=0.0)
 
-    scheduler = DDIMScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
-                              clip_sample=False, set_alpha_to_one=True, steps_offset=0, timestep_spacing="leading")
+    scheduler = DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=1e-4,
+        beta_end=0.02,
+        beta_schedule="linear",
+        clip_sample=False,
+        set_alpha_to_one=True,
+        steps_offset=0,
+        timestep_spacing="leading",
+    )
     scheduler.set_timesteps(50)
     assert scheduler.timesteps.tolist() == kept[::-1]
     x = x_T
@@ -120,8 +147,7 @@ def test_ode_sampler_follows_the_exact_flow(path, sampler, steps):
     n = 4096
     transport = create_transport(path)
     x_T = prior(n)
-    result = transport.sample(interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler=sampler,
-                              steps=steps)
+    result = transport.sample(interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler=sampler, steps=steps)
     t0, t1 = transport.interval(transport.sample_eps)
     bound = ODE_ERROR_BOUNDS[(sampler, steps)]
     assert (result.samples - exact_flow(path, x_T, t0, t1)).abs().max() <= bound
@@ -140,9 +166,14 @@ def test_fixed_step_solvers_converge_at_their_order(path):
     model = interpolant_optimal_model(path, "velocity")
     x_T = prior(n)
     reference = exact_flow(path, x_T, *transport.interval(transport.sample_eps))
-    error = {(sampler, steps): (transport.sample(model, x_T, labels(n), sampler=sampler, steps=steps).samples
-                                - reference).abs().max().item()
-             for sampler in ("euler", "heun") for steps in (50, 100)}
+    error = {
+        (sampler, steps): (transport.sample(model, x_T, labels(n), sampler=sampler, steps=steps).samples - reference)
+        .abs()
+        .max()
+        .item()
+        for sampler in ("euler", "heun")
+        for steps in (50, 100)
+    }
     assert 1.6 < error[("euler", 50)] / error[("euler", 100)] < 2.4
     assert error[("heun", 50)] / error[("heun", 100)] > 3.0
 
@@ -153,13 +184,15 @@ def test_dopri5_with_tight_tolerances_is_exact(path):
     n = 256
     transport = create_transport(path)
     x_T = prior(n)
-    result = transport.sample(interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler="dopri5",
-                              atol=1e-8, rtol=1e-8)
+    result = transport.sample(
+        interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler="dopri5", atol=1e-8, rtol=1e-8
+    )
     assert (result.samples - exact_flow(path, x_T, *transport.interval(transport.sample_eps))).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("path, prediction", [("linear", "noise"), ("gvp", "score"), ("vp", "noise"),
-                                              ("linear", "score")])
+@pytest.mark.parametrize(
+    "path, prediction", [("linear", "noise"), ("gvp", "score"), ("vp", "noise"), ("linear", "score")]
+)
 @pytest.mark.parametrize("sampler, steps", [("heun", 50), ("dopri5", None)])
 def test_ode_with_noise_and_score_models(path, prediction, sampler, steps):
     """Noise and score models integrate on [eps, 1 - eps] through the converted velocity; same bounds as above
@@ -167,8 +200,7 @@ def test_ode_with_noise_and_score_models(path, prediction, sampler, steps):
     n = 1024
     transport = create_transport(path, prediction=prediction)
     x_T = prior(n)
-    result = transport.sample(interpolant_optimal_model(path, prediction), x_T, labels(n), sampler=sampler,
-                              steps=steps)
+    result = transport.sample(interpolant_optimal_model(path, prediction), x_T, labels(n), sampler=sampler, steps=steps)
     error = (result.samples - exact_flow(path, x_T, *transport.interval(transport.sample_eps))).abs().max()
     assert error <= ODE_ERROR_BOUNDS[(sampler, steps)]
 
@@ -184,17 +216,22 @@ SDE_ALLOWANCE = 0.01
 
 @pytest.mark.parametrize(
     "path, prediction, sampler, options",
-    [("linear", "velocity", "sde-euler", {}), ("gvp", "velocity", "sde-euler", {}),
-     ("vp", "velocity", "sde-euler", {}), ("vp", "velocity", "sde-heun", {}),
-     ("linear", "velocity", "sde-euler", {"last_step": None}),
-     ("gvp", "noise", "sde-euler", {"diffusion_form": "SBDM"}),
-     ("vp", "score", "sde-heun", {"diffusion_form": "linear", "diffusion_norm": 0.5})],
+    [
+        ("linear", "velocity", "sde-euler", {}),
+        ("gvp", "velocity", "sde-euler", {}),
+        ("vp", "velocity", "sde-euler", {}),
+        ("vp", "velocity", "sde-heun", {}),
+        ("linear", "velocity", "sde-euler", {"last_step": None}),
+        ("gvp", "noise", "sde-euler", {"diffusion_form": "SBDM"}),
+        ("vp", "score", "sde-heun", {"diffusion_form": "linear", "diffusion_norm": 0.5}),
+    ],
 )
 def test_sde_sampler_moments(path, prediction, sampler, options):
     n = 16384
     transport = create_transport(path, prediction=prediction)
-    result = transport.sample(interpolant_optimal_model(path, prediction), prior(n), labels(n), sampler=sampler,
-                              **options)
+    result = transport.sample(
+        interpolant_optimal_model(path, prediction), prior(n), labels(n), sampler=sampler, **options
+    )
     heun = sampler == "sde-heun"
     if options.get("last_step", "Mean") is None:
         # Straight to t = 1 where the diffusion sigma_t vanishes: the data distribution itself.
@@ -203,8 +240,13 @@ def test_sde_sampler_moments(path, prediction, sampler, options):
     else:
         # 249 SDE steps to 0.96, then x + 0.04 (v + w score) without noise (SiT's default "Mean" last step).
         assert result.nfe == (2 * 249 + 1 if heun else 250)
-        w = float(transport.path.sde_diffusion(torch.tensor(0.96, dtype=torch.float64),
-                                               options.get("diffusion_form", "sigma"), options.get("diffusion_norm", 1.0)))
+        w = float(
+            transport.path.sde_diffusion(
+                torch.tensor(0.96, dtype=torch.float64),
+                options.get("diffusion_form", "sigma"),
+                options.get("diffusion_norm", 1.0),
+            )
+        )
         mean, std = mean_last_step(path, 0.96, 0.04, w)
     assert_moments(result.samples, mean, std, allowance=SDE_ALLOWANCE)
 
@@ -212,14 +254,19 @@ def test_sde_sampler_moments(path, prediction, sampler, options):
 def test_sde_last_step_changes_the_result_as_specified():
     """The SiT-default "Mean" step on VP leaves the smallest std ~12 % low (noise sigma = 0.14 left at t = 0.96):
     the reference of test_sde_sampler_moments captures that, and it is far from the data's own std."""
-    mean, std = mean_last_step("vp", 0.96, 0.04, float(create_transport("vp").path.sde_diffusion(
-        torch.tensor(0.96, dtype=torch.float64), "sigma", 1.0)))
+    mean, std = mean_last_step(
+        "vp",
+        0.96,
+        0.04,
+        float(create_transport("vp").path.sde_diffusion(torch.tensor(0.96, dtype=torch.float64), "sigma", 1.0)),
+    )
     assert (std / STD).min() < 0.9
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Likelihood by the probability-flow ODE
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("path", PATHS)
 def test_ode_likelihood_equals_the_gaussian_log_density(path):
@@ -242,8 +289,9 @@ def test_ode_likelihood_with_exact_divergence_on_a_rotated_gaussian():
     n, rot = 64, rotation()
     z = MU + STD * prior(n, seed=2)
     x = torch.einsum("ij,bj...->bi...", rot, z)
-    result = create_transport("linear").log_likelihood(rotated_velocity_model("linear", rot), x, labels(n),
-                                                       divergence="exact")
+    result = create_transport("linear").log_likelihood(
+        rotated_velocity_model("linear", rot), x, labels(n), divergence="exact"
+    )
     assert ((result.log_prob - gaussian_log_density(z)).abs() / 4).max() <= 1e-2
 
 
@@ -253,8 +301,9 @@ def test_hutchinson_likelihood_is_unbiased():
     n, rot = 2048, rotation()
     z = MU + STD * prior(1, seed=3)
     x = torch.einsum("ij,bj...->bi...", rot, z).expand(n, *SHAPE)
-    result = create_transport("linear").log_likelihood(rotated_velocity_model("linear", rot), x, labels(n),
-                                                       noise=PerSampleNoise(range(n)))
+    result = create_transport("linear").log_likelihood(
+        rotated_velocity_model("linear", rot), x, labels(n), noise=PerSampleNoise(range(n))
+    )
     estimates = result.log_prob
     assert estimates.std() > 0.1  # the probes really differ
     assert abs(estimates.mean() - gaussian_log_density(z)[0]) <= 5 * estimates.std() / n**0.5
@@ -263,6 +312,7 @@ def test_hutchinson_likelihood_is_unbiased():
 # ----------------------------------------------------------------------------------------------------------------
 # Reproducibility, NFE, progress and bad requests
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_per_sample_noise_rows_follow_their_seeds():
     noise = PerSampleNoise([5, 9, 5])
@@ -276,31 +326,61 @@ def _sample(kind: str, sampler: str, seeds: list[int], **options) -> SampleResul
     noise = PerSampleNoise(seeds)
     x_T = noise(SHAPE, dtype=torch.float64)
     if kind == "ddpm":
-        model = ddpm_optimal_model(create_diffusion().respaced("20" if sampler == "ddpm" else "ddim10")
-                                   .timestep_map.tolist())
-        return create_diffusion().sample(model, x_T, labels(len(seeds)), sampler=sampler,
-                                         steps=20 if sampler == "ddpm" else 10, noise=noise, **options)
-    return create_transport("linear").sample(interpolant_optimal_model("linear", "velocity"), x_T,
-                                             labels(len(seeds)), sampler=sampler, steps=20, noise=noise, **options)
+        model = ddpm_optimal_model(
+            create_diffusion().respaced("20" if sampler == "ddpm" else "ddim10").timestep_map.tolist()
+        )
+        return create_diffusion().sample(
+            model,
+            x_T,
+            labels(len(seeds)),
+            sampler=sampler,
+            steps=20 if sampler == "ddpm" else 10,
+            noise=noise,
+            **options,
+        )
+    return create_transport("linear").sample(
+        interpolant_optimal_model("linear", "velocity"),
+        x_T,
+        labels(len(seeds)),
+        sampler=sampler,
+        steps=20,
+        noise=noise,
+        **options,
+    )
 
 
-@pytest.mark.parametrize("kind, sampler, options", [("ddpm", "ddpm", {}), ("ddpm", "ddim", {"eta": 1.0}),
-                                                    ("sit", "sde-euler", {}), ("sit", "sde-heun", {}),
-                                                    ("sit", "heun", {})])
+@pytest.mark.parametrize(
+    "kind, sampler, options",
+    [
+        ("ddpm", "ddpm", {}),
+        ("ddpm", "ddim", {"eta": 1.0}),
+        ("sit", "sde-euler", {}),
+        ("sit", "sde-heun", {}),
+        ("sit", "heun", {}),
+    ],
+)
 def test_same_seeds_give_the_same_samples_in_any_batch_split(kind, sampler, options):
     seeds = [11, 3, 7, 42, 0, 5]
     whole = _sample(kind, sampler, seeds, **options).samples
     assert torch.equal(whole, _sample(kind, sampler, seeds, **options).samples)
-    split = torch.cat([_sample(kind, sampler, seeds[:2], **options).samples,
-                       _sample(kind, sampler, seeds[2:], **options).samples])
+    split = torch.cat(
+        [_sample(kind, sampler, seeds[:2], **options).samples, _sample(kind, sampler, seeds[2:], **options).samples]
+    )
     assert torch.equal(whole, split)
     assert not torch.equal(whole[0], whole[1])
 
 
 @pytest.mark.parametrize(
     "kind, sampler, steps, expected",
-    [("ddpm", "ddpm", 7, 7), ("ddpm", "ddim", 5, 5), ("sit", "euler", 6, 6), ("sit", "heun", 6, 12),
-     ("sit", "sde-euler", 6, 6), ("sit", "sde-heun", 6, 2 * 5 + 1), ("sit", "dopri5", None, None)],
+    [
+        ("ddpm", "ddpm", 7, 7),
+        ("ddpm", "ddim", 5, 5),
+        ("sit", "euler", 6, 6),
+        ("sit", "heun", 6, 12),
+        ("sit", "sde-euler", 6, 6),
+        ("sit", "sde-heun", 6, 2 * 5 + 1),
+        ("sit", "dopri5", None, None),
+    ],
 )
 def test_nfe_counts_model_calls(kind, sampler, steps, expected):
     calls = []
@@ -332,12 +412,14 @@ def test_progress_bar_only_when_asked(capsys):
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"sampler": "ddpm"}, r"unknown sampler 'ddpm'; expected one of .*'dopri5'.*'sde-euler'"),
-     ({"sampler": "dopri5", "steps": 50}, "chooses its own steps"),
-     ({"sampler": "euler", "atol": 1e-3}, r"unknown option\(s\) \['atol'\]"),
-     ({"sampler": "sde-euler", "diffusion_form": "cubic"}, "unknown diffusion_form"),
-     ({"sampler": "sde-euler", "last_step": "Median"}, "unknown last_step"),
-     ({"sampler": "sde-euler", "diffusion_form": "SBDM"}, "sample_eps > 0")],
+    [
+        ({"sampler": "ddpm"}, r"unknown sampler 'ddpm'; expected one of .*'dopri5'.*'sde-euler'"),
+        ({"sampler": "dopri5", "steps": 50}, "chooses its own steps"),
+        ({"sampler": "euler", "atol": 1e-3}, r"unknown option\(s\) \['atol'\]"),
+        ({"sampler": "sde-euler", "diffusion_form": "cubic"}, "unknown diffusion_form"),
+        ({"sampler": "sde-euler", "last_step": "Median"}, "unknown last_step"),
+        ({"sampler": "sde-euler", "diffusion_form": "SBDM"}, "sample_eps > 0"),
+    ],
 )
 def test_bad_transport_requests_fail_before_sampling(kwargs, message):
     model = lambda x, t, y: pytest.fail("the model must not run for a bad request")  # noqa: E731

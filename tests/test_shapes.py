@@ -10,8 +10,15 @@ from bench.shape_classifier import centred_pixels, fit_shape_classifier
 from generation.images import to_uint8
 from training.build import build_model, model_input_shape
 from training.config import load_config
-from training.data import (SHAPE_COLOURS, SHAPE_KINDS, SHAPES_CLASSES, ShapesDataset, build_dataset, render_shapes,
-                           shape_coverage)
+from training.data import (
+    SHAPE_COLOURS,
+    SHAPE_KINDS,
+    SHAPES_CLASSES,
+    ShapesDataset,
+    build_dataset,
+    render_shapes,
+    shape_coverage,
+)
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"
 
@@ -22,14 +29,15 @@ def test_render_shapes_is_deterministic_balanced_and_in_range():
     other, _ = render_shapes(per_class=20, seed=1)
     assert images.shape == (240, 3, 16, 16) and images.dtype == np.float32 and labels.shape == (240,)
     np.testing.assert_array_equal(images, again)
-    assert np.abs(images - other).mean() > 0.01               # another seed draws other sizes and positions
+    assert np.abs(images - other).mean() > 0.01  # another seed draws other sizes and positions
     assert 0.0 <= images.min() and images.max() <= 1.0
     np.testing.assert_array_equal(labels, np.arange(240) % SHAPES_CLASSES)
     np.testing.assert_array_equal(np.bincount(labels), [20] * SHAPES_CLASSES)
 
 
-@pytest.mark.parametrize("kind, area", [("square", 1.7**2), ("disc", np.pi), ("triangle", 2.0),
-                                        ("cross", 2 * 2 * 0.7 - 0.7**2)])
+@pytest.mark.parametrize(
+    "kind, area", [("square", 1.7**2), ("disc", np.pi), ("triangle", 2.0), ("cross", 2 * 2 * 0.7 - 0.7**2)]
+)
 def test_shape_areas_match_their_closed_form(kind, area):
     # Areas in units of the half-size: square of side 1.7, unit disc, triangle of base 2 and height 2, plus sign
     # of two 2 x 0.7 bars overlapping in a 0.7 x 0.7 square. A 1200^2 grid over [-1.2, 1.2]^2 counts points
@@ -41,7 +49,7 @@ def test_shape_areas_match_their_closed_form(kind, area):
 
 def test_each_image_has_the_colour_of_its_class():
     images, labels = render_shapes(per_class=10)
-    border = np.concatenate([images[:, :, 0], images[:, :, -1]], axis=2)       # (N, 3, 32)
+    border = np.concatenate([images[:, :, 0], images[:, :, -1]], axis=2)  # (N, 3, 32)
     foreground = (images - np.median(border, axis=2)[:, :, None, None]).sum(axis=(2, 3))  # (N, 3)
     colours = np.array(list(SHAPE_COLOURS.values()))
     np.testing.assert_array_equal(foreground.argmax(axis=1), colours[labels % len(colours)].argmax(axis=1))
@@ -71,10 +79,10 @@ def test_shapes_config_rejects_another_image_size():
 
 def test_centred_pixels_do_not_depend_on_where_the_shape_sits():
     image = np.full((1, 16, 16, 3), 20, dtype=np.uint8)
-    image[0, 2:7, 3:6] = (200, 30, 30)                                  # a red bar near the top left
-    moved = np.roll(image, (6, 7), axis=(1, 2))                        # the same bar further down and right
+    image[0, 2:7, 3:6] = (200, 30, 30)  # a red bar near the top left
+    moved = np.roll(image, (6, 7), axis=(1, 2))  # the same bar further down and right
     np.testing.assert_allclose(centred_pixels(moved), centred_pixels(image), atol=1e-12)
-    empty = np.full((1, 16, 16, 3), 20, dtype=np.uint8)                # no foreground: all zeros, no NaN
+    empty = np.full((1, 16, 16, 3), 20, dtype=np.uint8)  # no foreground: all zeros, no NaN
     np.testing.assert_array_equal(centred_pixels(empty), 0.0)
 
 

@@ -20,24 +20,29 @@ def tracked_files() -> dict[str, str]:
     listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     paths = [path for path in listing.stdout.split("\0") if path and path != THIS_FILE]
     assert paths, f"git ls-files listed nothing in {ROOT}"
-    return {path: (ROOT / path).read_bytes().decode("utf-8", errors="replace")
-            for path in paths if (ROOT / path).is_file()}
+    return {
+        path: (ROOT / path).read_bytes().decode("utf-8", errors="replace") for path in paths if (ROOT / path).is_file()
+    }
 
 
 def test_no_tracked_file_points_outside_the_repository():
-    offenders = [f"{path}:{number}: {line.strip()}"
-                 for path, text in tracked_files().items()
-                 for number, line in enumerate(text.splitlines(), start=1)
-                 if any(marker in line for marker in OUTSIDE_MARKERS) or OUTSIDE_PATH.search(line)]
+    offenders = [
+        f"{path}:{number}: {line.strip()}"
+        for path, text in tracked_files().items()
+        for number, line in enumerate(text.splitlines(), start=1)
+        if any(marker in line for marker in OUTSIDE_MARKERS) or OUTSIDE_PATH.search(line)
+    ]
     assert not offenders, "references to material outside the repository:\n" + "\n".join(offenders)
 
 
 def test_every_docs_page_mentioned_exists():
-    missing = [f"{path}:{number}: {page}"
-               for path, text in tracked_files().items()
-               for number, line in enumerate(text.splitlines(), start=1)
-               for page in DOCS_PAGE.findall(line)
-               if not (ROOT / page).is_file()]
+    missing = [
+        f"{path}:{number}: {page}"
+        for path, text in tracked_files().items()
+        for number, line in enumerate(text.splitlines(), start=1)
+        for page in DOCS_PAGE.findall(line)
+        if not (ROOT / page).is_file()
+    ]
     assert not missing, "docs pages named but not in the repository:\n" + "\n".join(missing)
 
 
@@ -48,6 +53,6 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert OUTSIDE_PATH.search('REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"')
     assert not OUTSIDE_PATH.search("shared by DiT and SiT; shared_weights = 1")
     assert DOCS_PAGE.findall("switches (see docs/VCA.md)") == ["docs/VCA.md"]
-    assert DOCS_PAGE.findall("`docs/VCA.md`, \"docs/OTHER.md\"") == ["docs/VCA.md", "docs/OTHER.md"]
+    assert DOCS_PAGE.findall('`docs/VCA.md`, "docs/OTHER.md"') == ["docs/VCA.md", "docs/OTHER.md"]
     assert DOCS_PAGE.findall("../shared/docs/VCA.md and site/docs/x.md") == []
     assert "docs/VCA.md" not in tracked_files().get(THIS_FILE, "")  # this file is left out of its own scan

@@ -15,13 +15,22 @@ from training.summary import describe_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-TINY = ["--config", str(DIGITS), "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-        "train.global_batch_size=64", "log.checkpoint_every=2", "log.sample_every=0", "log.trackers=[]"]
+TINY = [
+    "--config",
+    str(DIGITS),
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "train.global_batch_size=64",
+    "log.checkpoint_every=2",
+    "log.sample_every=0",
+    "log.trackers=[]",
+]
 
 
 def summary_rows(text: str) -> dict[str, str]:
     """{key: value} of the summary's indented rows (keys and values are separated by two spaces or more)."""
-    lines = text[text.index("train.py start-up\n"):].splitlines()[1:]
+    lines = text[text.index("train.py start-up\n") :].splitlines()[1:]
     rows = {}
     for line in lines:
         if not line.startswith("  "):
@@ -53,52 +62,94 @@ def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, cap
     run_train(*TINY, "train.max_steps=4", "train.grad_accum_steps=2", f"run.dir={run_dir}", "--resume", "latest")
     rows = summary_rows(capsys.readouterr().out)
     assert rows["batch"] == "1 process(es) x 32 micro-batch x 2 accumulation = 64 global batch"
-    assert rows["resumed from"] == (f"{run_dir / 'checkpoints' / 'step-0000002'} at step 2; the checkpoint was "
-                                    f"written with 1 process(es) x 64 micro-batch x 1 accumulation, this launch has "
-                                    f"1 process(es) x 32 micro-batch x 2 accumulation, so the data position is "
-                                    f"approximate")
+    assert rows["resumed from"] == (
+        f"{run_dir / 'checkpoints' / 'step-0000002'} at step 2; the checkpoint was "
+        f"written with 1 process(es) x 64 micro-batch x 1 accumulation, this launch has "
+        f"1 process(es) x 32 micro-batch x 2 accumulation, so the data position is "
+        f"approximate"
+    )
 
 
 def test_a_changed_process_count_is_named():
     state = TrainerState(step=10, examples_seen=640, num_processes=1, micro_batch_size=64, grad_accum_steps=1)
     saved = {"step": 10, "examples_seen": 640, "num_processes": 2, "micro_batch_size": 32, "grad_accum_steps": 1}
     assert "written with 2 process(es) x 32 micro-batch" in describe_resume(Path("ckpt"), saved, state)
-    assert describe_resume(Path("ckpt"), {**saved, "num_processes": 1, "micro_batch_size": 64}, state) == \
-        "ckpt at step 10"
+    assert (
+        describe_resume(Path("ckpt"), {**saved, "num_processes": 1, "micro_batch_size": 64}, state) == "ckpt at step 10"
+    )
 
 
 def launch(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                               "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_accelerate_launch_cpu_with_two_processes_is_refused_with_the_command_that_works(tmp_path):
     accelerate = Path(sys.executable).parent / "accelerate"
-    result = launch([str(accelerate), "launch", "--cpu", "--num_processes", "2", "train.py", *TINY,
-                     "train.max_steps=1", f"run.dir={tmp_path}/run"])
+    result = launch(
+        [
+            str(accelerate),
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "train.py",
+            *TINY,
+            "train.max_steps=1",
+            f"run.dir={tmp_path}/run",
+        ]
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and errors == [
         "error: accelerate launch --num_processes 2 started one process (with --cpu, Accelerate uses its "
         "single-process launcher); for 2 CPU processes run `torchrun --nproc_per_node 2 train.py ... "
-        "train.cpu=true`"], result.stderr
+        "train.cpu=true`"
+    ], result.stderr
     assert f"exit status {USER_ERROR_STATUS}" in result.stderr  # what Accelerate reports of train.py
     assert not (tmp_path / "run").exists()
 
 
 def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
-    result = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                     "train.py", *TINY, "train.max_steps=1", f"run.dir={tmp_path}/run"])
+    result = launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train.py",
+            *TINY,
+            "train.max_steps=1",
+            f"run.dir={tmp_path}/run",
+        ]
+    )
     assert result.returncode != 0
     assert result.stderr.count("launched 2 processes but Accelerate sees one") == 1, result.stderr
-    assert ("error: launched 2 processes but Accelerate sees one: on a machine without GPUs set train.cpu=true\n"
-            in result.stderr)
+    assert (
+        "error: launched 2 processes but Accelerate sees one: on a machine without GPUs set train.cpu=true\n"
+        in result.stderr
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_more_loader_workers_than_cpus_is_said_once(tmp_path):
     workers = len(os.sched_getaffinity(0)) + 1  # torch warns from the loader and from its iterator
-    result = launch([sys.executable, "train.py", *TINY, "train.max_steps=2", f"data.num_workers={workers}",
-                     f"run.dir={tmp_path}/run"])
+    result = launch(
+        [
+            sys.executable,
+            "train.py",
+            *TINY,
+            "train.max_steps=2",
+            f"data.num_workers={workers}",
+            f"run.dir={tmp_path}/run",
+        ]
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr.count(f"This DataLoader will create {workers} worker processes") == 1, result.stderr

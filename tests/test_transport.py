@@ -85,8 +85,14 @@ def test_score_from_velocity_is_finite_at_t0(path):
 
 @pytest.mark.parametrize(
     "path, prediction, train_eps, sample_eps",
-    [("linear", "velocity", 0, 0), ("gvp", "velocity", 0, 0), ("vp", "velocity", 1e-5, 1e-3),
-     ("linear", "noise", 1e-3, 1e-3), ("gvp", "score", 1e-3, 1e-3), ("vp", "noise", 1e-5, 1e-3)],
+    [
+        ("linear", "velocity", 0, 0),
+        ("gvp", "velocity", 0, 0),
+        ("vp", "velocity", 1e-5, 1e-3),
+        ("linear", "noise", 1e-3, 1e-3),
+        ("gvp", "score", 1e-3, 1e-3),
+        ("vp", "noise", 1e-5, 1e-3),
+    ],
 )
 def test_default_epsilons_and_intervals(path, prediction, train_eps, sample_eps):
     transport = create_transport(path, prediction=prediction)
@@ -106,9 +112,12 @@ def test_explicit_epsilons_override_defaults():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"path": "cosine"}, "unknown path"), ({"prediction": "x0"}, "unknown prediction"),
-     ({"prediction": "score", "loss_weight": "snr"}, "unknown loss_weight"),
-     ({"loss_weight": "likelihood"}, "applies to score or noise")],
+    [
+        ({"path": "cosine"}, "unknown path"),
+        ({"prediction": "x0"}, "unknown prediction"),
+        ({"prediction": "score", "loss_weight": "snr"}, "unknown loss_weight"),
+        ({"loss_weight": "likelihood"}, "applies to score or noise"),
+    ],
 )
 def test_bad_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -128,13 +137,17 @@ def test_training_loss_values(path, prediction, loss_weight):
     x1 = torch.randn(25, *SHAPE, dtype=torch.float64)
     noise = torch.randn_like(x1)
     output = torch.randn_like(x1)
-    loss = transport.training_losses(lambda x_t, t, y: output, x1, torch.zeros(25, dtype=torch.long), t=TIMES,
-                                     noise=noise)["loss"]
+    loss = transport.training_losses(
+        lambda x_t, t, y: output, x1, torch.zeros(25, dtype=torch.long), t=TIMES, noise=noise
+    )["loss"]
     alpha, d_alpha, sigma, d_sigma = (c.view(-1, 1, 1, 1) for c in path_coefficients(path, TIMES))
     b = d_alpha / alpha * sigma**2 - sigma * d_sigma
     weight = {None: 1.0, "velocity": (b / sigma) ** 2, "likelihood": b / sigma**2}[loss_weight]
-    error = {"velocity": output - (d_alpha * x1 + d_sigma * noise), "noise": output - noise,
-             "score": output * sigma + noise}[prediction]
+    error = {
+        "velocity": output - (d_alpha * x1 + d_sigma * noise),
+        "noise": output - noise,
+        "score": output * sigma + noise,
+    }[prediction]
     torch.testing.assert_close(loss, (weight * error**2).mean(dim=(1, 2, 3)), rtol=RTOL, atol=0)
 
 

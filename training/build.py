@@ -8,7 +8,7 @@ of `dit_vca`, SiT models ("SiT-...") with the transport objective of `sit_vca` (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -18,7 +18,7 @@ from timm.utils import ModelEmaV3
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from dit_vca.models import DiT, MODEL_FAMILIES, build_model_from_config, model_family, name_size
+from dit_vca.models import MODEL_FAMILIES, DiT, build_model_from_config, model_family, name_size
 from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
@@ -40,11 +40,11 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     batches: ShardedBatches
-    encoder: Optional[AutoencoderKL]  # encodes images online (data.source=images); None otherwise
-    preview: Optional[ImageGenerator]  # the EMA model, its objective and decoder: grids and FID (None: neither)
-    export: ExportDescription         # written with every checkpoint
-    fid_extractor: Any                # Inception features for FID monitoring, or None
-    alignment: Optional[RepresentationAlignment] = None  # REPA (train.repa.encoder set); its projector is prepared
+    encoder: AutoencoderKL | None  # encodes images online (data.source=images); None otherwise
+    preview: ImageGenerator | None  # the EMA model, its objective and decoder: grids and FID (None: neither)
+    export: ExportDescription  # written with every checkpoint
+    fid_extractor: Any  # Inception features for FID monitoring, or None
+    alignment: RepresentationAlignment | None = None  # REPA (train.repa.encoder set); its projector is prepared
 
     @property
     def trained_modules(self) -> list[torch.nn.Module]:
@@ -62,10 +62,10 @@ def needs_vae(config: Config) -> bool:
     return config.data.source == "images" or (not config.data.in_pixel_space and draws_previews(config))
 
 
-def model_input_shape(config: Config, dataset: Dataset, vae: Optional[AutoencoderKL]) -> tuple[int, int]:
+def model_input_shape(config: Config, dataset: Dataset, vae: AutoencoderKL | None) -> tuple[int, int]:
     """(channels, side) of what the model sees: the images of a pixel-space dataset, latents otherwise."""
     if config.data.in_pixel_space:
-        channels, _, side = dataset.images.shape[1:]   # InMemoryImages: (N, C, S, S)
+        channels, _, side = dataset.images.shape[1:]  # InMemoryImages: (N, C, S, S)
         return channels, side
     if isinstance(dataset, LatentShardDataset):
         return dataset.manifest["latent_channels"], dataset.manifest["latent_size"]
@@ -77,10 +77,15 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
     model = config.model
     family = model_family(model.name)
     arguments: dict[str, Any] = dict(
-        name=model.name, attention=model.attention, input_size=input_size, in_channels=in_channels,
-        num_classes=config.data.num_classes, class_dropout_prob=model.class_dropout_prob,
+        name=model.name,
+        attention=model.attention,
+        input_size=input_size,
+        in_channels=in_channels,
+        num_classes=config.data.num_classes,
+        class_dropout_prob=model.class_dropout_prob,
         learn_sigma=config.diffusion.learn_sigma if MODEL_FAMILIES[family].objective == "diffusion" else False,
-        gradient_checkpointing=model.gradient_checkpointing)
+        gradient_checkpointing=model.gradient_checkpointing,
+    )
     if model.attention == "vca":
         arguments["vca"] = model.vca
     for size_override in ("depth", "hidden_size", "num_heads", "mlp_ratio"):
@@ -89,8 +94,9 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
     try:
         return build_model_from_config(arguments)
     except ValueError as error:  # the backbone names the sizes that do not fit together
-        raise ConfigError(f"model settings that build no model for {in_channels}x{input_size}x{input_size} "
-                          f"inputs: {error}") from None
+        raise ConfigError(
+            f"model settings that build no model for {in_channels}x{input_size}x{input_size} inputs: {error}"
+        ) from None
 
 
 def objective_spec(config: Config) -> dict[str, Any]:
@@ -99,31 +105,46 @@ def objective_spec(config: Config) -> dict[str, Any]:
     if kind == "diffusion":
         return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma, "decoder_cdf": config.diffusion.decoder_cdf}
     transport = config.transport
-    return {"kind": kind, "path": transport.path, "prediction": transport.prediction,
-            "loss_weight": transport.loss_weight, "train_eps": transport.train_eps,
-            "sample_eps": transport.sample_eps}
+    return {
+        "kind": kind,
+        "path": transport.path,
+        "prediction": transport.prediction,
+        "loss_weight": transport.loss_weight,
+        "train_eps": transport.train_eps,
+        "sample_eps": transport.sample_eps,
+    }
 
 
 def export_description(config: Config, model: DiT) -> ExportDescription:
     """What sampling needs to rebuild the model and turn its outputs into images."""
     pixels = config.data.in_pixel_space
     return ExportDescription(
-        model=dict(model.config), objective=objective_spec(config), space="pixels" if pixels else "latents",
-        image_size=config.data.image_size, num_classes=config.data.num_classes,
-        vae=None if pixels else config.vae.name, latent_scale=None if pixels else config.vae.scale)
+        model=dict(model.config),
+        objective=objective_spec(config),
+        space="pixels" if pixels else "latents",
+        image_size=config.data.image_size,
+        num_classes=config.data.num_classes,
+        vae=None if pixels else config.vae.name,
+        latent_scale=None if pixels else config.vae.scale,
+    )
 
 
-def create_optimizer(model: torch.nn.Module, config: Config, device: torch.device,
-                     extra: Optional[torch.nn.Module] = None) -> tuple[torch.optim.Optimizer, LambdaLR]:
+def create_optimizer(
+    model: torch.nn.Module, config: Config, device: torch.device, extra: torch.nn.Module | None = None
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over the trainable parameters of `model` (and `extra`, REPA's projector), with a linear warm-up to a
     constant learning rate. On CUDA (`device`, where training runs) AdamW is fused: one kernel for all parameters
     instead of several per tensor, with its step counts on the GPU. Elsewhere torch's default (bit-identical to
     earlier runs)."""
     train = config.train
     parameters = [*model.parameters(), *(extra.parameters() if extra is not None else ())]
-    optimizer = torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=train.lr,
-                                  betas=tuple(train.betas), weight_decay=train.weight_decay,
-                                  fused=True if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(
+        [p for p in parameters if p.requires_grad],
+        lr=train.lr,
+        betas=tuple(train.betas),
+        weight_decay=train.weight_decay,
+        fused=True if device.type == "cuda" else None,
+    )
     warmup = train.warmup_steps
     scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
     return optimizer, scheduler
@@ -142,19 +163,31 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     in_channels, input_size = model_input_shape(config, dataset, vae)
     model_grid = input_size // name_size(config.model.name)[1]
     image_channels = in_channels if config.data.in_pixel_space else 3  # what REPA's encoder sees: the images
-    encoder = load_encoder(config.train.repa, image_channels, model_grid, accelerator.device) \
-        if config.train.repa.enabled else None  # checked against the data and the model's grid here
-    batches = ShardedBatches(dataset, micro_batch_size(config, accelerator.num_processes), accelerator.process_index,
-                             accelerator.num_processes, config.train.seed, config.data.num_workers,
-                             pin_memory=accelerator.device.type == "cuda")
+    encoder = (
+        load_encoder(config.train.repa, image_channels, model_grid, accelerator.device)
+        if config.train.repa.enabled
+        else None
+    )  # checked against the data and the model's grid here
+    batches = ShardedBatches(
+        dataset,
+        micro_batch_size(config, accelerator.num_processes),
+        accelerator.process_index,
+        accelerator.num_processes,
+        config.train.seed,
+        config.data.num_workers,
+        pin_memory=accelerator.device.type == "cuda",
+    )
 
     set_seed(config.train.seed)  # identical initial weights on every process ...
     model = build_model(config, in_channels, input_size)
     ema = create_ema(model, config.train).to(accelerator.device)
     objective = create_objective(objective_spec(config))
     export = export_description(config, model)
-    projector = build_projector(model.config["hidden_size"], config.train.repa.projector_dim, encoder.width) \
-        if encoder is not None else None
+    projector = (
+        build_projector(model.config["hidden_size"], config.train.repa.projector_dim, encoder.width)
+        if encoder is not None
+        else None
+    )
     if config.train.compile:
         model.compile()
     optimizer, scheduler = create_optimizer(model, config, accelerator.device, projector)
@@ -164,9 +197,24 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         model, projector, optimizer, scheduler = accelerator.prepare(model, projector, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
-    preview = ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes) \
-        if draws_previews(config) else None
-    alignment = RepresentationAlignment(encoder, projector, config.train.repa, model_grid) \
-        if encoder is not None else None
-    return TrainingParts(model, ema, objective, optimizer, scheduler, batches,
-                         vae if config.data.source == "images" else None, preview, export, fid_extractor, alignment)
+    preview = (
+        ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
+        if draws_previews(config)
+        else None
+    )
+    alignment = (
+        RepresentationAlignment(encoder, projector, config.train.repa, model_grid) if encoder is not None else None
+    )
+    return TrainingParts(
+        model,
+        ema,
+        objective,
+        optimizer,
+        scheduler,
+        batches,
+        vae if config.data.source == "images" else None,
+        preview,
+        export,
+        fid_extractor,
+        alignment,
+    )

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import shutil
 import zipfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import yaml
@@ -39,11 +40,25 @@ from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from atomic_files import (OutputError, atomic_folder, check_room, output_error, replace_folder, staging_folder,
-                          write_json_atomic, write_text_atomic)
+from atomic_files import (
+    OutputError,
+    atomic_folder,
+    check_room,
+    output_error,
+    replace_folder,
+    staging_folder,
+    write_json_atomic,
+    write_text_atomic,
+)
 from commands import UserError
-from generation.export import (CHECKPOINT_PATTERN, EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, read_weights,
-                               write_export)
+from generation.export import (
+    CHECKPOINT_PATTERN,
+    EXPORT_DIR,
+    EXPORT_WEIGHTS,
+    ExportDescription,
+    read_weights,
+    write_export,
+)
 from training.ema import ema_state_dict, load_ema_state_dict
 
 TRAINER_STATE = "trainer_state.json"
@@ -68,12 +83,13 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [path for path in root.iterdir()
-             if CHECKPOINT_PATTERN.match(path.name) and (path / TRAINER_STATE).is_file()]
+    found = [
+        path for path in root.iterdir() if CHECKPOINT_PATTERN.match(path.name) and (path / TRAINER_STATE).is_file()
+    ]
     return sorted(found, key=_step)
 
 
-def resolve_resume(spec: Optional[str], root: str | Path) -> Optional[Path]:
+def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
     """The checkpoint to resume from: None (fresh run), "latest" (newest under root; None if there is none
     yet, so a preempted job can always be relaunched with --resume latest) or a checkpoint folder."""
     if spec is None:
@@ -84,8 +100,10 @@ def resolve_resume(spec: Optional[str], root: str | Path) -> Optional[Path]:
     path = Path(spec)
     if not (path / TRAINER_STATE).is_file():
         reason = "does not exist" if not path.exists() else f"is not a checkpoint folder (no {TRAINER_STATE})"
-        raise CheckpointError(f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as "
-                              f"{Path(root) / checkpoint_name(0)}")
+        raise CheckpointError(
+            f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as "
+            f"{Path(root) / checkpoint_name(0)}"
+        )
     return path
 
 
@@ -107,9 +125,17 @@ def keep_plain_model_keys(accelerator: Accelerator) -> None:
     accelerator.register_load_state_pre_hook(load_hook)
 
 
-def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: ModelEmaV3,
-                    trainer_state: dict[str, Any], export: ExportDescription, config_yaml: str, keep: int,
-                    needed: Optional[int] = None) -> Path:
+def save_checkpoint(
+    accelerator: Accelerator,
+    root: str | Path,
+    step: int,
+    ema: ModelEmaV3,
+    trainer_state: dict[str, Any],
+    export: ExportDescription,
+    config_yaml: str,
+    keep: int,
+    needed: int | None = None,
+) -> Path:
     """Write checkpoint `step` under root (called on every process), then keep only the newest `keep`.
 
     The processes agree after each phase (prepare, Accelerate's save, export and rename), so a full disk or a
@@ -133,8 +159,7 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: 
         replace_folder(temporary, final, needed)
 
     _agree(accelerator, _attempt(prepare, final, temporary, needed) if main else None, temporary)
-    _agree(accelerator, _attempt(lambda: accelerator.save_state(str(temporary)), final, temporary, needed),
-           temporary)
+    _agree(accelerator, _attempt(lambda: accelerator.save_state(str(temporary)), final, temporary, needed), temporary)
     _agree(accelerator, _attempt(finish, final, temporary, needed) if main else None, temporary)
     if main:
         for old in rotated_away(list_checkpoints(root), final, keep):
@@ -143,7 +168,7 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, step: int, ema: 
     return final
 
 
-def _attempt(action: Callable[[], None], target: Path, temporary: Path, needed: Optional[int]) -> Optional[str]:
+def _attempt(action: Callable[[], None], target: Path, temporary: Path, needed: int | None) -> str | None:
     """Run `action`; the message of a full-disk or read-only failure, or None when it worked. Any other error
     (a bug) is raised, after the partial folder is removed: a failed save leaves nothing."""
     try:
@@ -159,7 +184,7 @@ def _attempt(action: Callable[[], None], target: Path, temporary: Path, needed: 
     return None
 
 
-def _agree(accelerator: Accelerator, failure: Optional[str], temporary: Path) -> None:
+def _agree(accelerator: Accelerator, failure: str | None, temporary: Path) -> None:
     """Every process learns whether any one failed; then the main one removes the partial folder and all raise."""
     failures = [failure]
     if accelerator.num_processes > 1:
@@ -175,6 +200,7 @@ def _agree(accelerator: Accelerator, failure: Optional[str], temporary: Path) ->
 
 def checkpoint_bytes(*parts: Any) -> int:
     """About the bytes a checkpoint of these state dicts (nested dicts and lists of tensors) takes on disk."""
+
     def size(value: Any) -> int:
         if isinstance(value, torch.Tensor):
             return value.numel() * value.element_size()
@@ -193,7 +219,7 @@ def rotated_away(checkpoints: list[Path], newest: Path, keep: int) -> list[Path]
     step = _step(newest)
     earlier = [path for path in checkpoints if _step(path) < step]
     later = [path for path in checkpoints if _step(path) > step]
-    return earlier[:max(len(earlier) - (keep - 1), 0)] + later
+    return earlier[: max(len(earlier) - (keep - 1), 0)] + later
 
 
 def save_milestone_export(root: str | Path, step: int, ema: ModelEmaV3, export: ExportDescription) -> Path:
@@ -234,8 +260,10 @@ def check_resume_settings(config: Any, path: str | Path) -> None:
         raise CheckpointError(_damaged(Path(path), f"{file} cannot be read ({type(error).__name__})")) from None
     if conflict is not None:
         key, saved, ours = conflict
-        raise ConfigError(f"--resume {path}: {key} is {saved!r} in the checkpoint, not {ours!r}; a resumed run keeps "
-                          f"its model, objective, data and seed (drop the override, or start a new run.dir)")
+        raise ConfigError(
+            f"--resume {path}: {key} is {saved!r} in the checkpoint, not {ours!r}; a resumed run keeps "
+            f"its model, objective, data and seed (drop the override, or start a new run.dir)"
+        )
 
 
 def apply_optimizer_settings(optimizer: Any, scheduler: Any, train: Any) -> None:
@@ -244,8 +272,12 @@ def apply_optimizer_settings(optimizer: Any, scheduler: Any, train: Any) -> None
     schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds the LambdaLR
     schedule.base_lrs = [train.lr for _ in optimizer.param_groups]
     for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas):
-        group.update(initial_lr=train.lr, lr=train.lr * factor(schedule.last_epoch),
-                     weight_decay=train.weight_decay, betas=tuple(train.betas))
+        group.update(
+            initial_lr=train.lr,
+            lr=train.lr * factor(schedule.last_epoch),
+            weight_decay=train.weight_decay,
+            betas=tuple(train.betas),
+        )
     schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
@@ -262,8 +294,9 @@ def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3)
     except (RuntimeError, ValueError, KeyError) as error:  # torch: missing, unexpected or mis-shaped keys
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         detail = lines[1] if len(lines) > 1 else (lines[0] if lines else type(error).__name__)
-        raise CheckpointError(f"cannot resume from {path}: its files belong to another model than this config "
-                              f"builds ({detail[:200]})") from None
+        raise CheckpointError(
+            f"cannot resume from {path}: its files belong to another model than this config builds ({detail[:200]})"
+        ) from None
     return state
 
 
@@ -307,8 +340,11 @@ def _check_random_states(file: Path) -> None:
 
 
 def _damaged(path: Path, problem: str) -> str:
-    earlier = [checkpoint for checkpoint in list_checkpoints(path.parent) if _step(checkpoint) < _step(path)] \
-        if CHECKPOINT_PATTERN.match(path.name) else []
+    earlier = (
+        [checkpoint for checkpoint in list_checkpoints(path.parent) if _step(checkpoint) < _step(path)]
+        if CHECKPOINT_PATTERN.match(path.name)
+        else []
+    )
     instead = f"--resume {earlier[-1]}" if earlier else "a fresh run"
     return f"cannot resume from {path}: {problem}; use {instead}, or delete the damaged checkpoint"
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -50,48 +51,53 @@ def _range(default: Any, minimum: float, maximum: float = math.inf, above: bool 
 #                                              Schema
 # --------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class ModelConfig:
     """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches."""
-    name: str = MISSING                          # "DiT-S/2" ... "SiT-XL/8"
+
+    name: str = MISSING  # "DiT-S/2" ... "SiT-XL/8"
     attention: str = _choice("vca", "vca", "mhsa")
     class_dropout_prob: float = _range(0.1, 0.0, 1.0)
     vca: VCAOptions = field(default_factory=VCAOptions)  # contrast grid and ablation switches (docs/VCA.md)
     gradient_checkpointing: bool = False
-    depth: Optional[int] = _range(None, 1)      # size overrides for small models (tests, digits)
-    hidden_size: Optional[int] = _range(None, 1)
-    num_heads: Optional[int] = _range(None, 1)
-    mlp_ratio: Optional[float] = _range(None, 0.0, above=True)
+    depth: int | None = _range(None, 1)  # size overrides for small models (tests, digits)
+    hidden_size: int | None = _range(None, 1)
+    num_heads: int | None = _range(None, 1)
+    mlp_ratio: float | None = _range(None, 0.0, above=True)
 
 
 @dataclass
 class DiffusionConfig:
     """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
-    learn_sigma: bool = True                     # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
+
+    learn_sigma: bool = True  # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
     decoder_cdf: str = _choice("tanh", "tanh", "exact")  # normal CDF of the t = 0 decoder NLL: official tanh form
 
 
 @dataclass
 class TransportConfig:
     """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
+
     path: str = _choice("linear", "linear", "gvp", "vp")
     prediction: str = _choice("velocity", "velocity", "score", "noise")
-    loss_weight: Optional[str] = _choice(None, None, "velocity", "likelihood")
-    train_eps: Optional[float] = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
-    sample_eps: Optional[float] = _range(None, 0.0, 1.0)
+    loss_weight: str | None = _choice(None, None, "velocity", "likelihood")
+    train_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
+    sample_eps: float | None = _range(None, 0.0, 1.0)
 
 
 @dataclass
 class DataConfig:
     """Where training examples come from; `source` decides which of the paths is used."""
+
     source: str = _choice(MISSING, "latents", "images", "digits", "shapes")
-    images: Optional[str] = None                 # ImageNet-style folder: one sub-folder per class
-    latents: Optional[str] = None                # shards written by `python -m training.latents`
-    image_size: int = _range(MISSING, 1)         # pixels (digits: 8, shapes: 16)
+    images: str | None = None  # ImageNet-style folder: one sub-folder per class
+    latents: str | None = None  # shards written by `python -m training.latents`
+    image_size: int = _range(MISSING, 1)  # pixels (digits: 8, shapes: 16)
     num_classes: int = _range(MISSING, 1)
     random_flip: bool = True
     on_corrupt: str = _choice("error", "error", "skip")
-    num_workers: int = _range(4, 0)              # 0: load in the training process
+    num_workers: int = _range(4, 0)  # 0: load in the training process
 
     @property
     def in_pixel_space(self) -> bool:
@@ -103,13 +109,15 @@ class DataConfig:
 @dataclass
 class VAEConfig:
     """The autoencoder that maps images to latents (required unless data.source is pixel-space)."""
-    name: Optional[str] = None                   # hub id or a local folder written by save_pretrained
-    scale: Optional[float] = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
+
+    name: str | None = None  # hub id or a local folder written by save_pretrained
+    scale: float | None = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
 
 
 @dataclass
 class ExtractConfig:
     """`python -m training.latents`: how the image folder is encoded into shards."""
+
     batch_size: int = _range(64, 1)
     shard_size: int = _range(4096, 1)
     dtype: str = _choice("float16", "float16", "float32")
@@ -118,14 +126,16 @@ class ExtractConfig:
 @dataclass
 class RepaConfig:
     """Representation alignment (REPA, Yu et al. 2025): the tokens after block `depth` go through a projector
-    MLP and are pulled towards the patch features of a frozen encoder (training.repa; docs/training.md, "Representation alignment")."""
-    encoder: Optional[str] = None                # timm name, or a folder written by timm's save_for_hf; None: off
-    depth: int = _range(8, 1)                    # align the output of this block (1-based; 8 of SiT-XL/2's 28)
+    MLP and are pulled towards the patch features of a frozen encoder (training.repa; docs/training.md,
+    "Representation alignment")."""
+
+    encoder: str | None = None  # timm name, or a folder written by timm's save_for_hf; None: off
+    depth: int = _range(8, 1)  # align the output of this block (1-based; 8 of SiT-XL/2's 28)
     coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
-    projector_dim: int = _range(2048, 1)         # hidden width of the 3-layer SiLU projector
-    input_size: int = _range(224, 1)             # the encoder's input side in pixels (REPA: 224 for DINOv2-B/14)
-    mean: Optional[list[float]] = None           # input normalisation; None: the encoder's own (timm pretrained cfg)
-    std: Optional[list[float]] = _range(None, 0.0, above=True)
+    projector_dim: int = _range(2048, 1)  # hidden width of the 3-layer SiLU projector
+    input_size: int = _range(224, 1)  # the encoder's input side in pixels (REPA: 224 for DINOv2-B/14)
+    mean: list[float] | None = None  # input normalisation; None: the encoder's own (timm pretrained cfg)
+    std: list[float] | None = _range(None, 0.0, above=True)
 
     @property
     def enabled(self) -> bool:
@@ -135,55 +145,59 @@ class RepaConfig:
 @dataclass
 class TrainConfig:
     """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
+
     global_batch_size: int = _range(MISSING, 1)  # over all processes and accumulation steps
     grad_accum_steps: int = _range(1, 1)
     max_steps: int = _range(MISSING, 1)
     lr: float = _range(MISSING, 0.0)
     weight_decay: float = _range(0.0, 0.0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"range": (0.0, 1.0, False)})
-    warmup_steps: int = _range(0, 0)             # linear learning-rate warm-up, then constant; 0: none
-    max_grad_norm: Optional[float] = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged)
+    warmup_steps: int = _range(0, 0)  # linear learning-rate warm-up, then constant; 0: none
+    max_grad_norm: float | None = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged)
     ema_decay: float = _range(MISSING, 0.0, 1.0)
-    ema_warmup: bool = False                     # decay 1 - (1 + step)^-power, capped at ema_decay
+    ema_warmup: bool = False  # decay 1 - (1 + step)^-power, capped at ema_decay
     ema_warmup_power: float = _range(0.75, 0.0, above=True)
     seed: int = _range(0, 0)
-    mixed_precision: Optional[str] = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
+    mixed_precision: str | None = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
     tf32: bool = True
     compile: bool = False
-    cpu: bool = False                            # force CPU processes (gloo), e.g. under torchrun for tests
+    cpu: bool = False  # force CPU processes (gloo), e.g. under torchrun for tests
     repa: RepaConfig = field(default_factory=RepaConfig)
 
 
 @dataclass
 class LogConfig:
     """What is written to the run directory and how often (in optimiser steps)."""
+
     every: int = _range(100, 1)
-    checkpoint_every: int = _range(50_000, 1)    # resume checkpoints (the last one is always written)
-    keep_checkpoints: int = _range(2, 1)         # newest resume checkpoints kept (never the one just written)
-    export_every: int = _range(0, 0)             # milestone exports in <run>/exports/, never deleted; 0 disables
-    sample_every: int = _range(10_000, 0)        # EMA sample grid; 0 disables
+    checkpoint_every: int = _range(50_000, 1)  # resume checkpoints (the last one is always written)
+    keep_checkpoints: int = _range(2, 1)  # newest resume checkpoints kept (never the one just written)
+    export_every: int = _range(0, 0)  # milestone exports in <run>/exports/, never deleted; 0 disables
+    sample_every: int = _range(10_000, 0)  # EMA sample grid; 0 disables
     sample_count: int = _range(16, 1)
-    sample_sampler: Optional[str] = None         # None: the objective's default sampler
-    sample_steps: Optional[int] = _range(None, 1)
+    sample_sampler: str | None = None  # None: the objective's default sampler
+    sample_steps: int | None = _range(None, 1)
     sample_guidance: float = _range(1.0, 0.0)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's: tensorboard, wandb, ...
-    project: str = "vca-diffusion"               # the trackers' project (wandb, comet_ml, mlflow, ...)
-    run_name: Optional[str] = None               # wandb's run name; None: the run directory's name
-    fid_every: int = _range(0, 0)                # FID of EMA samples against fid_reference; 0 disables
-    fid_samples: int = _range(5000, 2)           # a covariance needs 2 samples (2048+ for a comparable FID)
-    fid_reference: Optional[str] = None          # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
-    fid_inception: Optional[str] = None          # Inception weights file or "bundled"; None: fid's default lookup
+    project: str = "vca-diffusion"  # the trackers' project (wandb, comet_ml, mlflow, ...)
+    run_name: str | None = None  # wandb's run name; None: the run directory's name
+    fid_every: int = _range(0, 0)  # FID of EMA samples against fid_reference; 0 disables
+    fid_samples: int = _range(5000, 2)  # a covariance needs 2 samples (2048+ for a comparable FID)
+    fid_reference: str | None = None  # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
+    fid_inception: str | None = None  # Inception weights file or "bundled"; None: fid's default lookup
 
 
 @dataclass
 class RunConfig:
     """Where the run lives; `dir` defaults to results/<config file name>."""
-    dir: Optional[str] = None
+
+    dir: str | None = None
 
 
 @dataclass
 class Config:
     """One experiment."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -198,6 +212,7 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 #                                             Loading
 # --------------------------------------------------------------------------------------------------
+
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read `path` (a file, or the bare name of a shipped config such as "dit-s2-vca") with its `base:` chain,
@@ -215,14 +230,16 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(_describe_merge_error(error, source)) from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
-        raise ConfigError(f"{path}: no value for {', '.join(missing)} (set them in the file, its base, or on "
-                          f"the command line)")
+        raise ConfigError(
+            f"{path}: no value for {', '.join(missing)} (set them in the file, its base, or on the command line)"
+        )
     config: Config = OmegaConf.to_object(merged)
     _check_values(config, prefix="")
     _check_model_name(config.model.name)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
-        raise ConfigError(f"{path}: data.source={config.data.source} works in latent space and needs vae.name "
-                          f"and vae.scale")
+        raise ConfigError(
+            f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
+        )
     if config.train.repa.enabled:
         _check_repa(config)
     if config.run.dir is None:
@@ -233,12 +250,26 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 # What a resumed run keeps from its checkpoint: the network and its objective, what the data are and the seed that
 # orders them. A change of any of these is refused (the weights or the data stream would not fit); everything else
 # (optimiser settings, steps, schedules, logging, precision, paths) applies from the resume step on.
-RESUME_FIXED = ("model.name", "model.attention", "model.class_dropout_prob", "model.vca", "model.depth",
-                "model.hidden_size", "model.num_heads", "model.mlp_ratio", "diffusion", "transport", "data.source",
-                "data.image_size", "data.num_classes", "vae.scale", "train.seed")
+RESUME_FIXED = (
+    "model.name",
+    "model.attention",
+    "model.class_dropout_prob",
+    "model.vca",
+    "model.depth",
+    "model.hidden_size",
+    "model.num_heads",
+    "model.mlp_ratio",
+    "diffusion",
+    "transport",
+    "data.source",
+    "data.image_size",
+    "data.num_classes",
+    "vae.scale",
+    "train.seed",
+)
 
 
-def resume_conflict(config: Config, saved_yaml: str) -> Optional[tuple[str, Any, Any]]:
+def resume_conflict(config: Config, saved_yaml: str) -> tuple[str, Any, Any] | None:
     """The first RESUME_FIXED key whose value differs between `config` and a checkpoint's config.yaml, as
     (key, checkpoint's value, this config's value), or None."""
     saved, ours = yaml.safe_load(saved_yaml), config_to_dict(config)
@@ -328,8 +359,10 @@ def _check_keys(values: DictConfig, schema: type, source: str, prefix: str) -> N
         if dataclasses.is_dataclass(field_type):
             section = values[key]
             if not isinstance(section, DictConfig):
-                raise ConfigError(f"{source}: '{full_key}' must be a section of keys "
-                                  f"({', '.join(f.name for f in dataclasses.fields(field_type))}), got {section!r}")
+                raise ConfigError(
+                    f"{source}: '{full_key}' must be a section of keys "
+                    f"({', '.join(f.name for f in dataclasses.fields(field_type))}), got {section!r}"
+                )
             _check_keys(section, field_type, source, prefix=f"{full_key}.")
 
 
@@ -387,8 +420,10 @@ def _check_repa(config: Config) -> None:
     repa = config.train.repa
     depth = config.model.depth or name_size(config.model.name)[0][0]
     if repa.depth > depth:
-        raise ConfigError(f"'train.repa.depth' is {repa.depth}, but {config.model.name} with model.depth={depth} "
-                          f"has {depth} blocks; expected 1..{depth}")
+        raise ConfigError(
+            f"'train.repa.depth' is {repa.depth}, but {config.model.name} with model.depth={depth} "
+            f"has {depth} blocks; expected 1..{depth}"
+        )
     if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
         raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import bisect
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -31,15 +31,15 @@ from training.config import Config
 warnings.filterwarnings("once", message="This DataLoader will create", category=UserWarning)
 
 LATENT_MANIFEST = "manifest.json"
-DIGITS_SIZE = 8           # scikit-learn's digits are 8 x 8 ...
+DIGITS_SIZE = 8  # scikit-learn's digits are 8 x 8 ...
 DIGITS_CLASSES = 10
-DIGITS_MAX_VALUE = 16.0   # ... with integer intensities 0..16
-SHAPES_SIZE = 16          # the coloured shapes are 16 x 16 RGB: 64 tokens at patch 2
+DIGITS_MAX_VALUE = 16.0  # ... with integer intensities 0..16
+SHAPES_SIZE = 16  # the coloured shapes are 16 x 16 RGB: 64 tokens at patch 2
 SHAPE_KINDS = ("square", "disc", "triangle", "cross")
 SHAPE_COLOURS = {"red": (1.0, 0.15, 0.1), "green": (0.1, 0.9, 0.2), "blue": (0.2, 0.35, 1.0)}
 SHAPES_CLASSES = len(SHAPE_KINDS) * len(SHAPE_COLOURS)  # class = kind index * 3 + colour index
 SHAPES_PER_CLASS = 200
-SHAPES_SEED = 0           # the dataset is one fixed draw, whatever the training seed
+SHAPES_SEED = 0  # the dataset is one fixed draw, whatever the training seed
 
 Example = tuple[torch.Tensor, int]
 
@@ -81,6 +81,7 @@ class _EpochSeeded(Dataset):
 #                                          Image folder
 # --------------------------------------------------------------------------------------------------
 
+
 class ImageFolderDataset(_EpochSeeded):
     """root/<class name>/<image>; classes sorted by name get labels 0..K-1.
 
@@ -88,8 +89,9 @@ class ImageFolderDataset(_EpochSeeded):
     it, or, with on_corrupt="skip", yields None (dropped and counted by `collate_examples`).
     """
 
-    def __init__(self, root: str | Path, image_size: int, random_flip: bool, on_corrupt: str = "error",
-                 seed: int = 0) -> None:
+    def __init__(
+        self, root: str | Path, image_size: int, random_flip: bool, on_corrupt: str = "error", seed: int = 0
+    ) -> None:
         super().__init__(seed)
         root = Path(root)
         if not root.is_dir():
@@ -97,8 +99,9 @@ class ImageFolderDataset(_EpochSeeded):
         try:
             self.classes, class_to_index = find_classes(str(root))
         except FileNotFoundError:  # torchvision's "Couldn't find any class folder"
-            raise DataMismatchError(f"data.images={root}: the folder holds no class folders; expected "
-                                    f"<folder>/<class name>/<image>") from None
+            raise DataMismatchError(
+                f"data.images={root}: the folder holds no class folders; expected <folder>/<class name>/<image>"
+            ) from None
         self.samples = make_dataset(str(root), class_to_index, extensions=IMG_EXTENSIONS)
         self.image_size = image_size
         self.random_flip = random_flip
@@ -107,7 +110,7 @@ class ImageFolderDataset(_EpochSeeded):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> Optional[Example]:
+    def __getitem__(self, index: int) -> Example | None:
         path, label = self.samples[index]
         try:
             with Image.open(path) as file:
@@ -115,10 +118,11 @@ class ImageFolderDataset(_EpochSeeded):
         except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for unreadable or truncated files
             if self.on_corrupt == "skip":
                 return None
-            raise CorruptImageError(f"cannot decode image {path}: {error} "
-                                    f"(set data.on_corrupt=skip to skip and count such files)") from error
+            raise CorruptImageError(
+                f"cannot decode image {path}: {error} (set data.on_corrupt=skip to skip and count such files)"
+            ) from error
         pixels = torch.from_numpy(center_crop_adm(image, self.image_size).copy())
-        x = pixels.permute(2, 0, 1).float() / 127.5 - 1.0                      # (3, S, S) in [-1, 1]
+        x = pixels.permute(2, 0, 1).float() / 127.5 - 1.0  # (3, S, S) in [-1, 1]
         if self.random_flip and torch.randint(2, (), generator=self.generator(index)):
             x = x.flip(-1)
         return x, label
@@ -128,12 +132,15 @@ class ImageFolderDataset(_EpochSeeded):
 #                                         Latent shards
 # --------------------------------------------------------------------------------------------------
 
+
 def read_manifest(root: str | Path) -> dict:
     """The description written by `python -m training.latents` once every shard exists."""
     path = Path(root) / LATENT_MANIFEST
     if not path.is_file():
-        raise DataMismatchError(f"data.latents={root}: {path} not found, so the latents are missing or incomplete; "
-                                f"(re)run `python -m training.latents --config <config>` to finish them")
+        raise DataMismatchError(
+            f"data.latents={root}: {path} not found, so the latents are missing or incomplete; "
+            f"(re)run `python -m training.latents --config <config>` to finish them"
+        )
     return json.loads(path.read_text())
 
 
@@ -146,8 +153,9 @@ class LatentShardDataset(_EpochSeeded):
     the latent was, so an alignment encoder sees the very image the latent encodes.
     """
 
-    def __init__(self, root: str | Path, scale: float, random_flip: bool, seed: int = 0,
-                 images: Optional["ImageFolderDataset"] = None) -> None:
+    def __init__(
+        self, root: str | Path, scale: float, random_flip: bool, seed: int = 0, images: ImageFolderDataset | None = None
+    ) -> None:
         super().__init__(seed)
         self.images = images
         self.root = Path(root)
@@ -176,11 +184,14 @@ class LatentShardDataset(_EpochSeeded):
             except (SafetensorError, OSError) as error:
                 raise LatentShardError(f"latent shard {file} cannot be read ({error}); extract it again") from None
             if shapes != {"mean": expected, "std": expected, "labels": [count]}:
-                raise LatentShardError(f"latent shard {file} holds {shapes}; the manifest says mean and std "
-                                       f"{expected}, labels [{count}]")
+                raise LatentShardError(
+                    f"latent shard {file} holds {shapes}; the manifest says mean and std {expected}, labels [{count}]"
+                )
             if count and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
-                raise LatentShardError(f"latent shard {file} holds labels {int(labels.min())}..{int(labels.max())};"
-                                       f" data.num_classes={num_classes} allows 0..{num_classes - 1}")
+                raise LatentShardError(
+                    f"latent shard {file} holds labels {int(labels.min())}..{int(labels.max())};"
+                    f" data.num_classes={num_classes} allows 0..{num_classes - 1}"
+                )
 
     def __getitem__(self, index: int) -> Example:
         shard = bisect.bisect_right(self.offsets, index) - 1
@@ -188,13 +199,13 @@ class LatentShardDataset(_EpochSeeded):
         tensors = self._shard(shard)
         generator = self.generator(index)
         flip = int(torch.randint(2, (), generator=generator)) if self.random_flip else 0
-        mean = tensors.get_slice("mean")[row, flip].float()                  # (C, h, w)
-        std = tensors.get_slice("std")[row, flip].float()                    # (C, h, w)
-        latent = mean + std * torch.randn(mean.shape, generator=generator)   # (C, h, w)
+        mean = tensors.get_slice("mean")[row, flip].float()  # (C, h, w)
+        std = tensors.get_slice("std")[row, flip].float()  # (C, h, w)
+        latent = mean + std * torch.randn(mean.shape, generator=generator)  # (C, h, w)
         label = int(tensors.get_slice("labels")[row])
         if self.images is None:
             return self.scale * latent, label
-        image = self.images[int(tensors.get_slice("indices")[row])][0]      # (3, S, S) in [-1, 1]
+        image = self.images[int(tensors.get_slice("indices")[row])][0]  # (3, S, S) in [-1, 1]
         return self.scale * latent, label, image.flip(-1) if flip else image
 
     def __getstate__(self) -> dict:
@@ -212,6 +223,7 @@ class LatentShardDataset(_EpochSeeded):
 # --------------------------------------------------------------------------------------------------
 #                                             Digits
 # --------------------------------------------------------------------------------------------------
+
 
 class InMemoryImages(_EpochSeeded):
     """A built-in pixel-space dataset held as one tensor: images (N, C, S, S) in [-1, 1] and labels (N,)."""
@@ -239,7 +251,7 @@ class DigitsDataset(InMemoryImages):
         from sklearn.datasets import load_digits
 
         digits = load_digits()
-        images = torch.from_numpy(digits.images).float() / DIGITS_MAX_VALUE * 2 - 1   # (1797, 8, 8)
+        images = torch.from_numpy(digits.images).float() / DIGITS_MAX_VALUE * 2 - 1  # (1797, 8, 8)
         super().__init__(images.unsqueeze(1), torch.from_numpy(digits.target).long(), random_flip, seed)
 
 
@@ -257,9 +269,9 @@ def shape_coverage(kind: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
         return np.maximum(np.abs(u), np.abs(v)) <= 0.85
     if kind == "disc":
         return u**2 + v**2 <= 1.0
-    if kind == "triangle":   # apex up, base at the bottom
+    if kind == "triangle":  # apex up, base at the bottom
         return (v <= 1.0) & (np.abs(u) <= (v + 1.0) / 2.0)
-    if kind == "cross":      # a plus sign with bars 0.7 wide
+    if kind == "cross":  # a plus sign with bars 0.7 wide
         return ((np.abs(u) <= 0.35) & (np.abs(v) <= 1.0)) | ((np.abs(v) <= 0.35) & (np.abs(u) <= 1.0))
     raise ValueError(f"shape kind {kind!r}: expected one of {SHAPE_KINDS}")
 
@@ -275,22 +287,23 @@ def render_shapes(per_class: int = SHAPES_PER_CLASS, seed: int = SHAPES_SEED) ->
     rng = np.random.default_rng(seed)
     count = SHAPES_CLASSES * per_class
     labels = np.arange(count, dtype=np.int64) % SHAPES_CLASSES
-    half = rng.uniform(3.0, 7.0, count)                                                   # (N,)
-    centre = rng.uniform(half[:, None], SHAPES_SIZE - half[:, None], (count, 2))          # (N, 2): x, y
-    background = rng.uniform(0.0, 0.2, count)                                             # (N,)
-    brightness = rng.uniform(0.75, 1.0, count)                                            # (N,)
-    points = (np.arange(SHAPES_SIZE * SUPERSAMPLING) + 0.5) / SUPERSAMPLING               # (S*k,) pixel units
-    u = (points[None, None, :] - centre[:, 0, None, None]) / half[:, None, None]          # (N, 1, S*k)
-    v = (points[None, :, None] - centre[:, 1, None, None]) / half[:, None, None]          # (N, S*k, 1)
+    half = rng.uniform(3.0, 7.0, count)  # (N,)
+    centre = rng.uniform(half[:, None], SHAPES_SIZE - half[:, None], (count, 2))  # (N, 2): x, y
+    background = rng.uniform(0.0, 0.2, count)  # (N,)
+    brightness = rng.uniform(0.75, 1.0, count)  # (N,)
+    points = (np.arange(SHAPES_SIZE * SUPERSAMPLING) + 0.5) / SUPERSAMPLING  # (S*k,) pixel units
+    u = (points[None, None, :] - centre[:, 0, None, None]) / half[:, None, None]  # (N, 1, S*k)
+    v = (points[None, :, None] - centre[:, 1, None, None]) / half[:, None, None]  # (N, S*k, 1)
     inside = np.zeros((count, SHAPES_SIZE * SUPERSAMPLING, SHAPES_SIZE * SUPERSAMPLING), dtype=bool)
-    colours = np.array(list(SHAPE_COLOURS.values()))                                      # (3 colours, RGB)
+    colours = np.array(list(SHAPE_COLOURS.values()))  # (3 colours, RGB)
     for index, kind in enumerate(SHAPE_KINDS):
         rows = labels // len(SHAPE_COLOURS) == index
         inside[rows] = shape_coverage(kind, u[rows], v[rows])
     coverage = inside.reshape(count, SHAPES_SIZE, SUPERSAMPLING, SHAPES_SIZE, SUPERSAMPLING).mean(axis=(2, 4))
-    colour = colours[labels % len(SHAPE_COLOURS)] * brightness[:, None]                  # (N, 3)
-    images = (background[:, None, None, None] * (1 - coverage[:, None])
-              + colour[:, :, None, None] * coverage[:, None])                             # (N, 3, S, S)
+    colour = colours[labels % len(SHAPE_COLOURS)] * brightness[:, None]  # (N, 3)
+    images = (
+        background[:, None, None, None] * (1 - coverage[:, None]) + colour[:, :, None, None] * coverage[:, None]
+    )  # (N, 3, S, S)
     return images.astype(np.float32), labels
 
 
@@ -306,57 +319,78 @@ class ShapesDataset(InMemoryImages):
 #                                         Building and loading
 # --------------------------------------------------------------------------------------------------
 
+
 def build_dataset(config: Config) -> Dataset:
     """The dataset named by `data.source`, checked against the config before any model is built."""
     data = config.data
     if data.source == "digits":
         if (data.image_size, data.num_classes) != (DIGITS_SIZE, DIGITS_CLASSES):
-            raise DataMismatchError(f"data.source=digits needs data.image_size={DIGITS_SIZE} and "
-                             f"data.num_classes={DIGITS_CLASSES}, got {data.image_size} and {data.num_classes}")
+            raise DataMismatchError(
+                f"data.source=digits needs data.image_size={DIGITS_SIZE} and "
+                f"data.num_classes={DIGITS_CLASSES}, got {data.image_size} and {data.num_classes}"
+            )
         return DigitsDataset(random_flip=data.random_flip, seed=config.train.seed)
     if data.source == "shapes":
         if (data.image_size, data.num_classes) != (SHAPES_SIZE, SHAPES_CLASSES):
-            raise DataMismatchError(f"data.source=shapes needs data.image_size={SHAPES_SIZE} and "
-                             f"data.num_classes={SHAPES_CLASSES}, got {data.image_size} and {data.num_classes}")
+            raise DataMismatchError(
+                f"data.source=shapes needs data.image_size={SHAPES_SIZE} and "
+                f"data.num_classes={SHAPES_CLASSES}, got {data.image_size} and {data.num_classes}"
+            )
         return ShapesDataset(random_flip=data.random_flip, seed=config.train.seed)
     if data.source == "images":
         if data.images is None:
-            raise DataMismatchError("data.source=images needs data.images=<folder with one sub-folder per class>, "
-                                    "which is not set")
-        dataset = ImageFolderDataset(data.images, data.image_size, data.random_flip, data.on_corrupt,
-                                     seed=config.train.seed)
+            raise DataMismatchError(
+                "data.source=images needs data.images=<folder with one sub-folder per class>, which is not set"
+            )
+        dataset = ImageFolderDataset(
+            data.images, data.image_size, data.random_flip, data.on_corrupt, seed=config.train.seed
+        )
         _check_num_classes(dataset.classes, data.num_classes, f"the image folder {data.images}")
         return dataset
     if data.latents is None:
-        raise DataMismatchError("data.source=latents needs data.latents=<folder written by python -m "
-                                "training.latents>, which is not set")
-    dataset = LatentShardDataset(data.latents, config.vae.scale, data.random_flip, seed=config.train.seed,
-                                 images=paired_images(config) if config.train.repa.enabled else None)
+        raise DataMismatchError(
+            "data.source=latents needs data.latents=<folder written by python -m training.latents>, which is not set"
+        )
+    dataset = LatentShardDataset(
+        data.latents,
+        config.vae.scale,
+        data.random_flip,
+        seed=config.train.seed,
+        images=paired_images(config) if config.train.repa.enabled else None,
+    )
     manifest = dataset.manifest
     if manifest["image_size"] != data.image_size:
-        raise DataMismatchError(f"data.image_size={data.image_size}, but the latents in "
-                                f"{Path(data.latents) / LATENT_MANIFEST} were extracted at {manifest['image_size']} "
-                                f"px: set data.image_size={manifest['image_size']} or extract them again")
+        raise DataMismatchError(
+            f"data.image_size={data.image_size}, but the latents in "
+            f"{Path(data.latents) / LATENT_MANIFEST} were extracted at {manifest['image_size']} "
+            f"px: set data.image_size={manifest['image_size']} or extract them again"
+        )
     _check_num_classes(manifest["classes"], data.num_classes, Path(data.latents) / LATENT_MANIFEST)
     dataset.check_shards(data.num_classes)
     return dataset
 
 
-def paired_images(config: Config) -> "ImageFolderDataset":
+def paired_images(config: Config) -> ImageFolderDataset:
     """The image folder the latents were extracted from, for REPA: checked to still hold what was encoded."""
     data = config.data
     manifest = read_manifest(data.latents)
     if manifest.get("format", 1) < 2:
-        raise UserError(f"latents at {data.latents} hold no image indices (format 1): REPA pairs each latent with "
-                        f"its image; extract them again with `python -m training.latents`")
+        raise UserError(
+            f"latents at {data.latents} hold no image indices (format 1): REPA pairs each latent with "
+            f"its image; extract them again with `python -m training.latents`"
+        )
     if data.images is None or not Path(data.images).is_dir():
-        raise UserError(f"train.repa with data.source=latents needs data.images=<the folder the latents at "
-                        f"{data.latents} were extracted from>, got {data.images}")
+        raise UserError(
+            f"train.repa with data.source=latents needs data.images=<the folder the latents at "
+            f"{data.latents} were extracted from>, got {data.images}"
+        )
     images = ImageFolderDataset(data.images, data.image_size, random_flip=False)
     encoded = manifest["num_images"] + manifest["num_skipped"]
     if len(images) != encoded:
-        raise UserError(f"data.images={data.images} holds {len(images)} images, but the latents at {data.latents} "
-                        f"were extracted from {encoded}: not the same folder")
+        raise UserError(
+            f"data.images={data.images} holds {len(images)} images, but the latents at {data.latents} "
+            f"were extracted from {encoded}: not the same folder"
+        )
     return images
 
 
@@ -364,11 +398,13 @@ def _check_num_classes(classes: list[str], expected: int, where: str | Path) -> 
     """Refuse a data.num_classes other than the number of class folders (the model's label table would not fit)."""
     if len(classes) != expected:
         names = ", ".join(classes[:3]) + (", ..." if len(classes) > 3 else "")
-        raise DataMismatchError(f"data.num_classes={expected}, but {where} holds {len(classes)} classes "
-                                f"({names}): set data.num_classes={len(classes)}")
+        raise DataMismatchError(
+            f"data.num_classes={expected}, but {where} holds {len(classes)} classes "
+            f"({names}): set data.num_classes={len(classes)}"
+        )
 
 
-def collate_examples(items: list[Optional[Example]]) -> tuple:
+def collate_examples(items: list[Example | None]) -> tuple:
     """Stack examples into (x (B, ...), y (B,), number of skipped corrupt files); B may be 0. Items that carry
     their image as a third element (latents paired for REPA) add the images (B, 3, S, S) as a fourth."""
     kept = [item for item in items if item is not None]
@@ -387,19 +423,37 @@ class ShardedBatches:
     the stream's position is the number of micro-batches drawn so far.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, process_index: int, num_processes: int, seed: int,
-                 num_workers: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        process_index: int,
+        num_processes: int,
+        seed: int,
+        num_workers: int,
+        pin_memory: bool = False,
+    ) -> None:
         self.dataset = dataset
-        self.sampler = DistributedSampler(dataset, num_replicas=num_processes, rank=process_index, shuffle=True,
-                                          seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=num_processes, rank=process_index, shuffle=True, seed=seed, drop_last=True
+        )
         # Workers are recreated each epoch (persistent_workers=False) so they see the dataset's new epoch; the
         # loader's own generator keeps worker seeding off the global RNG, which checkpoints restore.
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=num_workers, collate_fn=collate_examples, pin_memory=pin_memory,
-                                 generator=torch.Generator().manual_seed(seed))
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            drop_last=True,
+            num_workers=num_workers,
+            collate_fn=collate_examples,
+            pin_memory=pin_memory,
+            generator=torch.Generator().manual_seed(seed),
+        )
         if len(self.loader) == 0:
-            raise ValueError(f"the dataset has {len(dataset)} examples, fewer than one batch of {batch_size} "
-                             f"on each of {num_processes} processes")
+            raise ValueError(
+                f"the dataset has {len(dataset)} examples, fewer than one batch of {batch_size} "
+                f"on each of {num_processes} processes"
+            )
 
     @property
     def batches_per_epoch(self) -> int:

@@ -20,8 +20,13 @@ def create_ema(model: nn.Module, train: TrainConfig) -> ModelEmaV3:
     1 - (1 + step)^-power capped at ema_decay, so short runs are not dominated by the initial weights
     (0.9999 keeps ~74 % of them after 3 000 steps).
     """
-    return ModelEmaV3(model, decay=train.ema_decay, use_warmup=train.ema_warmup,
-                      warmup_power=train.ema_warmup_power, dtype=torch.float32)
+    return ModelEmaV3(
+        model,
+        decay=train.ema_decay,
+        use_warmup=train.ema_warmup,
+        warmup_power=train.ema_warmup_power,
+        dtype=torch.float32,
+    )
 
 
 def ema_state_dict(ema: ModelEmaV3) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ temporary file and renamed, so a killed run leaves only whole shards; rerunning 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from accelerate import PartialState
@@ -25,9 +25,9 @@ from tqdm import tqdm
 from atomic_files import check_writable, write_text_atomic
 from atomic_files.shards import ShardFolder
 from commands import CommandParser, run_command
+from generation.vae import encode_posterior, latent_downsampling, load_vae
 from training.config import Config, ConfigError, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
-from generation.vae import encode_posterior, latent_downsampling, load_vae
 
 FORMAT_VERSION = 2  # 2: shards hold "indices", each latent's position in the image folder
 
@@ -54,9 +54,10 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     vae = load_vae(config.vae.name, device=state.device)  # an unavailable VAE fails before the folder is claimed
     pending = folder.claim(state)
     if folder.kept and state.is_main_process:
-        print(f"{folder.folder}: kept {folder.kept} of {len(shards)} finished shards, encoding the other "
-              f"{len(pending)}")
-    todo = pending[state.process_index::state.num_processes]
+        print(
+            f"{folder.folder}: kept {folder.kept} of {len(shards)} finished shards, encoding the other {len(pending)}"
+        )
+    todo = pending[state.process_index :: state.num_processes]
     if todo:
         _encode_shards(vae, dataset, shards, todo, folder, config, state)
     state.wait_for_everyone()
@@ -68,37 +69,61 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
 
 
 def _settings(config: Config, num_images: int) -> dict:
-    return {"format": FORMAT_VERSION, "images": str(Path(config.data.images).resolve()), "num_images": num_images,
-            "image_size": config.data.image_size, "vae": config.vae.name,
-            "shard_size": config.extract.shard_size, "dtype": config.extract.dtype}
+    return {
+        "format": FORMAT_VERSION,
+        "images": str(Path(config.data.images).resolve()),
+        "num_images": num_images,
+        "image_size": config.data.image_size,
+        "vae": config.vae.name,
+        "shard_size": config.extract.shard_size,
+        "dtype": config.extract.dtype,
+    }
 
 
-def _encode_shards(vae, dataset: ImageFolderDataset, shards: list[range], todo: list[int], folder: ShardFolder,
-                   config: Config, state: PartialState) -> None:
+def _encode_shards(
+    vae,
+    dataset: ImageFolderDataset,
+    shards: list[range],
+    todo: list[int],
+    folder: ShardFolder,
+    config: Config,
+    state: PartialState,
+) -> None:
     batch_size = config.extract.batch_size
     batches = [(shard, indices) for shard in todo for indices in _chunks(shards[shard], batch_size)]
-    loader = DataLoader(dataset, batch_sampler=[indices for _, indices in batches],
-                        num_workers=config.data.num_workers, collate_fn=_collate_with_kept)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=[indices for _, indices in batches],
+        num_workers=config.data.num_workers,
+        collate_fn=_collate_with_kept,
+    )
     dtype = getattr(torch, config.extract.dtype)
     side = config.data.image_size // latent_downsampling(vae.config)
     empty = torch.empty(0, 2, vae.config.latent_channels, side, side, dtype=dtype)  # a shard's start
-    pending = {"mean": [empty], "std": [empty], "labels": [torch.empty(0, dtype=torch.long)],
-               "indices": [torch.empty(0, dtype=torch.long)]}
+    pending = {
+        "mean": [empty],
+        "std": [empty],
+        "labels": [torch.empty(0, dtype=torch.long)],
+        "indices": [torch.empty(0, dtype=torch.long)],
+    }
     skipped = 0
     progress = tqdm(total=len(batches), desc="encoding", disable=not state.is_local_main_process)
     for (shard, indices), ((images, labels, batch_skipped), kept) in zip(batches, loader):
         if len(labels):  # every image of a batch may have been corrupt (and skipped)
             images = images.to(state.device)
-            mean, std = encode_posterior(vae, torch.cat([images, images.flip(-1)]))       # (2B, C, h, w) each
+            mean, std = encode_posterior(vae, torch.cat([images, images.flip(-1)]))  # (2B, C, h, w) each
             pending["mean"].append(torch.stack(mean.chunk(2), dim=1).to("cpu", dtype))  # (B, 2, C, h, w)
-            pending["std"].append(torch.stack(std.chunk(2), dim=1).to("cpu", dtype))    # (B, 2, C, h, w)
+            pending["std"].append(torch.stack(std.chunk(2), dim=1).to("cpu", dtype))  # (B, 2, C, h, w)
             pending["labels"].append(labels)
             pending["indices"].append(torch.tensor([i for i, k in zip(indices, kept) if k], dtype=torch.long))
         skipped += batch_skipped
         progress.update()
         if indices[-1] == shards[shard][-1]:  # last batch of this shard
             tensors = {key: torch.cat(values) for key, values in pending.items()}
-            folder.write(shard, lambda path: save_file(tensors, path, metadata={"skipped": str(skipped)}))
+            metadata = {"skipped": str(skipped)}
+            folder.write(
+                shard, lambda path, tensors=tensors, metadata=metadata: save_file(tensors, path, metadata=metadata)
+            )
             progress.write(f"wrote {shard_name(shard)} ({len(tensors['labels'])} images, {skipped} skipped)")
             pending, skipped = {key: values[:1] for key, values in pending.items()}, 0
     progress.close()
@@ -111,20 +136,27 @@ def _collate_with_kept(items: list) -> tuple:
 
 def _chunks(indices: range, size: int) -> Iterator[list[int]]:
     for start in range(0, len(indices), size):
-        yield list(indices[start:start + size])
+        yield list(indices[start : start + size])
 
 
 def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: Config) -> None:
     shards = []
     for k in range(num_shards):
         with safe_open(out / shard_name(k), framework="pt") as tensors:
-            shape = tensors.get_slice("mean").get_shape()                   # [n, 2, C, h, w]
-            shards.append({"file": shard_name(k), "count": shape[0],
-                           "skipped": int(tensors.metadata()["skipped"])})
-    manifest = {"format": FORMAT_VERSION, "image_size": config.data.image_size, "vae": config.vae.name,
-                "latent_channels": shape[2], "latent_size": shape[3], "dtype": config.extract.dtype,
-                "classes": list(classes), "num_images": sum(s["count"] for s in shards),
-                "num_skipped": sum(s["skipped"] for s in shards), "shards": shards}
+            shape = tensors.get_slice("mean").get_shape()  # [n, 2, C, h, w]
+            shards.append({"file": shard_name(k), "count": shape[0], "skipped": int(tensors.metadata()["skipped"])})
+    manifest = {
+        "format": FORMAT_VERSION,
+        "image_size": config.data.image_size,
+        "vae": config.vae.name,
+        "latent_channels": shape[2],
+        "latent_size": shape[3],
+        "dtype": config.extract.dtype,
+        "classes": list(classes),
+        "num_images": sum(s["count"] for s in shards),
+        "num_skipped": sum(s["skipped"] for s in shards),
+        "shards": shards,
+    }
     write_text_atomic(out / LATENT_MANIFEST, json.dumps(manifest, indent=2))
 
 

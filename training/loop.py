@@ -9,8 +9,9 @@ SIGINT; see training.stop_signals) ends the run after the current optimiser step
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -38,13 +39,14 @@ class NonFiniteLossError(UserError):
 class TrainerState:
     """Where a run stands: optimiser steps done and examples drawn, corrupt files included (the data
     position), with the batch geometry that produced them."""
+
     step: int = 0
     examples_seen: int = 0
     num_processes: int = 1
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
 
-    def resumed(self, saved: dict[str, Any]) -> "TrainerState":
+    def resumed(self, saved: dict[str, Any]) -> TrainerState:
         """This run's geometry with the progress of a saved state (a checkpoint's trainer_state.json)."""
         return TrainerState(**{**asdict(self), "step": saved["step"], "examples_seen": saved["examples_seen"]})
 
@@ -60,8 +62,15 @@ class TrainerState:
 class Trainer:
     """Runs `config.train.max_steps` optimiser steps from `state` (see the module docstring)."""
 
-    def __init__(self, accelerator: Accelerator, config: Config, run: RunDirectory, parts: TrainingParts,
-                 state: TrainerState, last_checkpoint: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: Config,
+        run: RunDirectory,
+        parts: TrainingParts,
+        state: TrainerState,
+        last_checkpoint: str | None = None,
+    ) -> None:
         self.accelerator = accelerator
         self.config = config
         self.run = run
@@ -73,7 +82,7 @@ class Trainer:
         self.fid_log = JsonLines(run.fid)
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
 
-    def fit(self) -> Optional[str]:
+    def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
         stop = StopSignals()
         try:
@@ -81,15 +90,20 @@ class Trainer:
         finally:
             stop.restore()
 
-    def _fit(self, stop: StopSignals) -> Optional[str]:
+    def _fit(self, stop: StopSignals) -> str | None:
         config, accelerator = self.config, self.accelerator
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
         metrics = TrainingMetrics(accelerator, self.run.metrics, config.train.global_batch_size, self.state.step)
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
-        progress = tqdm(total=max_steps, initial=self.state.step, desc="training", dynamic_ncols=True,
-                        disable=not accelerator.is_main_process)
+        progress = tqdm(
+            total=max_steps,
+            initial=self.state.step,
+            desc="training",
+            dynamic_ncols=True,
+            disable=not accelerator.is_main_process,
+        )
         while self.state.step < max_steps:
             loss, grad_norm, skipped = self.train_step(stream)
             step = self.state.step
@@ -123,8 +137,10 @@ class Trainer:
         """Checkpoint the step just finished (unless its loss is not finite) and say how to continue."""
         self.stop_if_non_finite(metrics)
         self.save_checkpoint()
-        self.accelerator.print(f"stopped by {stop.name()} after step {self.state.step}: checkpoint "
-                               f"{self.last_checkpoint} written; continue with --resume latest")
+        self.accelerator.print(
+            f"stopped by {stop.name()} after step {self.state.step}: checkpoint "
+            f"{self.last_checkpoint} written; continue with --resume latest"
+        )
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimiser step and the EMA update after it; returns (mean loss, grad norm, skipped files)."""
@@ -140,8 +156,9 @@ class Trainer:
             x, y, batch_skipped, *paired = next(stream)  # paired: the latents' own images, for REPA
             self.state.examples_seen += self.batches.loader.batch_size * accelerator.num_processes
             if len(y) == 0:
-                raise CorruptImageError(f"every image of a micro-batch was corrupt (step {self.state.step + 1}); "
-                                        f"check data.images")
+                raise CorruptImageError(
+                    f"every image of a micro-batch was corrupt (step {self.state.step + 1}); check data.images"
+                )
             x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
             images = paired[0].to(accelerator.device, non_blocking=True) if paired else x  # before VAE encoding
             if self.parts.encoder is not None:
@@ -164,8 +181,9 @@ class Trainer:
         self.step_terms = {"alignment_loss": torch.stack(alignments).mean()} if alignments else {}
         return torch.stack(losses).mean(), grad_norm.detach().float(), skipped
 
-    def losses(self, x: torch.Tensor, y: torch.Tensor,
-               images: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def losses(
+        self, x: torch.Tensor, y: torch.Tensor, images: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss to minimise, REPA's alignment loss or None) of one micro-batch; `images` are the examples' own
         images, which REPA's encoder sees."""
         alignment = self.parts.alignment
@@ -182,21 +200,34 @@ class Trainer:
     def stop_if_non_finite(self, metrics: TrainingMetrics) -> None:
         bad_step = metrics.first_non_finite_step()
         if bad_step is not None:
-            raise NonFiniteLossError(f"the loss is not finite at step {bad_step}; training stopped and {self.kept()} "
-                                     f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=fp32)")
+            raise NonFiniteLossError(
+                f"the loss is not finite at step {bad_step}; training stopped and {self.kept()} "
+                f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=fp32)"
+            )
 
     def kept(self) -> str:
         """What a run stopped by an error leaves to resume from."""
-        return f"the last checkpoint, {self.last_checkpoint}, is intact" if self.last_checkpoint \
+        return (
+            f"the last checkpoint, {self.last_checkpoint}, is intact"
+            if self.last_checkpoint
             else "no checkpoint was written"
+        )
 
     def save_checkpoint(self) -> None:
         trainer_state = {**asdict(self.state), **tracker_state(self.accelerator)}  # tracker run ids for resume
         needed = checkpoint_bytes(self.model.state_dict(), self.optimizer.state_dict(), self.ema.state_dict())
         try:
-            path = save_checkpoint(self.accelerator, self.run.checkpoints, self.state.step, self.ema, trainer_state,
-                                   self.parts.export, config_to_yaml(self.config), self.config.log.keep_checkpoints,
-                                   needed)
+            path = save_checkpoint(
+                self.accelerator,
+                self.run.checkpoints,
+                self.state.step,
+                self.ema,
+                trainer_state,
+                self.parts.export,
+                config_to_yaml(self.config),
+                self.config.log.keep_checkpoints,
+                needed,
+            )
         except OutputError as error:
             raise OutputError(f"{error} (training stopped after step {self.state.step}; {self.kept()})") from None
         self.last_checkpoint = str(path)
@@ -219,9 +250,14 @@ class Trainer:
 
     def measure_fid(self) -> None:
         with self.accelerator.autocast():
-            fid = preview_fid(self.parts.preview, self.config.log, self.parts.fid_extractor,
-                              self.accelerator.process_index, self.accelerator.num_processes,
-                              self.batches.loader.batch_size)
+            fid = preview_fid(
+                self.parts.preview,
+                self.config.log,
+                self.parts.fid_extractor,
+                self.accelerator.process_index,
+                self.accelerator.num_processes,
+                self.batches.loader.batch_size,
+            )
         if self.accelerator.is_main_process:
             self.fid_log.append({"step": self.state.step, "fid": fid, "samples": self.config.log.fid_samples})
             self.accelerator.log({"eval/fid": fid}, step=self.state.step)

@@ -11,7 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -57,20 +57,22 @@ class TrainingMetrics:
         if accelerator.is_main_process:
             self.log.drop_after(start_step)
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int,
-               **terms: torch.Tensor) -> None:
+    def record(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int, **terms: torch.Tensor
+    ) -> None:
         """Add one optimiser step (loss, grad_norm and the named loss `terms` are 0-d tensors on the device)."""
         for name, value in terms.items():
             self.term_sums[name] = self.term_sums.get(name, torch.zeros_like(self.loss_sum)) + value
         self.loss_sum += loss
         self.grad_norm_sum += grad_norm
         bad = torch.full_like(self.first_bad_step, step)
-        self.first_bad_step = torch.where(torch.isfinite(loss), self.first_bad_step,
-                                          torch.minimum(self.first_bad_step, bad))
+        self.first_bad_step = torch.where(
+            torch.isfinite(loss), self.first_bad_step, torch.minimum(self.first_bad_step, bad)
+        )
         self.steps += 1
         self.skipped_images += skipped_images
 
-    def first_non_finite_step(self) -> Optional[int]:
+    def first_non_finite_step(self) -> int | None:
         """The earliest step (on any process) whose loss was not finite, or None."""
         first = self.accelerator.gather(self.first_bad_step[None]).min()
         return None if first.item() == NO_BAD_STEP else int(first.item())
@@ -78,22 +80,39 @@ class TrainingMetrics:
     def write(self, step: int, **extra: Any) -> dict[str, Any]:
         """Reduce over processes, append one line to metrics.jsonl and the trackers, start a new window."""
         names = sorted(self.term_sums)
-        local = torch.stack([self.loss_sum / self.steps, self.grad_norm_sum / self.steps,
-                             torch.tensor(float(self.skipped_images), device=self.loss_sum.device),
-                             *(self.term_sums[name] / self.steps for name in names)])
-        gathered = self.accelerator.gather(local[None]).cpu()            # (processes, 3 + terms)
+        local = torch.stack(
+            [
+                self.loss_sum / self.steps,
+                self.grad_norm_sum / self.steps,
+                torch.tensor(float(self.skipped_images), device=self.loss_sum.device),
+                *(self.term_sums[name] / self.steps for name in names),
+            ]
+        )
+        gathered = self.accelerator.gather(local[None]).cpu()  # (processes, 3 + terms)
         now = time.perf_counter()
         steps_per_s = (step - self.clock_step) / (now - self.clock)
         per_process = gathered[:, 0].tolist()
-        line = {"step": step, "loss": sum(per_process) / len(per_process), "loss_per_process": per_process,
-                "grad_norm": gathered[0, 1].item(),  # identical on every process once gradients are all-reduced
-                "steps_per_s": steps_per_s, "images_per_s": steps_per_s * self.images_per_step,
-                "skipped_images": int(gathered[:, 2].sum().item()),  # corrupt files skipped in the window
-                **{name: gathered[:, 3 + k].mean().item() for k, name in enumerate(names)}, **extra}
+        line = {
+            "step": step,
+            "loss": sum(per_process) / len(per_process),
+            "loss_per_process": per_process,
+            "grad_norm": gathered[0, 1].item(),  # identical on every process once gradients are all-reduced
+            "steps_per_s": steps_per_s,
+            "images_per_s": steps_per_s * self.images_per_step,
+            "skipped_images": int(gathered[:, 2].sum().item()),  # corrupt files skipped in the window
+            **{name: gathered[:, 3 + k].mean().item() for k, name in enumerate(names)},
+            **extra,
+        }
         if self.accelerator.is_main_process:
             self.log.append(line)
-            self.accelerator.log({f"train/{key}": value for key, value in line.items()
-                                  if isinstance(value, (int, float)) and key != "step"}, step=step)
+            self.accelerator.log(
+                {
+                    f"train/{key}": value
+                    for key, value in line.items()
+                    if isinstance(value, (int, float)) and key != "step"
+                },
+                step=step,
+            )
         self.loss_sum.zero_()
         self.grad_norm_sum.zero_()
         self.steps = self.skipped_images = 0

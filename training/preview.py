@@ -7,8 +7,8 @@ RNG, so it does not perturb training. Images are made by `generation.Generator`,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -28,8 +28,9 @@ def load_fid_extractor(log: LogConfig, device):
     from fid import load_inception
 
     if log.fid_reference is None or not Path(log.fid_reference).is_file():
-        raise FileNotFoundError(f"log.fid_every={log.fid_every} needs log.fid_reference=<.npz with mu and sigma>, "
-                                f"got {log.fid_reference}")
+        raise FileNotFoundError(
+            f"log.fid_every={log.fid_every} needs log.fid_reference=<.npz with mu and sigma>, got {log.fid_reference}"
+        )
     return load_inception(log.fid_inception, device=device)
 
 
@@ -40,13 +41,15 @@ def generation_options(log: LogConfig) -> dict:
 def save_preview_grid(generator: ImageGenerator, log: LogConfig, path: Path) -> None:
     """A grid of `log.sample_count` samples, labels cycling through the classes."""
     indices = np.arange(log.sample_count)
-    images = generator.generate(indices % generator.num_classes, sample_seeds(PREVIEW_SEED, indices),
-                                **generation_options(log))
+    images = generator.generate(
+        indices % generator.num_classes, sample_seeds(PREVIEW_SEED, indices), **generation_options(log)
+    )
     save_grid(images, path)
 
 
-def preview_fid(generator: ImageGenerator, log: LogConfig, extractor, process_index: int, num_processes: int,
-                batch_size: int) -> float:
+def preview_fid(
+    generator: ImageGenerator, log: LogConfig, extractor, process_index: int, num_processes: int, batch_size: int
+) -> float:
     """FID of `log.fid_samples` class-balanced samples against `log.fid_reference`.
 
     The processes share the sample indices; their feature statistics are summed across processes before the
@@ -59,8 +62,9 @@ def preview_fid(generator: ImageGenerator, log: LogConfig, extractor, process_in
 
     def batches() -> Iterator[np.ndarray]:
         for start in range(0, len(indices), batch_size):
-            chunk = indices[start:start + batch_size]
-            yield generator.generate(chunk % generator.num_classes, sample_seeds(PREVIEW_SEED, chunk),
-                                     **generation_options(log))
+            chunk = indices[start : start + batch_size]
+            yield generator.generate(
+                chunk % generator.num_classes, sample_seeds(PREVIEW_SEED, chunk), **generation_options(log)
+            )
 
     return fid_from_batches(batches(), log.fid_reference, extractor, across_processes=num_processes > 1)

@@ -21,8 +21,8 @@ for Ge = k Gm the mean of the k x k patches it covers, for Gm = k Ge the feature
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,7 @@ class EncoderUnavailableError(ConfigError):
 #                                     Checks before anything is built
 # --------------------------------------------------------------------------------------------------
 
+
 def check_encoder_name(spec: str) -> None:
     """`train.repa.encoder` is a timm model name or a folder in timm's save_for_hf layout (no weights read)."""
     _encoder_source(spec)
@@ -55,9 +56,11 @@ def check_encoder_name(spec: str) -> None:
 def check_grids(encoder_grid: int, model_grid: int) -> None:
     """The grid rule of the module docstring: one side must be a whole multiple of the other."""
     if encoder_grid % model_grid and model_grid % encoder_grid:
-        raise ConfigError(f"the encoder's {encoder_grid}x{encoder_grid} patch grid cannot be matched with the "
-                          f"model's {model_grid}x{model_grid} token grid (one must divide the other); change "
-                          f"train.repa.input_size (a multiple of the encoder's patch size)")
+        raise ConfigError(
+            f"the encoder's {encoder_grid}x{encoder_grid} patch grid cannot be matched with the "
+            f"model's {model_grid}x{model_grid} token grid (one must divide the other); change "
+            f"train.repa.input_size (a multiple of the encoder's patch size)"
+        )
 
 
 def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
@@ -74,9 +77,11 @@ def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
     changed = [key for key in STRUCTURAL_KEYS if before[key] != current[key]]
     if changed:
         key = changed[0]
-        raise ConfigError(f"{saved_config.parent} was trained with train.repa.{key}={before[key]!r}, this launch "
-                          f"has {current[key]!r}: REPA's encoder, depth and projector_dim cannot change on resume "
-                          f"(start a new run.dir)")
+        raise ConfigError(
+            f"{saved_config.parent} was trained with train.repa.{key}={before[key]!r}, this launch "
+            f"has {current[key]!r}: REPA's encoder, depth and projector_dim cannot change on resume "
+            f"(start a new run.dir)"
+        )
     if not (saved_config.parent / PROJECTOR_WEIGHTS).is_file():
         raise ConfigError(f"cannot resume from {saved_config.parent}: REPA's projector {PROJECTOR_WEIGHTS} is missing")
 
@@ -84,6 +89,7 @@ def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
 # --------------------------------------------------------------------------------------------------
 #                                              Encoder
 # --------------------------------------------------------------------------------------------------
+
 
 class AlignmentEncoder(nn.Module):
     """A frozen timm ViT that maps images in [-1, 1] (B, c, S, S) to patch features (B, Ge*Ge, D) in float32.
@@ -110,44 +116,51 @@ class AlignmentEncoder(nn.Module):
     def in_channels(self) -> int:
         return self.vit.patch_embed.proj.in_channels
 
-    def train(self, mode: bool = True) -> "AlignmentEncoder":
+    def train(self, mode: bool = True) -> AlignmentEncoder:
         return super().train(False)
 
     @torch.no_grad()
     def forward(self, images: Tensor) -> Tensor:
-        x = (images.float() + 1) / 2                                               # (B, c, S, S) in [0, 1]
+        x = (images.float() + 1) / 2  # (B, c, S, S) in [0, 1]
         if x.shape[1] == 1 and self.in_channels == 3:
-            x = x.expand(-1, 3, -1, -1)                                            # grey -> RGB
+            x = x.expand(-1, 3, -1, -1)  # grey -> RGB
         if x.shape[-1] != self.input_size:
             x = F.interpolate(x, size=(self.input_size, self.input_size), mode="bicubic", align_corners=False)
-        x = (x - self.mean) / self.std                                             # (B, C, s, s)
-        tokens = self.vit.forward_features(x)                                      # (B, prefix + Ge*Ge, D)
-        return tokens[:, self.vit.num_prefix_tokens:].float()                     # (B, Ge*Ge, D)
+        x = (x - self.mean) / self.std  # (B, C, s, s)
+        tokens = self.vit.forward_features(x)  # (B, prefix + Ge*Ge, D)
+        return tokens[:, self.vit.num_prefix_tokens :].float()  # (B, Ge*Ge, D)
 
 
-def load_encoder(repa: RepaConfig, image_channels: int, model_grid: int,
-                 device: torch.device | str | None = None) -> AlignmentEncoder:
+def load_encoder(
+    repa: RepaConfig, image_channels: int, model_grid: int, device: torch.device | str | None = None
+) -> AlignmentEncoder:
     """The encoder of `repa`, checked against the images it will see and the model's token grid."""
     folder = _encoder_source(repa.encoder)
     vit = _load_local(folder) if folder is not None else _load_named(repa.encoder)
     if not all(hasattr(vit, name) for name in ("patch_embed", "num_prefix_tokens", "set_input_size")):
-        raise EncoderUnavailableError(f"train.repa.encoder={repa.encoder} is a {type(vit).__name__}, not a timm "
-                                      f"Vision Transformer with patch tokens")
+        raise EncoderUnavailableError(
+            f"train.repa.encoder={repa.encoder} is a {type(vit).__name__}, not a timm "
+            f"Vision Transformer with patch tokens"
+        )
     patch = vit.patch_embed.patch_size[0]
     if repa.input_size % patch:
-        raise ConfigError(f"'train.repa.input_size' is {repa.input_size}; expected a multiple of the encoder's "
-                          f"patch size {patch}")
+        raise ConfigError(
+            f"'train.repa.input_size' is {repa.input_size}; expected a multiple of the encoder's patch size {patch}"
+        )
     vit.set_input_size(img_size=(repa.input_size, repa.input_size))  # resamples the position embeddings
     channels = vit.patch_embed.proj.in_channels
     if image_channels != channels and not (image_channels == 1 and channels == 3):
-        raise ConfigError(f"train.repa.encoder={repa.encoder} takes {channels}-channel images, the data has "
-                          f"{image_channels}")
+        raise ConfigError(
+            f"train.repa.encoder={repa.encoder} takes {channels}-channel images, the data has {image_channels}"
+        )
     check_grids(vit.patch_embed.grid_size[0], model_grid)
     mean = repa.mean if repa.mean is not None else _channels(vit.pretrained_cfg.get("mean"), channels, "mean")
     std = repa.std if repa.std is not None else _channels(vit.pretrained_cfg.get("std"), channels, "std")
     if len(mean) != channels or len(std) != channels:
-        raise ConfigError(f"'train.repa.mean'/'train.repa.std' have {len(mean)}/{len(std)} values, the encoder "
-                          f"takes {channels} channels")
+        raise ConfigError(
+            f"'train.repa.mean'/'train.repa.std' have {len(mean)}/{len(std)} values, the encoder "
+            f"takes {channels} channels"
+        )
     return AlignmentEncoder(vit, list(mean), list(std), repa.input_size).to(device)
 
 
@@ -158,7 +171,7 @@ def _channels(values, channels: int, name: str) -> list[float]:
     return values * channels if len(values) == 1 else values
 
 
-def _encoder_source(spec: str) -> Optional[Path]:
+def _encoder_source(spec: str) -> Path | None:
     """The local folder `spec` names (a folder, or the model.safetensors in it), or None for a timm name."""
     import timm
 
@@ -167,14 +180,18 @@ def _encoder_source(spec: str) -> Optional[Path]:
     if folder.is_dir():
         for name in (ENCODER_CONFIG, ENCODER_WEIGHTS):
             if not (folder / name).is_file():
-                raise EncoderUnavailableError(f"encoder folder {folder} has no {name}; expected a folder written by "
-                                              f"timm.models.save_for_hf(model, folder, safe_serialization=True)")
+                raise EncoderUnavailableError(
+                    f"encoder folder {folder} has no {name}; expected a folder written by "
+                    f"timm.models.save_for_hf(model, folder, safe_serialization=True)"
+                )
         return folder
     if spec.startswith((".", "/", "~")) or "/" in spec or path.suffix == ".safetensors":
         raise EncoderUnavailableError(f"train.repa.encoder={spec}: no such folder or file")
     if not timm.is_model(spec):
-        raise EncoderUnavailableError(f"train.repa.encoder={spec} is neither a folder nor a timm model name "
-                                      f"(such as vit_base_patch14_dinov2.lvd142m)")
+        raise EncoderUnavailableError(
+            f"train.repa.encoder={spec} is neither a folder nor a timm model name "
+            f"(such as vit_base_patch14_dinov2.lvd142m)"
+        )
     return None
 
 
@@ -184,8 +201,9 @@ def _load_local(folder: Path) -> nn.Module:
     try:
         description = json.loads((folder / ENCODER_CONFIG).read_text())
         architecture, arguments = description["architecture"], description.get("model_args", {})
-        vit = timm.create_model(architecture, pretrained=False, **arguments,
-                                pretrained_cfg_overlay=description.get("pretrained_cfg", {}))
+        vit = timm.create_model(
+            architecture, pretrained=False, **arguments, pretrained_cfg_overlay=description.get("pretrained_cfg", {})
+        )
         vit.load_state_dict(load_file(folder / ENCODER_WEIGHTS), strict=True)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -197,9 +215,11 @@ def _load_named(name: str) -> nn.Module:
     import timm
 
     folder = f"encoders/{name}"
-    how_to = (f"To provide it, on a machine with internet run  python -c \"import timm; from timm.models import "
-              f"save_for_hf; save_for_hf(timm.create_model('{name}', pretrained=True), '{folder}', "
-              f"safe_serialization=True)\"  copy the folder here and set train.repa.encoder={folder}")
+    how_to = (
+        f'To provide it, on a machine with internet run  python -c "import timm; from timm.models import '
+        f"save_for_hf; save_for_hf(timm.create_model('{name}', pretrained=True), '{folder}', "
+        f'safe_serialization=True)"  copy the folder here and set train.repa.encoder={folder}'
+    )
     try:
         return timm.create_model(name, pretrained=True)
     except (OSError, RuntimeError, ValueError) as error:  # offline without a cached copy: LocalEntryNotFoundError
@@ -211,25 +231,31 @@ def _load_named(name: str) -> nn.Module:
 #                                    Grid, projector, loss, training step
 # --------------------------------------------------------------------------------------------------
 
+
 def match_grid(features: Tensor, model_grid: int) -> Tensor:
     """Encoder features (B, Ge*Ge, D) on the model's grid (B, Gm*Gm, D) by the rule of the module docstring.
 
     With whole ratios, adaptive average pooling is exactly that rule: its bins are the k x k patches under a
     token (Ge = k Gm) or the one patch over it (Gm = k Ge)."""
     batch, count, width = features.shape
-    encoder_grid = int(round(count ** 0.5))
+    encoder_grid = int(round(count**0.5))
     check_grids(encoder_grid, model_grid)
     if encoder_grid == model_grid:
         return features
     maps = features.transpose(1, 2).reshape(batch, width, encoder_grid, encoder_grid)  # (B, D, Ge, Ge)
-    return F.adaptive_avg_pool2d(maps, model_grid).flatten(2).transpose(1, 2)          # (B, Gm*Gm, D)
+    return F.adaptive_avg_pool2d(maps, model_grid).flatten(2).transpose(1, 2)  # (B, Gm*Gm, D)
 
 
 def build_projector(hidden_size: int, projector_dim: int, feature_width: int) -> nn.Sequential:
     """REPA's projector: Linear, SiLU, Linear, SiLU, Linear (xavier-uniform weights, zero biases, as the model's
     own linears), from the model's width to the encoder's."""
-    projector = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(), nn.Linear(projector_dim, projector_dim),
-                              nn.SiLU(), nn.Linear(projector_dim, feature_width))
+    projector = nn.Sequential(
+        nn.Linear(hidden_size, projector_dim),
+        nn.SiLU(),
+        nn.Linear(projector_dim, projector_dim),
+        nn.SiLU(),
+        nn.Linear(projector_dim, feature_width),
+    )
     for layer in projector:
         if isinstance(layer, nn.Linear):
             nn.init.xavier_uniform_(layer.weight)
@@ -259,8 +285,14 @@ class RepresentationAlignment:
         """Encoder features of the clean images on the model's grid: (B, c, S, S) -> (B, Gm*Gm, D)."""
         return match_grid(self.encoder(images), self.model_grid)
 
-    def losses(self, objective_losses: Callable[..., dict[str, Tensor]], model: nn.Module, x: Tensor, y: Tensor,
-               targets: Tensor) -> tuple[Tensor, Tensor]:
+    def losses(
+        self,
+        objective_losses: Callable[..., dict[str, Tensor]],
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        targets: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         """(objective loss (B,), alignment loss (B,)) of one forward pass of `model`.
 
         `objective_losses` is the objective's `training_losses`; the model is called through a function that
@@ -272,5 +304,5 @@ class RepresentationAlignment:
             kept.append(hidden)
             return output
 
-        objective = objective_losses(model_fn, x, y)["loss"]                   # (B,)
-        return objective, alignment_loss(self.projector(kept[0]), targets)     # (B,), (B,)
+        objective = objective_losses(model_fn, x, y)["loss"]  # (B,)
+        return objective, alignment_loss(self.projector(kept[0]), targets)  # (B,), (B,)

@@ -78,9 +78,11 @@ class RunDirectory:
         found = self.earlier_run()
         if found:
             names = ", ".join(str(path.relative_to(self.root)) for path in found[:3])
-            raise ConfigError(f"run.dir {self.root} already holds a run ({names}{', ...' if len(found) > 3 else ''}): "
-                              f"continue it with --resume latest, choose another run.dir=..., or pass --overwrite "
-                              f"to start over (deletes them)")
+            raise ConfigError(
+                f"run.dir {self.root} already holds a run ({names}{', ...' if len(found) > 3 else ''}): "
+                f"continue it with --resume latest, choose another run.dir=..., or pass --overwrite "
+                f"to start over (deletes them)"
+            )
 
     def written_by_runs(self) -> list[Path]:
         """What runs write here: the logs, step-XXXXXXX checkpoints and exports (and hidden ones of killed saves),
@@ -132,13 +134,16 @@ def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
     )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes == 1 and launched > 1:  # each process would train alone in the same folder
-        raise LaunchError(f"launched {launched} processes but Accelerate sees one: on a machine without GPUs "
-                          f"set train.cpu=true")
+        raise LaunchError(
+            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs set train.cpu=true"
+        )
     asked = accelerate_launch_processes()
     if accelerator.num_processes == 1 and asked > 1:  # `accelerate launch --cpu` always starts a single process
-        raise LaunchError(f"accelerate launch --num_processes {asked} started one process (with --cpu, Accelerate "
-                          f"uses its single-process launcher); for {asked} CPU processes run `torchrun "
-                          f"--nproc_per_node {asked} train.py ... train.cpu=true`")
+        raise LaunchError(
+            f"accelerate launch --num_processes {asked} started one process (with --cpu, Accelerate "
+            f"uses its single-process launcher); for {asked} CPU processes run `torchrun "
+            f"--nproc_per_node {asked} train.py ... train.cpu=true`"
+        )
     keep_plain_model_keys(accelerator)
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
@@ -154,14 +159,15 @@ def accelerate_launch_processes() -> int:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
     except OSError:  # not Linux, or the parent is gone
         return 1
-    starts = [index for index, token in enumerate(argv)
-              if token == "launch" or token.endswith("accelerate.commands.launch")]
-    if not starts or not any(Path(token).name.startswith("accelerate") for token in argv[:starts[0] + 1]):
+    starts = [
+        index for index, token in enumerate(argv) if token == "launch" or token.endswith("accelerate.commands.launch")
+    ]
+    if not starts or not any(Path(token).name.startswith("accelerate") for token in argv[: starts[0] + 1]):
         return 1
     from accelerate.commands.launch import launch_command_parser
 
     try:
-        options, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1:])
+        options, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1 :])
     except SystemExit:  # a command line that is not accelerate's after all
         return 1
     return options.num_processes or 1
@@ -172,6 +178,8 @@ def micro_batch_size(config: Config, num_processes: int) -> int:
     train = config.train
     parts = num_processes * train.grad_accum_steps
     if train.global_batch_size % parts:
-        raise ConfigError(f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
-                          f"processes x {train.grad_accum_steps} accumulation steps")
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
+            f"processes x {train.grad_accum_steps} accumulation steps"
+        )
     return train.global_batch_size // parts

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,13 +30,13 @@ class StopSignals:
     call `restore()` when training ends."""
 
     def __init__(self) -> None:
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self._group = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # collective: every rank creates it here
         self._previous = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
 
-    def _note(self, number: int, frame: Optional[FrameType]) -> None:
+    def _note(self, number: int, frame: FrameType | None) -> None:
         self.received = number
         for other in STOP_SIGNALS:
             signal.signal(other, signal.SIG_DFL)  # a second signal ends the process at once

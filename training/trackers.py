@@ -25,8 +25,8 @@ from training.config import Config, ConfigError, LogConfig, config_to_dict
 TRACKER_NAMES = tuple(kind.value for kind in LoggerType if kind is not LoggerType.ALL)  # each also its module name
 TENSORBOARD_FOLDER = "tensorboard"
 TRACKER_FOLDERS = (TENSORBOARD_FOLDER, "wandb")  # what trackers write under <run> (train.py --overwrite clears them)
-STATE_KEY = "trackers"                          # trainer_state.json: {"trackers": {"wandb": "<run id>"}}
-RESUMABLE = ("wandb",)                          # trackers whose run continues on resume (by the id above)
+STATE_KEY = "trackers"  # trainer_state.json: {"trackers": {"wandb": "<run id>"}}
+RESUMABLE = ("wandb",)  # trackers whose run continues on resume (by the id above)
 GRID_KEY = "samples/ema"
 IMAGE_OPTIONS = {"tensorboard": {"dataformats": "NHWC"}}  # the grid is (1, H, W, 3) uint8
 
@@ -40,16 +40,17 @@ def check_trackers(log: LogConfig) -> None:
         if name not in TRACKER_NAMES:
             raise ConfigError(f"'log.trackers' has {name!r}; valid choices: {', '.join(TRACKER_NAMES)}")
         if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"'log.trackers' has {name!r}, but the {name} package is not installed "
-                              f"(pip install {name}; for wandb also: pip install 'vca-diffusion[wandb]')")
+            raise ConfigError(
+                f"'log.trackers' has {name!r}, but the {name} package is not installed "
+                f"(pip install {name}; for wandb also: pip install 'vca-diffusion[wandb]')"
+            )
 
 
 def run_name(log: LogConfig, run_dir: Path) -> str:
     return log.run_name or run_dir.name
 
 
-def create_trackers(log: LogConfig, run_dir: Path, start_step: int,
-                    resumed: dict[str, str]) -> list[GeneralTracker]:
+def create_trackers(log: LogConfig, run_dir: Path, start_step: int, resumed: dict[str, str]) -> list[GeneralTracker]:
     """Tracker objects for `log.trackers` (nothing starts until Accelerator.init_trackers); `resumed` maps a
     tracker name to the run id a checkpoint stored."""
     trackers = []
@@ -58,8 +59,15 @@ def create_trackers(log: LogConfig, run_dir: Path, start_step: int,
         if name == "tensorboard":
             trackers.append(tracker_class(TENSORBOARD_FOLDER, run_dir, purge_step=start_step + 1))
         elif name == "wandb":
-            trackers.append(tracker_class(log.project, name=run_name(log, run_dir), id=resumed.get(name) or new_run_id(),
-                                          resume="allow", dir=str(run_dir)))
+            trackers.append(
+                tracker_class(
+                    log.project,
+                    name=run_name(log, run_dir),
+                    id=resumed.get(name) or new_run_id(),
+                    resume="allow",
+                    dir=str(run_dir),
+                )
+            )
         elif tracker_class.requires_logging_directory:
             trackers.append(tracker_class(log.project, run_dir))
         else:
@@ -72,10 +80,12 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def start_trackers(accelerator: Accelerator, config: Config, run_dir: Path, start_step: int,
-                   saved_state: dict[str, Any]) -> None:
-    """Start the trackers of `config` (main process) in the run directory `run_dir`, continuing the tracker runs that `saved_state` (the
-    resumed checkpoint's trainer state; {} for a fresh run) names, and record the config as hyper-parameters."""
+def start_trackers(
+    accelerator: Accelerator, config: Config, run_dir: Path, start_step: int, saved_state: dict[str, Any]
+) -> None:
+    """Start the trackers of `config` (main process) in the run directory `run_dir`, continuing the tracker runs
+    that `saved_state` (the resumed checkpoint's trainer state; {} for a fresh run) names, and record the config as
+    hyper-parameters."""
     accelerator.log_with = create_trackers(config.log, run_dir, start_step, saved_state.get(STATE_KEY, {}))
     accelerator.init_trackers(config.log.project, config=hyperparameters(config_to_dict(config)))
 

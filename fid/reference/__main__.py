@@ -17,8 +17,12 @@ from .batches import RESOLUTIONS, reference_batch
 
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = CommandParser(prog="python -m fid.reference", description=__doc__ + batches.__doc__)
-    parser.add_argument("names", nargs="+", metavar="NAME",
-                        help=f"imagenet{{{','.join(map(str, RESOLUTIONS))}}} (also written adm:imagenet256)")
+    parser.add_argument(
+        "names",
+        nargs="+",
+        metavar="NAME",
+        help=f"imagenet{{{','.join(map(str, RESOLUTIONS))}}} (also written adm:imagenet256)",
+    )
     args = parser.parse_args(argv)
     paths = []
     with one_line_warnings():

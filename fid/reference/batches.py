@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from atomic_files import atomic_output, remove_stale_temporaries, write_text_atomic
+
 from ..errors import InputError
 from ..inception import SPATIAL_DIM
 from ..inputs import IMAGE_KEY, NpzImages
@@ -70,8 +71,9 @@ def reference_batch(name: str) -> ReferenceBatch | None:
         return None
     resolution = int(match.group(1))
     if resolution not in RESOLUTIONS:
-        raise InputError(f"{name}: ADM published ImageNet reference batches at {', '.join(map(str, RESOLUTIONS))} "
-                         "pixels only")
+        raise InputError(
+            f"{name}: ADM published ImageNet reference batches at {', '.join(map(str, RESOLUTIONS))} pixels only"
+        )
     return ReferenceBatch(resolution)
 
 
@@ -84,8 +86,10 @@ def resolve_input(argument: str | os.PathLike) -> Path:
     if batch is None:
         return path
     if not batch.path.is_file():
-        raise InputError(f"{argument}: the ADM reference batch is not in the cache ({batch.path}); "
-                         f"`python -m fid.reference {batch.name}` downloads it")
+        raise InputError(
+            f"{argument}: the ADM reference batch is not in the cache ({batch.path}); "
+            f"`python -m fid.reference {batch.name}` downloads it"
+        )
     return batch.path
 
 
@@ -102,8 +106,10 @@ def check_structure(path: Path, batch: ReferenceBatch) -> None:
         raise InputError(f"{path}: not a readable .npz ({str(error).strip() or type(error).__name__})") from None
     expected_image = (batch.resolution, batch.resolution, 3)
     if images.shape[1:] != expected_image:
-        raise InputError(f"{path}: '{IMAGE_KEY}' has shape {images.shape}; expected (N, {batch.resolution}, "
-                         f"{batch.resolution}, 3) for {batch.name}")
+        raise InputError(
+            f"{path}: '{IMAGE_KEY}' has shape {images.shape}; expected (N, {batch.resolution}, "
+            f"{batch.resolution}, 3) for {batch.name}"
+        )
     for name, dim in STAT_DIMS.items():
         gaussian, (mean_key, cov_key) = getattr(stats, name), STAT_KEYS[name]
         if gaussian is None or gaussian.mean.shape != (dim,):
@@ -135,8 +141,10 @@ def fetch(batch: ReferenceBatch) -> Path:
             check_structure(temporary, batch)
             digest = sha256_of(temporary)
     except OSError as error:  # urllib's URLError is an OSError: offline, DNS, refused, HTTP errors
-        raise InputError(f"{batch.url} could not be downloaded ({error}); download it by hand, put it at "
-                         f"{batch.path} and run `python -m fid.reference {batch.name}` again to check it") from None
+        raise InputError(
+            f"{batch.url} could not be downloaded ({error}); download it by hand, put it at "
+            f"{batch.path} and run `python -m fid.reference {batch.name}` again to check it"
+        ) from None
     write_text_atomic(batch.sha256_path, f"{digest}  {batch.filename}\n")
     return batch.path
 
@@ -148,8 +156,10 @@ def verify(batch: ReferenceBatch) -> Path:
     if batch.sha256_path.is_file():
         recorded = batch.sha256_path.read_text().split()[0]
         if recorded != digest:
-            raise InputError(f"{batch.path}: sha256 {digest} differs from {recorded} recorded in "
-                             f"{batch.sha256_path} when it was first checked; delete both and fetch it again")
+            raise InputError(
+                f"{batch.path}: sha256 {digest} differs from {recorded} recorded in "
+                f"{batch.sha256_path} when it was first checked; delete both and fetch it again"
+            )
     else:
         write_text_atomic(batch.sha256_path, f"{digest}  {batch.filename}\n")
     return batch.path
