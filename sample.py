@@ -327,9 +327,11 @@ def load_checkpoint(args: argparse.Namespace):
 def try_sampler(generator, labels: np.ndarray, args: argparse.Namespace) -> None:
     """Draw sample 0 once with every option (sampler, steps, eta, tolerances, guidance, decoder), so that an option
     the sampler rejects fails here, before the shard folder is claimed: the cost of one sample of N."""
+    from samplers.interface import SamplerOptionError
+
     try:
         generator.generate(labels[:1], sample_seeds(args.seed, range(1)), **generation_options(args))
-    except ValueError as error:  # the samplers reject out-of-range options with a ValueError naming them
+    except SamplerOptionError as error:  # the samplers' own check of each option, naming it
         raise SystemExit(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
     generator.model_evaluations = 0  # the summary counts the sampling work only
 

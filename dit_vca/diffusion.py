@@ -12,7 +12,7 @@ from dit_vca.losses import mean_flat
 from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
 from samplers.ddpm import ReverseStep
-from samplers.interface import ModelFn, check_sampler_request
+from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
 from samplers.multistep import SCHEDULERS, multistep_solver
 
 NUM_TIMESTEPS = 1000
@@ -51,14 +51,16 @@ def space_timesteps(num_timesteps: int, spec: str) -> list[int]:
         for stride in range(1, num_timesteps):
             if len(range(0, num_timesteps, stride)) == count:
                 return list(range(0, num_timesteps, stride))
-        raise ValueError(f"respacing {spec!r}: no integer stride gives exactly {count} of {num_timesteps} steps")
+        raise SamplerOptionError(
+            f"respacing {spec!r}: no integer stride gives exactly {count} of {num_timesteps} steps"
+        )
     counts = [_parse_count(spec, part) for part in spec.split(",")]
     size_per, extra = divmod(num_timesteps, len(counts))
     start, steps = 0, []
     for i, count in enumerate(counts):
         size = size_per + (1 if i < extra else 0)
         if count > size:
-            raise ValueError(f"respacing {spec!r}: cannot take {count} steps from a section of {size}")
+            raise SamplerOptionError(f"respacing {spec!r}: cannot take {count} steps from a section of {size}")
         stride = (size - 1) / (count - 1) if count > 1 else 1.0
         steps += [start + round(j * stride) for j in range(count)]
         start += size
@@ -67,7 +69,7 @@ def space_timesteps(num_timesteps: int, spec: str) -> list[int]:
 
 def _parse_count(spec: str, text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"respacing {spec!r}: expected '', 'K', 'K1,K2,...' or 'ddimK' with positive integers")
+        raise SamplerOptionError(f"respacing {spec!r}: expected '', 'K', 'K1,K2,...' or 'ddimK' with positive integers")
     return int(text)
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .interface import ModelFn, SampleResult
+from .interface import ModelFn, SampleResult, SamplerOptionError
 from .noise import PerSampleNoise, standard_normal_like
 
 
@@ -75,7 +75,7 @@ def ddim(
 ) -> SampleResult:
     """DDIM (Song et al. 2021, Eq. 12): jump to the predicted x_0 re-noised to step t-1; eta=0 is deterministic."""
     if eta < 0:
-        raise ValueError(f"DDIM eta must be >= 0, got {eta}")
+        raise SamplerOptionError(f"DDIM eta must be >= 0, got {eta}")
     alphas_cumprod = process.alphas_cumprod.tolist()  # Python floats, read once: nothing to copy in the loop
     alphas_cumprod_prev = process.alphas_cumprod_prev.tolist()
     for i in tqdm(range(process.num_timesteps - 1, -1, -1), desc="DDIM", disable=not progress):

@@ -4,7 +4,7 @@ guided model function with the same call signature."""
 import torch
 from torch import Tensor, nn
 
-from .interface import ModelFn
+from .interface import ModelFn, SamplerOptionError
 
 
 def classifier_free_guidance(
@@ -34,9 +34,9 @@ def classifier_free_guidance(
             )
         guided_channels = int(model.in_channels)
     if guided_channels < 1:
-        raise ValueError(f"guided_channels must be >= 1, got {guided_channels}")
+        raise SamplerOptionError(f"guided_channels must be >= 1, got {guided_channels}")
     if interval is not None and not interval[0] <= interval[1]:
-        raise ValueError(f"guidance interval must be (t_lo, t_hi) with t_lo <= t_hi, got {interval}")
+        raise SamplerOptionError(f"guidance interval must be (t_lo, t_hi) with t_lo <= t_hi, got {interval}")
     k = guided_channels
 
     def guided_model(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
@@ -50,7 +50,7 @@ def classifier_free_guidance(
         out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))  # (2B, C_out, H, W)
         cond, uncond = out.chunk(2)  # (B, C_out, H, W) each
         if k > cond.shape[1]:
-            raise ValueError(f"guided_channels={k} exceeds the model's {cond.shape[1]} output channels")
+            raise SamplerOptionError(f"guided_channels={k} exceeds the model's {cond.shape[1]} output channels")
         guided = uncond[:, :k] + scale * (cond[:, :k] - uncond[:, :k])  # (B, k, H, W)
         mask = inside.view(-1, *([1] * (cond.ndim - 1)))  # (B, 1, 1, 1)
         guided = torch.where(mask, guided, cond[:, :k])

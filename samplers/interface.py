@@ -7,6 +7,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from commands import UserError
+
+
+class SamplerOptionError(UserError):
+    """A sampler, step count or sampler option that cannot be used; the message names it and the valid values.
+
+    Raised before (or, for guidance channels, at the first model call of) any sampling work, so that a command
+    can try a request once and answer a bad option in one line while a bug elsewhere keeps its traceback."""
+
+
 # A (possibly guided) model: x (B, C, H, W), t (B,) in the model's own time units, labels y (B,) -> (B, C_out, H, W),
 # C_out = C, or 2C for a DDPM model that also predicts its variance.
 ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -21,13 +31,13 @@ class SampleResult:
 
 
 def check_sampler_request(sampler: str, options: dict, allowed_options: dict[str, Iterable[str]]) -> None:
-    """Raise ValueError naming the bad sampler or option (and the valid ones) before any sampling work."""
+    """Raise SamplerOptionError naming the bad sampler or option (and the valid ones) before any sampling work."""
     if sampler not in allowed_options:
-        raise ValueError(f"unknown sampler {sampler!r}; expected one of {sorted(allowed_options)}")
+        raise SamplerOptionError(f"unknown sampler {sampler!r}; expected one of {sorted(allowed_options)}")
     unknown = sorted(set(options) - set(allowed_options[sampler]))
     if unknown:
         valid = sorted(allowed_options[sampler]) or "none"
-        raise ValueError(f"sampler {sampler!r} got unknown option(s) {unknown}; its options are: {valid}")
+        raise SamplerOptionError(f"sampler {sampler!r} got unknown option(s) {unknown}; its options are: {valid}")
 
 
 def batch_time(t: float, x: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from .ddpm import DiscreteProcess
-from .interface import ModelFn, SampleResult
+from .interface import ModelFn, SampleResult, SamplerOptionError
 
 SOLVER_ORDER = 2  # DPM-Solver++(2M) and UniPC-2 (bh2): the orders recommended for guided and unguided sampling
 
@@ -75,9 +75,9 @@ def multistep_solver(
     original timestep indices (process.model_timesteps) and only its first C output channels (epsilon) are used.
     """
     if solver not in SCHEDULERS:
-        raise ValueError(f"unknown multistep solver {solver!r}; expected one of {sorted(SCHEDULERS)}")
+        raise SamplerOptionError(f"unknown multistep solver {solver!r}; expected one of {sorted(SCHEDULERS)}")
     if not 1 <= steps < process.num_timesteps:  # diffusers' schedulers return NaN at steps == num_timesteps
-        raise ValueError(f"{solver} needs 1 <= steps < {process.num_timesteps}, got {steps}")
+        raise SamplerOptionError(f"{solver} needs 1 <= steps < {process.num_timesteps}, got {steps}")
     scheduler = SCHEDULERS[solver](num_train_timesteps=process.num_timesteps, trained_betas=process.betas.numpy())
     scheduler.set_timesteps(steps)  # on the host: the loop reads each step index without a device round trip
     channels = x.shape[1]

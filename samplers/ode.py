@@ -10,7 +10,7 @@ from torch import Tensor
 from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
-from .interface import SampleResult, batch_time
+from .interface import SampleResult, SamplerOptionError, batch_time
 from .noise import PerSampleNoise, standard_normal_like
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, ...), t (B,), y (B,)) -> dx/dt (B, ...)
@@ -61,7 +61,7 @@ class _CountingField:
 
 def _check_adaptive(method: str) -> None:
     if method not in ADAPTIVE_METHODS:
-        raise ValueError(f"unknown adaptive ODE method {method!r}; expected one of {list(ADAPTIVE_METHODS)}")
+        raise SamplerOptionError(f"unknown adaptive ODE method {method!r}; expected one of {list(ADAPTIVE_METHODS)}")
 
 
 def _end_exactly(times: Tensor) -> dict:
@@ -153,7 +153,7 @@ def log_likelihood(
     """
     _check_adaptive(method)
     if divergence not in ("hutchinson", "exact"):
-        raise ValueError(f"divergence must be 'hutchinson' or 'exact', got {divergence!r}")
+        raise SamplerOptionError(f"divergence must be 'hutchinson' or 'exact', got {divergence!r}")
     probe = torch.sign(standard_normal_like(x, noise))  # (B, ...) entries +-1
 
     def augmented(t: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

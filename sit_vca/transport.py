@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dit_vca.losses import mean_flat
 from samplers import PerSampleNoise, SampleResult, ode, sde
-from samplers.interface import ModelFn, check_sampler_request
+from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
 
 PREDICTIONS = ("velocity", "score", "noise")
 LOSS_WEIGHTS = (None, "velocity", "likelihood")
@@ -254,11 +254,13 @@ class Transport:
         check_sampler_request(sampler, options, SAMPLER_OPTIONS)
         if sampler in ode.ADAPTIVE_METHODS:
             if steps is not None:
-                raise ValueError(f"sampler {sampler!r} chooses its own steps; pass atol/rtol instead of steps={steps}")
+                raise SamplerOptionError(
+                    f"sampler {sampler!r} chooses its own steps; pass atol/rtol instead of steps={steps}"
+                )
         else:
             steps = DEFAULT_STEPS[sampler] if steps is None else steps
             if steps < 1:
-                raise ValueError(f"steps must be >= 1, got {steps}")
+                raise SamplerOptionError(f"steps must be >= 1, got {steps}")
         velocity = self.velocity_fn(model_fn)
         with torch.no_grad():
             if sampler in ode.ADAPTIVE_METHODS:
@@ -297,14 +299,14 @@ class Transport:
         last_step = settings["last_step"]
         last_step_size = float(settings["last_step_size"]) if last_step is not None else 0.0
         if form not in DIFFUSION_FORMS:
-            raise ValueError(f"unknown diffusion_form {form!r}; expected one of {list(DIFFUSION_FORMS)}")
+            raise SamplerOptionError(f"unknown diffusion_form {form!r}; expected one of {list(DIFFUSION_FORMS)}")
         if last_step not in LAST_STEPS:
-            raise ValueError(f"unknown last_step {last_step!r}; expected one of {list(LAST_STEPS)}")
+            raise SamplerOptionError(f"unknown last_step {last_step!r}; expected one of {list(LAST_STEPS)}")
         if last_step is not None and not 0 < last_step_size < 1:
-            raise ValueError(f"last_step_size must be in (0, 1), got {last_step_size}")
+            raise SamplerOptionError(f"last_step_size must be in (0, 1), got {last_step_size}")
         t0, t1 = self.interval(self.sample_eps, sde_form=form, last_step_size=last_step_size)
         if form == "SBDM" and t0 == 0 and not isinstance(self.path, VPPath):
-            raise ValueError(
+            raise SamplerOptionError(
                 "diffusion_form 'SBDM' is infinite at t = 0 on the Linear/GVP paths; "
                 "create the transport with sample_eps > 0 (e.g. 1e-3)"
             )
@@ -321,7 +323,7 @@ class Transport:
         # `steps` counts every model step, the last one included (SiT's convention: 250 = 249 SDE steps + 1).
         intervals = steps - 1 if final is not None else steps
         if intervals < 1:
-            raise ValueError(f"steps must be >= 2 with a last step, got {steps}")
+            raise SamplerOptionError(f"steps must be >= 2 with a last step, got {steps}")
         t_steps = torch.linspace(t0, t1, intervals + 1, dtype=torch.float64).tolist()
         run = sde.euler_maruyama if sampler == "sde-euler" else sde.heun
         return run(drift, diffusion, x_T, labels, t_steps=t_steps, last_step=final, noise=noise, progress=progress)

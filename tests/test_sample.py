@@ -394,6 +394,27 @@ def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
+def test_only_a_sampler_option_error_of_the_trial_sample_is_one_line(export, tmp_path, monkeypatch):
+    """The trial sample answers the samplers' own option check in one line; any other error there is a bug and
+    keeps its traceback (it is not dressed up as a bad option); nothing is written either way."""
+    from samplers.interface import SamplerOptionError
+
+    argv = ["--ckpt", str(export), "--out", str(tmp_path / "s.npz"), "--num-samples", "4", "--sampler", "ddim"]
+    for error, expected in (
+        (SamplerOptionError("DDIM eta must be >= 0"), SystemExit),
+        (ValueError("a bug"), ValueError),
+    ):
+
+        def generate(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(ImageGenerator, "generate", generate)
+        with pytest.raises(expected) as raised:
+            sample.main(argv)
+        assert str(error) in str(raised.value)
+        assert not list(tmp_path.iterdir())
+
+
 def test_guidance_needs_a_null_class(tmp_path):
     export = tmp_path / "export"
     tiny_export(export, class_dropout_prob=0.0)
