@@ -39,6 +39,17 @@ class LaunchError(UserError):
     same status silently, so that the launcher's merged output holds it once."""
 
 
+def check_launched_processes(processes_seen: int, cpu_hint: str) -> None:
+    """Refuse a launch of several processes (WORLD_SIZE) of which Accelerate sees only one, as on a machine
+    without GPUs when the command was not told to use the CPU: each process would do all the work alone.
+    `cpu_hint` says how the command is told ("set train.cpu=true", "pass --cpu")."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes_seen == 1 and launched > 1:
+        raise LaunchError(
+            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs {cpu_hint}"
+        )
+
+
 class CommandParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (no usage block) and which accepts `--debug`."""
 

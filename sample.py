@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, LaunchError, run_command
+from commands import CommandParser, check_launched_processes, run_command
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
@@ -340,11 +339,7 @@ def create_accelerator(args: argparse.Namespace):
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=args.cpu)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes == 1 and launched > 1:  # each process would sample everything alone
-        raise LaunchError(
-            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs pass --cpu"
-        )
+    check_launched_processes(accelerator.num_processes, "pass --cpu")  # else each would sample everything alone
     return accelerator
 
 

@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from commands import LaunchError
+from commands import LaunchError, check_launched_processes
 from training.checkpoint import keep_plain_model_keys, list_checkpoints
 from training.config import Config, ConfigError
 from training.trackers import TRACKER_FOLDERS, check_trackers
@@ -132,11 +132,7 @@ def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.root)),
         step_scheduler_with_optimizer=False,  # the schedule counts optimiser steps, whatever the process count
     )
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes == 1 and launched > 1:  # each process would train alone in the same folder
-        raise LaunchError(
-            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs set train.cpu=true"
-        )
+    check_launched_processes(accelerator.num_processes, "set train.cpu=true")  # else each would train alone
     asked = accelerate_launch_processes()
     if accelerator.num_processes == 1 and asked > 1:  # `accelerate launch --cpu` always starts a single process
         raise LaunchError(
