@@ -167,7 +167,9 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
     runs = [(arm, seed) for arm in design for seed in budget.seeds]
     scores, seconds = train_and_score(runs, budget, out, DigitsScorer(out, budget), CONFIG)
     results = summarise("repa", runs, scores, budget, seconds, CONFIG)
-    results["repa_overrides"] = [item.replace(str(REPO) + "/", "") for item in design[-1].overrides[1:]]
+    for entry in results["arms"].values():  # the encoder as a path in the repository, not on this machine
+        entry["overrides"] = [item.replace(str(REPO) + "/", "") for item in entry["overrides"]]
+    results["repa_overrides"] = results["arms"]["vca-repa"]["overrides"][1:]
     markdown = render_markdown(results)
     save_results(
         report_dir,

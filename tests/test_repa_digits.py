@@ -9,7 +9,7 @@ import pytest
 
 from _study import run_quick as run_study_quick
 from bench.digits_encoder import FOLDER, accuracy, split_digits
-from bench.quality import checkpoint_steps
+from bench.quality import _fmt, checkpoint_steps, spread
 from bench.repa_digits import QUICK, QUICK_PROJECTOR, arms
 from training.config import RepaConfig
 from training.repa import load_encoder
@@ -55,6 +55,7 @@ def test_quick_study_trains_the_four_arms_reports_and_resumes(tmp_path):
     assert "alignment_loss" not in (out / "runs" / "vca-seed0" / "metrics.jsonl").read_text()
     assert "VCA + REPA" in markdown and "One seed per arm" in markdown and "real digits" in markdown
     assert "bench/digits_encoder" in markdown and str(REPO) not in markdown
+    assert str(REPO) not in (out / "repa-digits.json").read_text()  # paths in the repository, not on this machine
 
     # A rerun finds everything done: it trains and scores nothing and writes the same report.
     stamps = {path: path.stat().st_mtime_ns for path in (out / "scores").glob("*/step-*.json")}
@@ -62,3 +63,22 @@ def test_quick_study_trains_the_four_arms_reports_and_resumes(tmp_path):
     assert "quality: training" not in second and "sampling and scoring" not in second
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
     assert (out / "repa-digits.md").read_text() == markdown
+
+
+def test_the_published_study_table_is_the_committed_result():
+    """docs/evidence.md's REPA table says what bench/results/repa-digits.json holds: a rerun of the study that
+    changes a figure must change the page too (the README's sentence quotes the same figures)."""
+    results = json.loads((REPO / "bench" / "results" / "repa-digits.json").read_text())
+    assert results["budget"]["max_steps"] == 2000 and results["budget"]["seeds"] == [0, 1, 2]
+    page = (REPO / "docs" / "evidence.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    for entry in results["arms"].values():
+        fid, accuracy_ = entry["fid"], entry["accuracy"]
+        early_fid = spread([curve[0][1] for curve in entry["curves"].values()])
+        early_accuracy = np.mean([curve[0][1] for curve in entry["accuracy_curves"].values()])
+        row = (
+            f"| {entry['label']} | {_fmt(fid)} | {', '.join(f'{value:.2f}' for value in fid['values'])} | "
+            f"{_fmt(accuracy_, percent=True)} | {_fmt(early_fid)} | {100 * early_accuracy:.1f} % |"
+        )
+        assert row in page.splitlines(), row
+        assert f"{entry['label']} {_fmt(fid)}" in " ".join(readme.split())  # line breaks aside
