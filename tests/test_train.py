@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from _launch import TORCHRUN_TWO_PROCESSES
 from generation import ImageGenerator, read_export
 from generation.vae import VAEUnavailableError
 from training.checkpoint import CheckpointError
@@ -62,12 +62,7 @@ CHECKPOINT_FILES = {
 
 def torchrun(run_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN_TWO_PROCESSES,
         str(ROOT / "train.py"),
         "--config",
         str(DIGITS),
