@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 USER_ERROR_STATUS = 2  # as argparse exits on a bad argument
@@ -39,15 +40,49 @@ class LaunchError(UserError):
     same status silently, so that the launcher's merged output holds it once."""
 
 
-def check_launched_processes(processes_seen: int, cpu_hint: str) -> None:
-    """Refuse a launch of several processes (WORLD_SIZE) of which Accelerate sees only one, as on a machine
-    without GPUs when the command was not told to use the CPU: each process would do all the work alone.
-    `cpu_hint` says how the command is told ("set train.cpu=true", "pass --cpu")."""
+def check_launched_processes(processes_seen: int, script: str, cpu_option: str) -> None:
+    """Refuse a launch whose process count Accelerate does not see, where each process would do all the work alone
+    or one would do what several were asked for:
+
+    - several processes (WORLD_SIZE) of which Accelerate sees one, as on a machine without GPUs when the command
+      was not told to use the CPU;
+    - `accelerate launch --cpu --num_processes N`, which runs Accelerate's single-process launcher: the one
+      process it starts is told nothing of the N it was asked for, so its parent's command line is read.
+
+    `script` and `cpu_option` ("train.py", "train.cpu=true"; "sample.py", "--cpu") make the line say what works."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if processes_seen == 1 and launched > 1:
         raise LaunchError(
-            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs {cpu_hint}"
+            f"launched {launched} processes but Accelerate sees one: on a machine without GPUs add {cpu_option}"
         )
+    asked = accelerate_launch_processes()
+    if processes_seen == 1 and asked > 1:
+        raise LaunchError(
+            f"accelerate launch --num_processes {asked} started one process (with --cpu, Accelerate uses its "
+            f"single-process launcher); for {asked} CPU processes run `torchrun --nproc_per_node {asked} "
+            f"{script} ... {cpu_option}`"
+        )
+
+
+def accelerate_launch_processes() -> int:
+    """The --num_processes of the `accelerate launch` command that started this process (its parent), else 1.
+    Read from the parent's command line (Linux /proc) with Accelerate's own launch parser."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:  # not Linux, or the parent is gone
+        return 1
+    starts = [
+        index for index, token in enumerate(argv) if token == "launch" or token.endswith("accelerate.commands.launch")
+    ]
+    if not starts or not any(Path(token).name.startswith("accelerate") for token in argv[: starts[0] + 1]):
+        return 1
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        options, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1 :])
+    except SystemExit:  # a command line that is not accelerate's after all
+        return 1
+    return options.num_processes or 1
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -339,7 +339,7 @@ def create_accelerator(args: argparse.Namespace):
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=args.cpu)
-    check_launched_processes(accelerator.num_processes, "pass --cpu")  # else each would sample everything alone
+    check_launched_processes(accelerator.num_processes, "sample.py", "--cpu")
     return accelerator
 
 

@@ -226,7 +226,18 @@ def _core_backward_op(
             grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, layout
         )
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
-    return [x.new_empty(0) if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)]
+    return [x.new_empty(0) if g is None else _like(g, t) for g, t in zip(grads, inputs)]
+
+
+def _like(grad: Tensor, tensor: Tensor) -> Tensor:
+    """`grad` in `tensor`'s dtype and strides, as the fake promises. The convolution's weight gradient comes out
+    channels-last ((9, 1, 3, 1) for a (C, 1, 3, 3) weight whose strides are (9, 9, 3, 1)): DDP would warn that the
+    gradient's strides do not match its bucket view and copy it at every step, and a compiled graph would be
+    told strides the kernel does not produce."""
+    grad = grad.to(tensor.dtype)
+    if grad.shape == tensor.shape and grad.stride() != tensor.stride():
+        grad = torch.empty_like(tensor).copy_(grad)
+    return grad
 
 
 @_core_backward_op.register_fake

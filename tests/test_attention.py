@@ -336,6 +336,23 @@ def fp16_scaled_gradients(
     return {"x": x.grad / scale, **{name: p.grad / scale for name, p in module.named_parameters()}}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_parameter_gradient_has_its_parameters_strides(precision):
+    """DDP copies a gradient into its bucket view at every step, and warns, when the strides differ; the
+    depthwise convolution's weight gradient of a channels-last image comes out channels-last unless the core
+    lays it out as its weight."""
+    module = perturbed_vca(32, 2, 4, block_index=1, options=VCAOptions())
+    x = torch.randn(2, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        module(x).float().sum().backward()
+    mismatched = {
+        name: (tuple(p.stride()), tuple(p.grad.stride()))
+        for name, p in module.named_parameters()
+        if p.grad.stride() != p.stride()
+    }
+    assert mismatched == {}
+
+
 def test_fp16_loss_scaling_keeps_the_parameter_gradients_finite():
     """A GradScaler's initial scale 2¹⁶ on a mean loss: the gradients of λ, the RMSNorm weights, E± and the
     biases are sums over B·h·N rows, which in fp16 (max 65504) reach inf; summed in fp32 they stay finite and

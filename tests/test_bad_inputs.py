@@ -248,7 +248,7 @@ def test_several_processes_without_train_cpu_are_refused(inputs, capsys, monkeyp
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     assert capsys.readouterr().err == (
-        "error: launched 2 processes but Accelerate sees one: on a machine without GPUs set train.cpu=true\n"
+        "error: launched 2 processes but Accelerate sees one: on a machine without GPUs add train.cpu=true\n"
     )
     assert not (inputs / "two").exists()
 

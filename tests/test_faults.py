@@ -18,6 +18,7 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
+from _launch import TORCHRUN_TWO_PROCESSES
 from atomic_files import OutputError
 from faults import failing_writes, run_train, signal_at_step
 from training.stop_signals import STOPPED_STATUS
@@ -130,12 +131,7 @@ TWO_PROCESS = [
 
 def torchrun(run_dir: Path, *extra: str, script: Path = ROOT / "train.py", launcher: tuple = ()) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN_TWO_PROCESSES,
         *launcher,
         str(script),
         *TWO_PROCESS,

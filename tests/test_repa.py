@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from timm.models import save_for_hf
 
+from _launch import TORCHRUN_TWO_PROCESSES
 from dit_vca import create_diffusion
 from dit_vca.models import create_model
 from generation import ImageGenerator, read_export
@@ -439,12 +439,7 @@ def test_two_processes_keep_model_and_projector_identical(encoder_folder, tmp_pa
     script = tmp_path / "ddp_check.py"
     script.write_text(DDP_CHECK)
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN_TWO_PROCESSES,
         str(script),
         str(DIGITS),
         *TINY,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import sample
+from _launch import TORCHRUN_TWO_PROCESSES
 from atomic_files import save_npz_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from generation import ImageGenerator, load_export
@@ -171,7 +172,6 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 4
 # 16 samples in 4 shards of 4, batches of 2 (a shard holds 2 batches); DDPM with fresh noise at every
 # step and classifier-free guidance, so both the per-sample noise streams and guidance are exercised.
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 SAMPLING = ["--sampler", "ddpm", "--steps", "12", "--cfg-scale", "2", "--seed", "7"]
 RUN = ["--num-samples", "16", "--shard-size", "4", "--per-proc-batch-size", "2", "--grid-size", "9", *SAMPLING]
 
@@ -268,7 +268,7 @@ def test_samples_do_not_depend_on_the_batch_split(export):
 
 def test_two_processes_give_the_same_file(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
-    run([*TORCHRUN, *sample_command(export, out, "--cpu")[1:]])
+    run([*TORCHRUN_TWO_PROCESSES, *sample_command(export, out, "--cpu")[1:]])
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["images_per_process"] == [8, 8]  # 4 shards of 4, taken in turn: the work was split
     with np.load(out) as data:
@@ -304,7 +304,7 @@ def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tm
         *sampler,
     ]
     run([*command, "--out", str(tmp_path / "one.npz")])
-    run([*TORCHRUN, *command[1:], "--cpu", "--out", str(tmp_path / "two.npz")])
+    run([*TORCHRUN_TWO_PROCESSES, *command[1:], "--cpu", "--out", str(tmp_path / "two.npz")])
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
         np.testing.assert_array_equal(one["arr_1"], two["arr_1"])
         np.testing.assert_array_equal(one["arr_0"], two["arr_0"])
@@ -313,11 +313,25 @@ def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tm
 def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(export, tmp_path):
     out = tmp_path / "samples.npz"
     cpu_only = {**environment(), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [*TORCHRUN, *sample_command(export, out)[1:]], env=cpu_only, capture_output=True, text=True, timeout=240
-    )
-    assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs pass --cpu" in result.stderr
+    command = [*TORCHRUN_TWO_PROCESSES, *sample_command(export, out)[1:]]
+    result = subprocess.run(command, env=cpu_only, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs add --cpu" in result.stderr
     assert result.stderr.count("Accelerate sees one") == 1, result.stderr  # rank 0 says it, once
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_accelerate_launch_cpu_with_two_processes_is_refused_with_the_command_that_works(export, tmp_path):
+    """Accelerate's --cpu launcher starts one process whatever --num_processes says; sampling alone would be
+    right but N times slower than asked, so the command says how to get N CPU processes."""
+    out = tmp_path / "samples.npz"
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [str(accelerate), "launch", "--cpu", "--num_processes", "2", *sample_command(export, out, "--cpu")[1:]]
+    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=240)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and errors == [
+        "error: accelerate launch --num_processes 2 started one process (with --cpu, Accelerate uses its "
+        "single-process launcher); for 2 CPU processes run `torchrun --nproc_per_node 2 sample.py ... --cpu`"
+    ], result.stderr
     assert list(tmp_path.iterdir()) == []
 
 

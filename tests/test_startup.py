@@ -8,6 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from _launch import TORCHRUN_TWO_PROCESSES
 from commands import USER_ERROR_STATUS
 from faults import run_train
 from training.loop import TrainerState
@@ -118,12 +119,7 @@ def test_accelerate_launch_cpu_with_two_processes_is_refused_with_the_command_th
 def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
     result = launch(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
+            *TORCHRUN_TWO_PROCESSES,
             "train.py",
             *TINY,
             "train.max_steps=1",
@@ -133,7 +129,7 @@ def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
     assert result.returncode != 0
     assert result.stderr.count("launched 2 processes but Accelerate sees one") == 1, result.stderr
     assert (
-        "error: launched 2 processes but Accelerate sees one: on a machine without GPUs set train.cpu=true\n"
+        "error: launched 2 processes but Accelerate sees one: on a machine without GPUs add train.cpu=true\n"
         in result.stderr
     )
     assert not (tmp_path / "run").exists()

@@ -16,7 +16,6 @@ launch continues it (--resume) or replaces it (--overwrite).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from commands import LaunchError, check_launched_processes
+from commands import check_launched_processes
 from training.checkpoint import keep_plain_model_keys, list_checkpoints
 from training.config import Config, ConfigError
 from training.trackers import TRACKER_FOLDERS, check_trackers
@@ -132,41 +131,11 @@ def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.root)),
         step_scheduler_with_optimizer=False,  # the schedule counts optimiser steps, whatever the process count
     )
-    check_launched_processes(accelerator.num_processes, "set train.cpu=true")  # else each would train alone
-    asked = accelerate_launch_processes()
-    if accelerator.num_processes == 1 and asked > 1:  # `accelerate launch --cpu` always starts a single process
-        raise LaunchError(
-            f"accelerate launch --num_processes {asked} started one process (with --cpu, Accelerate "
-            f"uses its single-process launcher); for {asked} CPU processes run `torchrun "
-            f"--nproc_per_node {asked} train.py ... train.cpu=true`"
-        )
+    check_launched_processes(accelerator.num_processes, "train.py", "train.cpu=true")
     keep_plain_model_keys(accelerator)
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
     return accelerator
-
-
-def accelerate_launch_processes() -> int:
-    """The --num_processes of the `accelerate launch` command that started this process (its parent), else 1.
-
-    `accelerate launch --cpu --num_processes 2` runs one process and tells it nothing of the 2 it was asked
-    for, so the parent's command line (Linux /proc) is read with Accelerate's own launch parser."""
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:  # not Linux, or the parent is gone
-        return 1
-    starts = [
-        index for index, token in enumerate(argv) if token == "launch" or token.endswith("accelerate.commands.launch")
-    ]
-    if not starts or not any(Path(token).name.startswith("accelerate") for token in argv[: starts[0] + 1]):
-        return 1
-    from accelerate.commands.launch import launch_command_parser
-
-    try:
-        options, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1 :])
-    except SystemExit:  # a command line that is not accelerate's after all
-        return 1
-    return options.num_processes or 1
 
 
 def micro_batch_size(config: Config, num_processes: int) -> int:
