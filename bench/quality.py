@@ -441,7 +441,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         first, second = ("vca", "mhsa") if results["stage"] == "main" else ("sit-vca", "sit-mhsa")
         a, b = arms[first], arms[second]
         lines += [
-            f"**{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID over "
+            f"**{a['label']} {format_spread(a['fid'])} vs {b['label']} {format_spread(b['fid'])} FID over "
             f"{len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''}** "
             f"({budget['final_samples']} samples per model, {budget['max_steps']} training steps). "
             + reading(a["fid"], b["fid"], a["label"], b["label"]),
@@ -480,9 +480,9 @@ def score_tables(results: dict[str, Any], accuracy_curves: bool = False) -> list
     ]
     for entry in arms.values():
         lines.append(
-            f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {_fmt(entry['fid'])} | "
+            f"| {entry['label']} | {', '.join(map(str, entry['seeds']))} | {format_spread(entry['fid'])} | "
             f"{', '.join(f'{v:.2f}' for v in entry['fid']['values'])} | "
-            f"{_fmt(entry['accuracy'], percent=True)} | "
+            f"{format_spread(entry['accuracy'], percent=True)} | "
             f"{', '.join(f'{100 * v:.1f} %' for v in entry['accuracy']['values'])} |"
         )
     steps = [point[0] for point in next(iter(next(iter(arms.values()))["curves"].values()))]
@@ -512,7 +512,7 @@ def score_tables(results: dict[str, Any], accuracy_curves: bool = False) -> list
     return lines
 
 
-def _fmt(stats: dict[str, Any], percent: bool = False) -> str:
+def format_spread(stats: dict[str, Any], percent: bool = False) -> str:
     scale, unit = (100, " %") if percent else (1, "")
     sd = "" if stats["sd"] is None else f" ± {scale * stats['sd']:.{1 if percent else 2}f}"
     return f"{scale * stats['mean']:.{1 if percent else 2}f}{sd}{unit}"
@@ -588,29 +588,49 @@ def train_and_score(
     return scores, seconds
 
 
-def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+def study_parser(prog: str, description: str, default_out: Path, reports: str, quick: str) -> argparse.ArgumentParser:
+    """The command line every study shares: --quick (what it shrinks to: `quick`), --out (where runs and scores
+    live, so that a rerun continues there) and --report-dir (where the `reports` files go)."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--stage", choices=(*STAGES, "all"), default="main")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 steps, 1 seed, main only")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("results/quality"),
+        default=default_out,
         help="runs, samples, scores and the cached real features (a rerun continues here)",
     )
     parser.add_argument(
         "--report-dir",
         type=Path,
         default=None,
-        help="where quality-<stage>.{json,md,png} go (default bench/results; --quick: --out)",
+        help=f"where {reports} go (default bench/results; --quick: --out)",
     )
+    return parser
+
+
+def parse_study_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser`'s arguments, with --out checked (a folder, or nothing yet) and --report-dir resolved."""
     args = parser.parse_args(argv)
-    if args.quick and args.stage != "main":
-        parser.error(f"--quick runs the main stage only, got --stage {args.stage}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a folder")
+    args.report_dir = args.report_dir or (args.out if args.quick else BENCH_RESULTS)
+    return args
+
+
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = study_parser(
+        "python -m bench.quality",
+        __doc__,
+        Path("results/quality"),
+        "quality-<stage>.{json,md,png}",
+        "tiny model, 4 steps, 1 seed, main only",
+    )
+    parser.add_argument("--stage", choices=(*STAGES, "all"), default="main")
+    args = parse_study_arguments(parser, argv)
+    if args.quick and args.stage != "main":
+        parser.error(f"--quick runs the main stage only, got --stage {args.stage}")
     return args
 
 
@@ -620,10 +640,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
 
     budget = QUICK if args.quick else replace(FULL, max_steps=load_config(CONFIG).train.max_steps)
     out = args.out.resolve()
-    report_dir = args.report_dir or (args.out if args.quick else BENCH_RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     stages = STAGES if args.stage == "all" else (args.stage,)
-    return {stage: run_stage(stage, budget, out, report_dir) for stage in stages}
+    return {stage: run_stage(stage, budget, out, args.report_dir) for stage in stages}
 
 
 if __name__ == "__main__":

@@ -36,14 +36,15 @@ from typing import Any
 import numpy as np
 
 from bench.quality import (
-    BENCH_RESULTS,
     Arm,
     Budget,
     Scorer,
-    _fmt,
+    format_spread,
+    parse_study_arguments,
     plot,
     reading,
     score_tables,
+    study_parser,
     summarise,
     train_and_score,
     wall_time,
@@ -129,7 +130,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     for first, second in (("vca", "mhsa"), ("vca-repa", "mhsa-repa"), ("mhsa-repa", "mhsa"), ("vca-repa", "vca")):
         a, b = arms_[first], arms_[second]
         lines += [
-            f"- **{a['label']} {_fmt(a['fid'])} vs {b['label']} {_fmt(b['fid'])} FID** after "
+            f"- **{a['label']} {format_spread(a['fid'])} vs {b['label']} {format_spread(b['fid'])} FID** after "
             f"{budget['max_steps']} steps. " + reading(a["fid"], b["fid"], a["label"], b["label"])
         ]
     early = {name: early_fid(entry) for name, entry in arms_.items()}
@@ -137,7 +138,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     for first, second in (("mhsa-repa", "mhsa"), ("vca-repa", "vca")):
         lines += [
             f"- At step {step} ({budget['curve_samples']} samples): {arms_[first]['label']} "
-            f"{_fmt(early[first])} vs {arms_[second]['label']} {_fmt(early[second])} FID. "
+            f"{format_spread(early[first])} vs {arms_[second]['label']} {format_spread(early[second])} FID. "
             + reading(early[first], early[second], arms_[first]["label"], arms_[second]["label"])
         ]
     lines += [""] + score_tables(results, accuracy_curves=True)
@@ -183,26 +184,14 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.repa_digits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = study_parser(
+        "python -m bench.repa_digits",
+        __doc__,
+        Path("results/repa-digits"),
+        f"{STEM}.{{json,md,png}}",
+        "tiny model, 4 steps, 1 seed",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 steps, 1 seed")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("results/repa-digits"),
-        help="runs, samples and scores (a rerun continues here)",
-    )
-    parser.add_argument(
-        "--report-dir",
-        type=Path,
-        default=None,
-        help=f"where {STEM}.{{json,md,png}} go (default bench/results; --quick: --out)",
-    )
-    args = parser.parse_args(argv)
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a folder")
-    return args
+    return parse_study_arguments(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -215,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         budget, projector_dim = replace(FULL, max_steps=load_config(CONFIG).train.max_steps), FULL_PROJECTOR
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    return run_study(budget, projector_dim, out, args.report_dir or (args.out if args.quick else BENCH_RESULTS))
+    return run_study(budget, projector_dim, out, args.report_dir)
 
 
 if __name__ == "__main__":

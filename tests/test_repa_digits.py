@@ -9,7 +9,7 @@ import pytest
 
 from _study import run_quick as run_study_quick
 from bench.digits_encoder import FOLDER, accuracy, split_digits
-from bench.quality import _fmt, checkpoint_steps, spread
+from bench.quality import checkpoint_steps, format_spread, spread
 from bench.repa_digits import QUICK, QUICK_PROJECTOR, arms
 from training.config import RepaConfig
 from training.repa import load_encoder
@@ -77,8 +77,8 @@ def test_the_published_study_table_is_the_committed_result():
         early_fid = spread([curve[0][1] for curve in entry["curves"].values()])
         early_accuracy = np.mean([curve[0][1] for curve in entry["accuracy_curves"].values()])
         row = (
-            f"| {entry['label']} | {_fmt(fid)} | {', '.join(f'{value:.2f}' for value in fid['values'])} | "
-            f"{_fmt(accuracy_, percent=True)} | {_fmt(early_fid)} | {100 * early_accuracy:.1f} % |"
+            f"| {entry['label']} | {format_spread(fid)} | {', '.join(f'{value:.2f}' for value in fid['values'])} | "
+            f"{format_spread(accuracy_, percent=True)} | {format_spread(early_fid)} | {100 * early_accuracy:.1f} % |"
         )
         assert row in page.splitlines(), row
-        assert f"{entry['label']} {_fmt(fid)}" in " ".join(readme.split())  # line breaks aside
+        assert f"{entry['label']} {format_spread(fid)}" in " ".join(readme.split())  # line breaks aside
