@@ -50,13 +50,15 @@ def check_launched_processes(processes_seen: int, script: str, cpu_option: str) 
       process it starts is told nothing of the N it was asked for, so its parent's command line is read.
 
     `script` and `cpu_option` ("train.py", "train.cpu=true"; "sample.py", "--cpu") make the line say what works."""
+    if processes_seen > 1:
+        return  # Accelerate sees several processes: the launch is what it looks like
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if processes_seen == 1 and launched > 1:
+    if launched > 1:
         raise LaunchError(
             f"launched {launched} processes but Accelerate sees one: on a machine without GPUs add {cpu_option}"
         )
     asked = accelerate_launch_processes()
-    if processes_seen == 1 and asked > 1:
+    if asked > 1:
         raise LaunchError(
             f"accelerate launch --num_processes {asked} started one process (with --cpu, Accelerate uses its "
             f"single-process launcher); for {asked} CPU processes run `torchrun --nproc_per_node {asked} "
