@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from _study import run_quick
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # script -> (stem of its quick result files, path to the list of measured rows, the positive figure in each row)
@@ -28,16 +30,7 @@ SCRIPTS = {
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None:
     stem, rows_key, figure = SCRIPTS[script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-m", f"bench.{script}", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_quick(f"bench.{script}", tmp_path, timeout=600)
     for suffix in (".json", ".md", ".png"):
         assert (tmp_path / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix} missing or empty"
     rows = json.loads((tmp_path / f"{stem}.json").read_text())[rows_key]

@@ -398,24 +398,37 @@ def test_a_resume_removes_the_partial_folder_of_a_killed_save(train_script, unin
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004", "step-0000008"]
 
 
-def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_path):
+def latent_shards(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 latents (means, stds (16, 2, 4, 4, 4)) of 3 classes in two shards of 8 in `folder`."""
     from test_data import write_latent_shards
 
     generator = torch.Generator().manual_seed(0)
     means, stds = torch.randn(16, 2, 4, 4, 4, generator=generator), torch.full((16, 2, 4, 4, 4), 0.1)
-    write_latent_shards(tmp_path / "latents", means, stds, torch.arange(16) % 3, shard_size=8)
-    run_dir = tmp_path / "run"
-    train_script(
+    write_latent_shards(folder, means, stds, torch.arange(16) % 3, shard_size=8)
+    return means, stds
+
+
+def latent_run(folder: Path) -> list[str]:
+    """train.py arguments for a tiny run on latent_shards(folder) whose VAE name loads nothing."""
+    return [
         "--config",
         str(DIGITS),
         *TINY,
         "data.source=latents",
-        f"data.latents={tmp_path / 'latents'}",
+        f"data.latents={folder}",
         "data.image_size=32",
         "data.num_classes=3",
         "vae.name=not-loaded/anywhere",
         "vae.scale=0.5",
         "train.global_batch_size=4",
+    ]
+
+
+def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_path):
+    latent_shards(tmp_path / "latents")
+    run_dir = tmp_path / "run"
+    train_script(
+        *latent_run(tmp_path / "latents"),
         "train.max_steps=2",
         "log.every=1",
         "log.checkpoint_every=2",
@@ -598,12 +611,9 @@ def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, 
 def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path, damage, message):
     from safetensors.torch import save_file
 
-    from test_data import write_latent_shards
     from training.data import LatentShardError
 
-    generator = torch.Generator().manual_seed(0)
-    means, stds = torch.randn(16, 2, 4, 4, 4, generator=generator), torch.full((16, 2, 4, 4, 4), 0.1)
-    write_latent_shards(tmp_path / "latents", means, stds, torch.arange(16) % 3, shard_size=8)
+    means, stds = latent_shards(tmp_path / "latents")
     shard = tmp_path / "latents" / "shard-00001.safetensors"
     if damage == "cut":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -620,16 +630,7 @@ def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path,
         save_file({"mean": means[8:], "std": stds[8:], "labels": torch.arange(8)}, shard)
     with pytest.raises(LatentShardError, match=f"latent shard {shard} {message}"):
         train_script(
-            "--config",
-            str(DIGITS),
-            *TINY,
-            "data.source=latents",
-            f"data.latents={tmp_path / 'latents'}",
-            "data.image_size=32",
-            "data.num_classes=3",
-            "vae.name=not-loaded",
-            "vae.scale=0.5",
-            "train.global_batch_size=4",
+            *latent_run(tmp_path / "latents"),
             "train.max_steps=2",
             "log.sample_every=0",
             f"run.dir={tmp_path / 'run'}",

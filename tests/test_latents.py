@@ -341,25 +341,20 @@ def offline_commands(tmp_path: Path, vae_folder: Path) -> dict[str, tuple[list[s
     }
 
 
+def run_against_hub(arguments: list[str], url: str, tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python *arguments` in `env` with the hub at `url` and an empty Hugging Face cache in tmp_path."""
+    hub = {"HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=300, env={**env, **hub}
+    )
+
+
 @pytest.mark.parametrize("command", ["latents", "train", "sample"])
 def test_an_unreachable_hub_is_one_line_naming_it_after_one_request(tmp_path, vae_folder, dead_hub, command):
     url, requests = dead_hub
     arguments, output = offline_commands(tmp_path, vae_folder)[command]
-    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    result = subprocess.run(
-        [sys.executable, *arguments],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={
-            **env,
-            "HF_ENDPOINT": url,
-            "HF_HOME": str(tmp_path / "hf-home"),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
-        },
-    )
+    online = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    result = run_against_hub(arguments, url, tmp_path, online)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert f"not in the local Hugging Face cache and {url} cannot be reached" in errors[0]
@@ -371,21 +366,7 @@ def test_an_unreachable_hub_is_one_line_naming_it_after_one_request(tmp_path, va
 def test_hub_offline_mode_sends_no_request(tmp_path, vae_folder, dead_hub):
     url, requests = dead_hub
     arguments, output = offline_commands(tmp_path, vae_folder)["latents"]
-    result = subprocess.run(
-        [sys.executable, *arguments],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "HF_ENDPOINT": url,
-            "HF_HOME": str(tmp_path / "hf-home"),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
-        },
-    )
+    result = run_against_hub(arguments, url, tmp_path, {**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2 and "the hub is offline (HF_HUB_OFFLINE=1)" in result.stderr, result.stderr
     assert requests == [] and not output.exists()
 
