@@ -233,7 +233,8 @@ def _like(grad: Tensor, tensor: Tensor) -> Tensor:
     """`grad` in `tensor`'s dtype and strides, as the fake promises. The convolution's weight gradient comes out
     channels-last ((9, 1, 3, 1) for a (C, 1, 3, 3) weight whose strides are (9, 9, 3, 1)): DDP would warn that the
     gradient's strides do not match its bucket view and copy it at every step, and a compiled graph would be
-    told strides the kernel does not produce."""
+    told strides the kernel does not produce. The conv bias's gradient, which takes its dtype from the weight
+    (the bias is not an input of the backward), keeps its own contiguous layout: hence the shape test."""
     grad = grad.to(tensor.dtype)
     if grad.shape == tensor.shape and grad.stride() != tensor.stride():
         grad = torch.empty_like(tensor).copy_(grad)
