@@ -10,7 +10,8 @@ Under torchrun (or any launcher) the same signals come from this file used as th
 
     FAULT_SIGNAL="7:1:SIGUSR1:self" torchrun ... tests/faults.py --config ...   # rank 1 signals itself after step 7
 
-FAULT_SIGNAL is "step:rank:SIGNAL[+SIGNAL...]:self|parent" (rank * for every rank; parent: the launcher).
+FAULT_SIGNAL is "step:rank:SIGNAL[+SIGNAL...]:self|parent" (rank * for every rank; parent: the launcher); a number
+among the signals is a pause in seconds ("SIGINT+2.5+SIGINT": a second Ctrl-C 2.5 s after the first).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def signal_at_step(
     monkeypatch, step: int, signals: Sequence[str], rank: int | None = None, target: str = "self"
 ) -> None:
-    """Make the trainer of `rank` (None: every rank) send `signals` (names, one after the other) to itself or
-    to its parent process as soon as optimiser step `step` is done."""
+    """Make the trainer of `rank` (None: every rank) send `signals` (names, one after the other; a number is a
+    pause of that many seconds) to itself or to its parent process as soon as optimiser step `step` is done."""
+    import time
+
     import training.loop
 
     real_train_step = training.loop.Trainer.train_step
@@ -39,7 +42,10 @@ def signal_at_step(
         if trainer.state.step == step and rank in (None, trainer.accelerator.process_index):
             pid = os.getppid() if target == "parent" else os.getpid()
             for name in signals:
-                os.kill(pid, getattr(signal, name))
+                if name[0].isdigit():
+                    time.sleep(float(name))
+                else:
+                    os.kill(pid, getattr(signal, name))
         return result
 
     monkeypatch.setattr(training.loop.Trainer, "train_step", train_step)

@@ -83,37 +83,81 @@ def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIGINT"])
+TIMING = ("steps_per_s", "images_per_s")  # the only fields of a metrics line that depend on the clock
+
+
+def logged(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without its timings."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{key: value for key, value in line.items() if key not in TIMING} for line in lines]
+
+
+# SIGTERM after step 2 stops on a logging step (log.every=2); the others in the middle of a logging window.
+@pytest.mark.parametrize("name, step", [("SIGTERM", 2), ("SIGUSR1", 3), ("SIGINT", 3)])
 def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninterrupted_one(
-    train_script, uninterrupted, tmp_path, monkeypatch, name
+    train_script, uninterrupted, tmp_path, monkeypatch, name, step
 ):
     run_dir = tmp_path / "run"
     handler_before = signal.getsignal(getattr(signal, name))
-    signal_at_step(monkeypatch, step=3, signals=[name])
+    signal_at_step(monkeypatch, step=step, signals=[name])
     with pytest.raises(SystemExit) as exited:
         train_script(*ONE_PROCESS, f"run.dir={run_dir}")
     assert exited.value.code == STOPPED_STATUS == 75
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000003"]  # the step in progress
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{step:07d}"]  # the step in progress
     assert signal.getsignal(getattr(signal, name)) is handler_before  # the handlers are put back
 
     monkeypatch.undo()
     train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
     assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", uninterrupted / "checkpoints" / "step-0000008")
+    # the same log lines: the stop's own line written, the window's sums carried over in the checkpoint
+    assert logged(run_dir) == logged(uninterrupted)
 
 
-def test_a_second_signal_ends_the_process_at_once(tmp_path):
-    # SIGUSR1 is noted (the process would stop after the step); the SIGTERM right after it ends the process.
-    run_dir = tmp_path / "run"
-    done = subprocess.run(
+def fault_run(run_dir: Path, fault: str) -> subprocess.CompletedProcess:
+    """train.py (ONE_PROCESS) as its own process, signalled as FAULT_SIGNAL says (tests/faults.py)."""
+    return subprocess.run(
         [sys.executable, str(ROOT / "tests" / "faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
         cwd=ROOT,
-        env={**subprocess_env(), "FAULT_SIGNAL": "3:*:SIGUSR1+SIGTERM:self"},
+        env={**subprocess_env(), "FAULT_SIGNAL": fault},
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
-    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_stop_signal_repeated_as_a_scheduler_and_a_launcher_send_it_is_one_stop(tmp_path):
+    # Slurm signals every process of a step, srun and torchrun forward: one worker sees SIGTERM two or three times
+    # within milliseconds, and SIGUSR1 besides when the batch script forwards its --signal=B:USR1.
+    run_dir = tmp_path / "run"
+    done = fault_run(run_dir, "5:*:SIGTERM+SIGTERM+SIGUSR1+SIGTERM+SIGINT:self")
+    assert done.returncode == STOPPED_STATUS, done.stderr[-2000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004", "step-0000005"]
+    assert "stopped by SIGTERM after step 5: checkpoint" in done.stdout
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once_and_says_which_checkpoint_stands(tmp_path):
+    # A user's second Ctrl-C, later than REPEAT_WINDOW_S (2 s) after the first, ends the process before the
+    # checkpoint of the step; the message names the one that stands.
+    run_dir = tmp_path / "run"
+    done = fault_run(run_dir, "5:*:SIGINT+2.5+SIGINT:self")
+    assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
+    standing = run_dir / "checkpoints" / "step-0000004"
+    assert (
+        f"SIGINT again: ending at once, without a checkpoint of this step; the last checkpoint, {standing}, is "
+        "intact" in done.stderr
+    )
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004"]
+
+
+def test_a_second_ctrl_c_during_a_checkpoint_names_the_abandoned_one(tmp_path):
+    from training.loop import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # only what standing() reads
+    trainer.last_checkpoint, trainer.saving_step = str(tmp_path / "step-0000004"), 6
+    assert trainer.standing() == (
+        f"the checkpoint of step 6, being written, is abandoned and the last checkpoint, {tmp_path / 'step-0000004'}, "
+        "is intact"
+    )
 
 
 TWO_PROCESS = [

@@ -35,23 +35,28 @@ class NonFiniteLossError(UserError):
     """The loss became NaN or infinite."""
 
 
+PROGRESS = ("step", "examples_seen", "metrics_window")  # what a resume takes from a saved state
+
+
 @dataclass
 class TrainerState:
     """Where a run stands: optimiser steps done and examples drawn, corrupt files included (the data
-    position), with the batch geometry that produced them."""
+    position), the metrics of the steps since the last log line (training.metrics.TrainingMetrics.window), with
+    the batch geometry that produced them."""
 
     step: int = 0
     examples_seen: int = 0
     num_processes: int = 1
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
+    metrics_window: dict[str, Any] | None = None
 
     def resumed(self, saved: dict[str, Any]) -> TrainerState:
         """This run's geometry with the progress of a saved state (a checkpoint's trainer_state.json)."""
-        return TrainerState(**{**asdict(self), "step": saved["step"], "examples_seen": saved["examples_seen"]})
+        return TrainerState(**{**asdict(self), **{key: saved.get(key) for key in PROGRESS}})
 
     def same_geometry(self, saved: dict[str, Any]) -> bool:
-        return all(saved[key] == value for key, value in asdict(self).items() if key not in ("step", "examples_seen"))
+        return all(saved[key] == value for key, value in asdict(self).items() if key not in PROGRESS)
 
     @property
     def stream_position(self) -> int:
@@ -79,12 +84,13 @@ class Trainer:
         self.optimizer, self.scheduler, self.batches = parts.optimizer, parts.scheduler, parts.batches
         self.state = state
         self.last_checkpoint = last_checkpoint
+        self.saving_step: int | None = None  # the step of a checkpoint being written
         self.fid_log = JsonLines(run.fid)
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
 
     def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
-        stop = StopSignals()
+        stop = StopSignals(standing=self.standing)
         try:
             return self._fit(stop)
         finally:
@@ -94,7 +100,9 @@ class Trainer:
         config, accelerator = self.config, self.accelerator
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
-        metrics = TrainingMetrics(accelerator, self.run.metrics, config.train.global_batch_size, self.state.step)
+        metrics = TrainingMetrics(
+            accelerator, self.run.metrics, config.train.global_batch_size, self.state.step, self.state.metrics_window
+        )
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
         progress = tqdm(
@@ -109,22 +117,23 @@ class Trainer:
             step = self.state.step
             metrics.record(step, loss, grad_norm, skipped, **self.step_terms)
             progress.update()
-            if step < max_steps and stop.agreed():  # every rank, after the same step (the last one ends anyway)
-                self.stop_on_signal(stop, metrics)
-                progress.close()
-                accelerator.end_training()
-                return stop.name()
             last = step == max_steps
             if step % log.every == 0 or last:
                 self.stop_if_non_finite(metrics)
                 line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
                 progress.set_postfix(loss=f"{line['loss']:.4f}", grad_norm=f"{line['grad_norm']:.3f}")
-            if step % log.checkpoint_every == 0 or last:
-                self.stop_if_non_finite(metrics)
-                self.save_checkpoint()
+            stopping = not last and stop.agreed()  # every rank, after the same step (the last one ends anyway)
             if log.export_every and step % log.export_every == 0:
                 self.stop_if_non_finite(metrics)
                 self.save_milestone()
+            if stopping or step % log.checkpoint_every == 0 or last:
+                self.stop_if_non_finite(metrics)
+                self.save_checkpoint(metrics)
+            if stopping:  # a grid or FID due at this step is left out: the scheduler's grace time is short
+                self.say_stopped(stop)
+                progress.close()
+                accelerator.end_training()
+                return stop.name()
             if log.sample_every and (step % log.sample_every == 0 or last):
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
@@ -133,13 +142,13 @@ class Trainer:
         accelerator.end_training()
         return None
 
-    def stop_on_signal(self, stop: StopSignals, metrics: TrainingMetrics) -> None:
-        """Checkpoint the step just finished (unless its loss is not finite) and say how to continue."""
-        self.stop_if_non_finite(metrics)
-        self.save_checkpoint()
+    def say_stopped(self, stop: StopSignals) -> None:
+        """Say which checkpoint the stop wrote, how long after the signal, and how to continue."""
+        seconds = stop.seconds_since_signal()
+        after = f" {seconds:.1f} s after the signal" if seconds is not None else ""
         self.accelerator.print(
             f"stopped by {stop.name()} after step {self.state.step}: checkpoint "
-            f"{self.last_checkpoint} written; continue with --resume latest"
+            f"{self.last_checkpoint} written{after}; continue with --resume latest"
         )
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -205,6 +214,12 @@ class Trainer:
                 f"(try a lower train.lr, train.max_grad_norm, or train.mixed_precision=fp32)"
             )
 
+    def standing(self) -> str:
+        """Which checkpoint stands when the process ends at once (a second SIGINT)."""
+        if self.saving_step is not None:
+            return f"the checkpoint of step {self.saving_step}, being written, is abandoned and {self.kept()}"
+        return self.kept()
+
     def kept(self) -> str:
         """What a run stopped by an error leaves to resume from."""
         return (
@@ -213,8 +228,13 @@ class Trainer:
             else "no checkpoint was written"
         )
 
-    def save_checkpoint(self) -> None:
-        trainer_state = {**asdict(self.state), **tracker_state(self.accelerator)}  # tracker run ids for resume
+    def save_checkpoint(self, metrics: TrainingMetrics) -> None:
+        self.saving_step = self.state.step
+        trainer_state = {
+            **asdict(self.state),
+            "metrics_window": metrics.window(),  # so that the resumed run logs what an uninterrupted one would
+            **tracker_state(self.accelerator),  # tracker run ids for resume
+        }
         needed = checkpoint_bytes(self.model.state_dict(), self.optimizer.state_dict(), self.ema.state_dict())
         try:
             path = save_checkpoint(
@@ -230,7 +250,7 @@ class Trainer:
             )
         except OutputError as error:
             raise OutputError(f"{error} (training stopped after step {self.state.step}; {self.kept()})") from None
-        self.last_checkpoint = str(path)
+        self.last_checkpoint, self.saving_step = str(path), None
         self.accelerator.print(f"saved checkpoint {path}")
 
     def save_milestone(self) -> None:

@@ -42,7 +42,15 @@ class JsonLines:
 class TrainingMetrics:
     """Accumulates loss and gradient norm between log lines; see the module docstring."""
 
-    def __init__(self, accelerator: Accelerator, path: Path, images_per_step: int, start_step: int) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        path: Path,
+        images_per_step: int,
+        start_step: int,
+        window: dict[str, Any] | None = None,
+    ) -> None:
+        """`window`: the sums a checkpoint stored (`window()`), restored when the process count is the same."""
         self.accelerator = accelerator
         self.log = JsonLines(path)
         self.images_per_step = images_per_step
@@ -56,6 +64,8 @@ class TrainingMetrics:
         self.clock, self.clock_step = time.perf_counter(), start_step
         if accelerator.is_main_process:
             self.log.drop_after(start_step)
+        if window is not None and len(window["loss_sum"]) == accelerator.num_processes:
+            self._restore(window)
 
     def record(
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int, **terms: torch.Tensor
@@ -71,6 +81,31 @@ class TrainingMetrics:
         )
         self.steps += 1
         self.skipped_images += skipped_images
+
+    def window(self) -> dict[str, Any]:
+        """Every process's sums over the steps since the last line (collective: every process calls it), for a
+        checkpoint: a run resumed from it writes the lines an uninterrupted run writes."""
+        names = sorted(self.term_sums)
+        skipped = torch.tensor(float(self.skipped_images), device=self.loss_sum.device)
+        local = torch.stack([self.loss_sum, self.grad_norm_sum, skipped, *(self.term_sums[name] for name in names)])
+        gathered = self.accelerator.gather(local[None]).cpu()  # (processes, 3 + terms) float32
+        return {
+            "steps": self.steps,
+            "loss_sum": gathered[:, 0].tolist(),  # float32 values: exact as JSON numbers
+            "grad_norm_sum": gathered[:, 1].tolist(),
+            "skipped_images": [int(value) for value in gathered[:, 2].tolist()],
+            "terms": {name: gathered[:, 3 + k].tolist() for k, name in enumerate(names)},
+        }
+
+    def _restore(self, window: dict[str, Any]) -> None:
+        rank = self.accelerator.process_index
+        self.steps = window["steps"]
+        self.loss_sum.fill_(window["loss_sum"][rank])
+        self.grad_norm_sum.fill_(window["grad_norm_sum"][rank])
+        self.skipped_images = window["skipped_images"][rank]
+        self.term_sums = {
+            name: torch.full_like(self.loss_sum, values[rank]) for name, values in window["terms"].items()
+        }
 
     def first_non_finite_step(self) -> int | None:
         """The earliest step (on any process) whose loss was not finite, or None."""

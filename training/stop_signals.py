@@ -1,45 +1,90 @@
 """Stop a training run cleanly on a signal: finish the optimiser step, agree on the step, checkpoint, exit 75.
 
-Clusters end jobs with signals: Slurm sends SIGTERM at preemption and at the time limit (and, with
-`--signal=USR1@120`, SIGUSR1 two minutes ahead), a terminal sends SIGINT. On the first SIGTERM, SIGUSR1 or
-SIGINT a process only notes the signal; after each optimiser step every process adds its flag to one
-all-reduce, so a signal that reached one rank (or the launcher, which forwards it to all) stops every rank
-after the same step. The loop then writes a checkpoint and the command exits with `STOPPED_STATUS`, which a
-requeue script tests. The first signal puts the default actions back, so a second one ends the process at
-once (also inside a blocking call), as an impatient user expects.
+Clusters end jobs with signals: Slurm sends SIGTERM at preemption, at `scancel` and at the time limit (and, with
+`--signal=B:USR1@120`, SIGUSR1 to the batch script two minutes ahead), a terminal sends SIGINT. A scheduler
+delivers one stop more than once: Slurm signals every process of a job step, and `srun` and `torchrun` forward the
+signal they got to their children as well, so one worker sees SIGTERM two or three times within milliseconds
+(torchrun: twice, 20 ms apart, at a time limit). Every stop signal, however often it arrives, therefore asks for the
+same thing: after the current optimiser step every process adds its flag to one all-reduce, so a signal that
+reached one rank (or the launcher, which forwards it to all) stops every rank after the same step; the loop
+writes a checkpoint of that step and the command exits with `STOPPED_STATUS`, which a requeue script tests.
+
+What ends a process at once, without a checkpoint of the current step:
+- SIGINT again, `REPEAT_WINDOW_S` or more after the first stop signal (a user pressing Ctrl-C a second time; a
+  launcher's forwarded copy comes within milliseconds and is the same stop). It also ends a checkpoint that has
+  begun: the one being written is abandoned whole (its hidden folder is removed at the next resume) and the
+  message says which checkpoint stands. The process then dies of SIGINT (status 130 in a shell).
+- SIGKILL, which the scheduler sends once its grace time is over (Slurm's KillWait, 30 s by default after the
+  SIGTERM; torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s), and SIGQUIT (Ctrl-\\), which no handler catches.
+SIGTERM and SIGUSR1 repeated never end the process early: they come from schedulers and launchers, whose repeats
+do not mean "lose the work" (the scheduler's own deadline is SIGKILL).
 
 The all-reduce runs over a CPU (gloo) group of its own: with NCCL training it does not wait for the GPU's queue.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
+from commands import UserError
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOPPED_STATUS = 75  # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry"
+REPEAT_WINDOW_S = 2.0  # a repeated SIGINT within this time is a forwarded copy of the first (measured: 20 ms)
+CONNECT_TIMEOUT = timedelta(seconds=60)  # how long the stop-flag group waits for every process to connect
+OPERATION_TIMEOUT = timedelta(minutes=30)  # then, how long one all-reduce may wait (gloo's default)
+
+
+class GroupConnectError(UserError):
+    """The processes of a multi-node run cannot reach each other over gloo."""
 
 
 class StopSignals:
     """Notes the first stop signal this process receives; `agreed()` tells every rank whether any rank has one.
 
     Create it on every process at the same point (it builds a process group when several processes run) and
-    call `restore()` when training ends."""
+    call `restore()` when training ends. `standing()` says which checkpoint stands if the process ends at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, standing: Callable[[], str] = lambda: "no checkpoint of this launch was written") -> None:
         self.received: int | None = None
+        self.received_at: float | None = None  # time.monotonic() of the first stop signal
+        self.standing = standing
         self._group = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank creates it here
+            self._group = stop_flag_group()
         self._previous = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
 
     def _note(self, number: int, frame: FrameType | None) -> None:
-        self.received = number
-        for other in STOP_SIGNALS:
-            signal.signal(other, signal.SIG_DFL)  # a second signal ends the process at once
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self.received_at = number, now
+        elif number == signal.SIGINT and now - self.received_at >= REPEAT_WINDOW_S:
+            self.end_now(number)
+        # else: the same stop delivered again (the scheduler, srun and torchrun each send it)
+
+    def end_now(self, number: int) -> None:
+        """End the process by `number` at once, saying which checkpoint stands."""
+        print(
+            f"{signal.Signals(number).name} again: ending at once, without a checkpoint of this step; "
+            f"{self.standing()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+    def seconds_since_signal(self) -> float | None:
+        """Seconds since the first stop signal this process received (None: it received none)."""
+        return None if self.received_at is None else time.monotonic() - self.received_at
 
     def agreed(self) -> bool:
         """True on every rank when any rank has received a stop signal (one all-reduce when several run)."""
@@ -56,3 +101,22 @@ class StopSignals:
         """Put back the handlers that were there before (tests run several trainings in one process)."""
         for number, previous in self._previous.items():
             signal.signal(number, previous)
+
+
+def stop_flag_group():
+    """A gloo group of every process (collective: every rank creates it at the same point), checked to connect.
+
+    gloo binds the address this host's name resolves to (127.0.1.1 on stock Debian and Ubuntu, which other nodes
+    cannot reach), and a group that cannot connect would wait 30 minutes: it waits CONNECT_TIMEOUT, then one line."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=CONNECT_TIMEOUT)
+        dist.all_reduce(torch.zeros(1), group=group)  # every pair of processes has connected
+    except (RuntimeError, dist.DistError) as error:
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise GroupConnectError(
+            f"the processes of this run cannot connect over gloo within {CONNECT_TIMEOUT.seconds} s ({detail}); "
+            f"on several nodes set GLOO_SOCKET_IFNAME to the network interface the nodes reach each other by "
+            f"(e.g. GLOO_SOCKET_IFNAME=eth0; `ip -br addr` lists them)"
+        ) from None
+    group.set_timeout(OPERATION_TIMEOUT)  # a rank may reach the flag's all-reduce late (another one checkpoints)
+    return group
