@@ -12,7 +12,8 @@ point) and keeps it as startup.txt.
 
 SIGTERM, SIGUSR1 or SIGINT (Slurm's preemption and time-limit signals, Ctrl-C) stop the run after the current
 optimiser step on every process, with a checkpoint; the command then exits with status 75 (STOPPED_STATUS),
-which a requeue script tests before relaunching with --resume latest. A second signal ends it at once.
+which a requeue script tests before relaunching with --resume latest. Repeated SIGTERM/SIGUSR1 are one stop; a
+second SIGINT 2 s or more after the first ends it at once (training.stop_signals).
 
 A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is

@@ -3,7 +3,8 @@
 One optimiser step consumes `grad_accum_steps` micro-batches on every process. After the step the EMA is
 updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
 measured. A non-finite loss stops the run before anything is saved after it. A stop signal (SIGTERM, SIGUSR1,
-SIGINT; see training.stop_signals) ends the run after the current optimiser step, with a checkpoint of it.
+SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its metrics line and a
+checkpoint of it.
 """
 
 from __future__ import annotations

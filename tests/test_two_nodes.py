@@ -1,0 +1,51 @@
+"""Two nodes on one host: two torchrun agents (`--nnodes 2 --node_rank 0|1 --nproc_per_node 1`), so that on the
+second node the global rank (1) is not the local rank (0), as on a real two-node job. The run equals one node with
+two processes byte for byte (tests/test_slurm.py's reference), also when a stop signal reaches one node's agent
+and the run is resumed.
+"""
+
+import subprocess
+import sys
+
+from test_faults import ROOT, STOPPED_STATUS, subprocess_env
+from test_slurm import RUN, assert_same_as, free_port
+
+
+def two_agents(run_dir, *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
+    """train.py under two torchrun agents on this host, one per "node"; their results, node 0's first."""
+    port, script = str(free_port()), ROOT / ("tests/faults.py" if fault else "train.py")
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
+            + ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+            + [str(script), *RUN, f"run.dir={run_dir}", *extra],
+            cwd=ROOT,
+            env={**subprocess_env(), "FAULT_SIGNAL": fault},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    results = []
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
+    return results
+
+
+def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_processes(
+    preemption_reference, tmp_path
+):
+    run_dir = tmp_path / "run"
+    # after step 3 the worker of node 1 (global rank 1, local rank 0) sends SIGTERM to its own agent, which
+    # forwards it: both nodes stop after the same step
+    stopped = two_agents(run_dir, fault="3:1:SIGTERM:parent")
+    assert all(agent.returncode != 0 for agent in stopped), [agent.stderr[-2000:] for agent in stopped]
+    assert f"exitcode  : {STOPPED_STATUS}" in stopped[0].stderr + stopped[1].stderr
+    [checkpoint] = [path for path in (run_dir / "checkpoints").iterdir() if path.name != "step-0000020"]
+    assert "stopped by a signal to another process after step" in stopped[0].stdout  # node 0 learnt it from node 1
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {path.name for path in checkpoint.iterdir()}
+    resumed = two_agents(run_dir, "--resume", "latest")
+    assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
+    assert_same_as(run_dir, preemption_reference)
