@@ -49,3 +49,45 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     resumed = two_agents(run_dir, "--resume", "latest")
     assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
     assert_same_as(run_dir, preemption_reference)
+
+
+# Rank 0 builds the stop-flag group; rank 1, as a node that cannot reach it, never comes.
+UNREACHABLE_PEER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+if rank == 1:
+    time.sleep(20)
+    sys.exit(0)
+import training.stop_signals as stop_signals
+stop_signals.CONNECT_TIMEOUT = timedelta(seconds=3)
+started = time.monotonic()
+try:
+    stop_signals.stop_flag_group()
+except stop_signals.GroupConnectError as error:
+    print(f"{time.monotonic() - started:.1f}", error)
+"""
+
+
+def test_a_node_that_cannot_connect_is_one_line_naming_gloo_socket_ifname():
+    port = str(free_port())
+    peers = [
+        subprocess.Popen(
+            [sys.executable, "-c", UNREACHABLE_PEER, str(rank), port],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    stdout, stderr = peers[0].communicate(timeout=120)
+    peers[1].kill()
+    peers[1].wait()
+    seconds, message = stdout.strip().split(" ", 1)
+    assert float(seconds) < 15 and "\n" not in message, (stdout, stderr[-2000:])
+    assert message.startswith("the processes of this run cannot connect over gloo within 3 s")
+    assert "set GLOO_SOCKET_IFNAME to the network interface" in message
