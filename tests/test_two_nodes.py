@@ -1,9 +1,10 @@
 """Two nodes on one host: two torchrun agents (`--nnodes 2 --node_rank 0|1 --nproc_per_node 1`), so that on the
 second node the global rank (1) is not the local rank (0), as on a real two-node job. The run equals one node with
 two processes byte for byte (tests/test_slurm.py's reference), also when a stop signal reaches one node's agent
-and the run is resumed.
+and the run is resumed; sample.py on two nodes writes one process's .npz.
 """
 
+import json
 import subprocess
 import sys
 
@@ -12,13 +13,19 @@ from test_slurm import RUN, assert_same_as, free_port
 
 
 def two_agents(run_dir, *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
-    """train.py under two torchrun agents on this host, one per "node"; their results, node 0's first."""
-    port, script = str(free_port()), ROOT / ("tests/faults.py" if fault else "train.py")
+    """train.py of RUN under two torchrun agents on this host, one per "node"; their results, node 0's first."""
+    script = ROOT / ("tests/faults.py" if fault else "train.py")
+    return two_nodes([str(script), *RUN, f"run.dir={run_dir}", *extra], fault)
+
+
+def two_nodes(command: list[str], fault: str = "") -> list[subprocess.CompletedProcess]:
+    """`command` (a script and its arguments) under two torchrun agents on this host, one per "node"."""
+    port = str(free_port())
     agents = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
             + ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
-            + [str(script), *RUN, f"run.dir={run_dir}", *extra],
+            + command,
             cwd=ROOT,
             env={**subprocess_env(), "FAULT_SIGNAL": fault},
             stdout=subprocess.PIPE,
@@ -49,6 +56,27 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     resumed = two_agents(run_dir, "--resume", "latest")
     assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
     assert_same_as(run_dir, preemption_reference)
+
+
+def test_sampling_on_two_nodes_equals_one_process(tmp_path):
+    import numpy as np
+
+    import sample
+    from test_sample import tiny_export
+
+    export = tiny_export(tmp_path / "export")
+    arguments = ["--ckpt", str(export), "--num-samples", "12", "--shard-size", "3", "--per-proc-batch-size", "3"]
+    arguments += ["--sampler", "ddim", "--steps", "5", "--grid-size", "4", "--cpu"]
+    (tmp_path / "one").mkdir()
+    sample.main([*arguments, "--out", str(tmp_path / "one" / "samples.npz")])
+    (tmp_path / "two").mkdir()
+    ran = two_nodes([str(ROOT / "sample.py"), *arguments, "--out", str(tmp_path / "two" / "samples.npz")])
+    assert all(agent.returncode == 0 for agent in ran), [agent.stderr[-2000:] for agent in ran]
+    summary = json.loads((tmp_path / "two" / "samples.json").read_text())
+    assert summary["processes"] == 2 and summary["images_per_process"] == [6, 6]  # both nodes sampled
+    with np.load(tmp_path / "one" / "samples.npz") as one, np.load(tmp_path / "two" / "samples.npz") as two:
+        assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
+    assert sorted(path.name for path in (tmp_path / "two").iterdir()) == ["samples.json", "samples.npz", "samples.png"]
 
 
 # Rank 0 builds the stop-flag group; rank 1, as a node that cannot reach it, never comes.
