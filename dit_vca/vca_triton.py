@@ -58,6 +58,16 @@ _QUERY_BLOCKS = _configs(
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b accumulated in float32. PRECISION "upcast" (only under the interpreter, for bf16): the operands
+    in float32 first, because Triton 3.8's interpreter multiplies bf16 tiles as their integer bit patterns;
+    the result is the GPU's (bf16 products are exact in float32, and tensor cores accumulate in float32)."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _online_step(scores, m, l):  # noqa: E741
     """One tile of an online softmax: the new running max, the rescale of what was summed so far, the tile's
     unnormalised probabilities and the new running sum."""
@@ -167,15 +177,15 @@ def _stage1_kernel(
         v_tile = tl.load(
             v + (g * N + keys[:, None]) * d + dims[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0
         )
-        scores = tl.dot(t_pos, k_t, input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
+        scores = _dot(t_pos, k_t, PRECISION) * scale  # (BLOCK_M, BLOCK_N)
         scores = tl.where(kmask[None, :], scores, float("-inf"))
         m_pos, alpha, probs, l_pos = _online_step(scores, m_pos, l_pos)
-        acc_pos = acc_pos * alpha[:, None] + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        acc_pos = acc_pos * alpha[:, None] + _dot(probs.to(v_tile.dtype), v_tile, PRECISION)
         if DIFF:
-            scores = tl.dot(t_neg, k_t, input_precision=PRECISION) * scale
+            scores = _dot(t_neg, k_t, PRECISION) * scale
             scores = tl.where(kmask[None, :], scores, float("-inf"))
             m_neg, alpha, probs, l_neg = _online_step(scores, m_neg, l_neg)
-            acc_neg = acc_neg * alpha[:, None] + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+            acc_neg = acc_neg * alpha[:, None] + _dot(probs.to(v_tile.dtype), v_tile, PRECISION)
     read_pos = acc_pos / l_pos[:, None]  # R⁺ = softmax(T⁺kᵀ/√d)·v, (BLOCK_M, BLOCK_D)
     result = read_pos
     if DIFF:
@@ -230,10 +240,10 @@ def _stage2_pass(
         v_tile = tl.load(
             values + (g * n + cols[:, None]) * d + dims[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0
         )
-        s_pos = tl.where(cmask[None, :], tl.dot(q_tile, t_pos, input_precision=PRECISION) * scale, float("-inf"))
+        s_pos = tl.where(cmask[None, :], _dot(q_tile, t_pos, PRECISION) * scale, float("-inf"))
         if DIFF:
             t_neg = tl.load(streams + (g * rows + n + cols[None, :]) * d + dims[:, None], mask=t_mask, other=0.0)
-            s_neg = tl.dot(q_tile, t_neg, input_precision=PRECISION) * scale
+            s_neg = _dot(q_tile, t_neg, PRECISION) * scale
             s_neg = tl.where(cmask[None, :], s_neg, float("-inf"))
             if JOINT:
                 m_new = tl.maximum(m_pos, tl.maximum(tl.max(s_pos, 1), tl.max(s_neg, 1)))
@@ -242,23 +252,19 @@ def _stage2_pass(
                 l_pos = l_pos * alpha + tl.sum(p_pos, 1) + tl.sum(p_neg, 1)
                 m_pos = m_new
                 if SPLIT:
-                    acc_pos = acc_pos * alpha[:, None] + tl.dot(
-                        p_pos.to(v_tile.dtype), v_tile, input_precision=PRECISION
-                    )
-                    acc_neg = acc_neg * alpha[:, None] + tl.dot(
-                        p_neg.to(v_tile.dtype), v_tile, input_precision=PRECISION
-                    )
+                    acc_pos = acc_pos * alpha[:, None] + _dot(p_pos.to(v_tile.dtype), v_tile, PRECISION)
+                    acc_neg = acc_neg * alpha[:, None] + _dot(p_neg.to(v_tile.dtype), v_tile, PRECISION)
                 else:
                     weights = (p_pos - lam * p_neg).to(v_tile.dtype)
-                    acc_pos = acc_pos * alpha[:, None] + tl.dot(weights, v_tile, input_precision=PRECISION)
+                    acc_pos = acc_pos * alpha[:, None] + _dot(weights, v_tile, PRECISION)
             else:
                 m_pos, alpha, p_pos, l_pos = _online_step(s_pos, m_pos, l_pos)
-                acc_pos = acc_pos * alpha[:, None] + tl.dot(p_pos.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+                acc_pos = acc_pos * alpha[:, None] + _dot(p_pos.to(v_tile.dtype), v_tile, PRECISION)
                 m_neg, alpha, p_neg, l_neg = _online_step(s_neg, m_neg, l_neg)
-                acc_neg = acc_neg * alpha[:, None] + tl.dot(p_neg.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+                acc_neg = acc_neg * alpha[:, None] + _dot(p_neg.to(v_tile.dtype), v_tile, PRECISION)
         else:
             m_pos, alpha, p_pos, l_pos = _online_step(s_pos, m_pos, l_pos)
-            acc_pos = acc_pos * alpha[:, None] + tl.dot(p_pos.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+            acc_pos = acc_pos * alpha[:, None] + _dot(p_pos.to(v_tile.dtype), v_tile, PRECISION)
     if JOINT:
         m_neg, l_neg = m_pos, l_pos
     return acc_pos, acc_neg, m_pos, l_pos, m_neg, l_neg
@@ -391,17 +397,17 @@ def _stage2_rows_kernel(
         t_mask = cmask[:, None] & dmask[None, :]
         t_pos = tl.load(streams + (g * rows + cols[:, None]) * d + dims[None, :], mask=t_mask, other=0.0)
         v_tile = tl.load(values + (g * n + cols[:, None]) * d + dims[None, :], mask=t_mask, other=0.0)
-        grad_w = tl.dot(grad_o, tl.trans(v_tile), input_precision=PRECISION)  # dW, (BLOCK_N, BLOCK_C)
-        s_pos = tl.dot(q_tile, tl.trans(t_pos), input_precision=PRECISION) * scale
+        grad_w = _dot(grad_o, tl.trans(v_tile), PRECISION)  # dW, (BLOCK_N, BLOCK_C)
+        s_pos = _dot(q_tile, tl.trans(t_pos), PRECISION) * scale
         p_pos = tl.where(cmask[None, :], tl.exp(s_pos - lse_pos[:, None]), 0.0)
         ds = p_pos * (grad_w - delta_pos[:, None])
-        acc += tl.dot(ds.to(t_pos.dtype), t_pos, input_precision=PRECISION)
+        acc += _dot(ds.to(t_pos.dtype), t_pos, PRECISION)
         if DIFF:
             t_neg = tl.load(streams + (g * rows + n + cols[:, None]) * d + dims[None, :], mask=t_mask, other=0.0)
-            s_neg = tl.dot(q_tile, tl.trans(t_neg), input_precision=PRECISION) * scale
+            s_neg = _dot(q_tile, tl.trans(t_neg), PRECISION) * scale
             p_neg = tl.where(cmask[None, :], tl.exp(s_neg - lse_neg[:, None]), 0.0)
             ds = p_neg * (-lam2 * grad_w - delta_neg[:, None])
-            acc += tl.dot(ds.to(t_neg.dtype), t_neg, input_precision=PRECISION)
+            acc += _dot(ds.to(t_neg.dtype), t_neg, PRECISION)
     q_place = ((g // h) * N + i[:, None]) * (3 * h * d) + (g % h) * d + dims[None, :]
     tl.store(grad_q + q_place, (acc * scale).to(grad_q.dtype.element_ty), mask=tile)
 
@@ -452,21 +458,21 @@ def _stage2_columns_kernel(
         grad_o = grad_o.to(v_tile.dtype)
         lse_pos = tl.load(lse + (g * N + i) * 2, mask=imask, other=0.0)
         delta_pos = tl.load(delta + (g * N + i) * 2, mask=imask, other=0.0)
-        grad_w = tl.dot(grad_o, tl.trans(v_tile), input_precision=PRECISION)  # dW, (BLOCK_N, BLOCK_M)
-        s_pos = tl.dot(q_tile, tl.trans(t_pos), input_precision=PRECISION) * scale
+        grad_w = _dot(grad_o, tl.trans(v_tile), PRECISION)  # dW, (BLOCK_N, BLOCK_M)
+        s_pos = _dot(q_tile, tl.trans(t_pos), PRECISION) * scale
         p_pos = tl.where(imask[:, None], tl.exp(s_pos - lse_pos[:, None]), 0.0)
         weights = p_pos
         ds = p_pos * (grad_w - delta_pos[:, None])
-        acc_pos += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION)
+        acc_pos += _dot(tl.trans(ds.to(q_tile.dtype)), q_tile, PRECISION)
         if DIFF:
             lse_neg = tl.load(lse + (g * N + i) * 2 + 1, mask=imask, other=0.0)
             delta_neg = tl.load(delta + (g * N + i) * 2 + 1, mask=imask, other=0.0)
-            s_neg = tl.dot(q_tile, tl.trans(t_neg), input_precision=PRECISION) * scale
+            s_neg = _dot(q_tile, tl.trans(t_neg), PRECISION) * scale
             p_neg = tl.where(imask[:, None], tl.exp(s_neg - lse_neg[:, None]), 0.0)
             weights = p_pos - lam2 * p_neg  # S⁺ − λ₂S⁻
             ds = p_neg * (-lam2 * grad_w - delta_neg[:, None])
-            acc_neg += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION)
-        acc_values += tl.dot(tl.trans(weights.to(grad_o.dtype)), grad_o, input_precision=PRECISION)
+            acc_neg += _dot(tl.trans(ds.to(q_tile.dtype)), q_tile, PRECISION)
+        acc_values += _dot(tl.trans(weights.to(grad_o.dtype)), grad_o, PRECISION)
     m2 = 2 * n if DIFF else n
     tl.store(grad_values + (g * n + j[:, None]) * d + dims[None, :], acc_values, mask=tile)
     tl.store(grad_streams + (g * m2 + j[:, None]) * d + dims[None, :], acc_pos * scale, mask=tile)
@@ -553,13 +559,13 @@ def _stage1_keys_kernel(
         grad_r = tl.load(grad_reads + (g * m1 + i[:, None]) * d + dims[None, :], mask=row_mask, other=0.0)
         row_lse = tl.load(lse + g * m1 + i, mask=imask, other=0.0)
         row_delta = tl.load(delta + g * m1 + i, mask=imask, other=0.0)
-        scores = tl.dot(t_tile, tl.trans(k_tile), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
+        scores = _dot(t_tile, tl.trans(k_tile), PRECISION) * scale  # (BLOCK_M, BLOCK_N)
         probs = tl.where(imask[:, None], tl.exp(scores - row_lse[:, None]), 0.0)
         grad_r = grad_r.to(v_tile.dtype)
-        acc_v += tl.dot(tl.trans(probs.to(v_tile.dtype)), grad_r, input_precision=PRECISION)
-        grad_p = tl.dot(grad_r, tl.trans(v_tile), input_precision=PRECISION)
+        acc_v += _dot(tl.trans(probs.to(v_tile.dtype)), grad_r, PRECISION)
+        grad_p = _dot(grad_r, tl.trans(v_tile), PRECISION)
         ds = probs * (grad_p - row_delta[:, None])
-        acc_k += tl.dot(tl.trans(ds.to(t_tile.dtype)), t_tile, input_precision=PRECISION)
+        acc_k += _dot(tl.trans(ds.to(t_tile.dtype)), t_tile, PRECISION)
     b, head = g // h, g % h
     local = tl.load(grad_local + (b * N + keys[:, None]) * (h * d) + head * d + dims[None, :], mask=tile, other=0.0)
     place = grad_qkv + (b * N + keys[:, None]) * (3 * h * d) + head * d + dims[None, :]
@@ -603,11 +609,11 @@ def _stage1_rows_kernel(
         k_mask = kmask[:, None] & dmask[None, :]
         k_tile = tl.load(k + (g * N + keys[:, None]) * d + dims[None, :], mask=k_mask, other=0.0)
         v_tile = tl.load(v + (g * N + keys[:, None]) * d + dims[None, :], mask=k_mask, other=0.0)
-        scores = tl.dot(t_tile, tl.trans(k_tile), input_precision=PRECISION) * scale
+        scores = _dot(t_tile, tl.trans(k_tile), PRECISION) * scale
         probs = tl.where(kmask[None, :], tl.exp(scores - row_lse[:, None]), 0.0)
-        grad_p = tl.dot(grad_r.to(v_tile.dtype), tl.trans(v_tile), input_precision=PRECISION)
+        grad_p = _dot(grad_r.to(v_tile.dtype), tl.trans(v_tile), PRECISION)
         ds = probs * (grad_p - row_delta[:, None])
-        acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
+        acc += _dot(ds.to(k_tile.dtype), k_tile, PRECISION)
     tl.store(grad_streams + (g * m1 + i[:, None]) * d + dims[None, :], acc * scale, mask=tile)
 
 
@@ -661,6 +667,19 @@ def _streams_backward_kernel(
 _TOKEN_BLOCK = 32  # contrast tokens per program of the element-wise kernels (streams, Stage I's norm)
 
 
+def _launch(kernel, grid):
+    """`kernel[grid]` inside a profiler range named after the kernel: profiles on the GPU show each launch by
+    name, and the tests tell the kernels' own work (under the interpreter: copies of its arguments) from the
+    ATen operations the core dispatches."""
+
+    def run(*args, **meta):
+        name = (kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel).__name__
+        with torch.profiler.record_function(f"vca_triton.{name}"):
+            kernel[grid](*args, **meta)
+
+    return run
+
+
 def _check_device(x: Tensor) -> None:
     if x.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
@@ -670,7 +689,10 @@ def _check_device(x: Tensor) -> None:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision for float32 operands: TF32 where PyTorch allows it for matmuls, else IEEE."""
+    """tl.dot's input precision for float32 operands: TF32 where PyTorch allows it for matmuls, else IEEE (see
+    _dot for "upcast")."""
+    if dtype == torch.bfloat16 and INTERPRETED:
+        return "upcast"
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
@@ -694,7 +716,7 @@ def _with_dummy(t: Tensor | None, fallback: Tensor) -> Tensor:
 
 def _forward_streams(heads: Tensor, embed: Tensor, layout, shape: _Shape) -> Tensor:
     streams = heads.new_empty(shape.G, shape.rows, shape.d)  # (G, S·n, d)
-    _streams_kernel[(shape.G, triton.cdiv(shape.n, _TOKEN_BLOCK))](
+    _launch(_streams_kernel, (shape.G, triton.cdiv(shape.n, _TOKEN_BLOCK)))(
         heads[0], embed, streams, shape.h, shape.H, shape.p, shape.d, shape.S, layout.pooled_content, shape.block_d,
         _TOKEN_BLOCK,
     )  # fmt: skip
@@ -706,7 +728,7 @@ def _forward_stage1(heads, streams, lambda1, norm1, layout, shape: _Shape, save:
     values = heads.new_empty(shape.G, shape.n, shape.d)
     reads = heads.new_empty((shape.G, shape.m1, shape.d) if save else (0,), dtype=torch.float32)
     lse = heads.new_empty((shape.G, shape.m1) if save else (0,), dtype=torch.float32)
-    _stage1_kernel[lambda meta: (shape.G, triton.cdiv(shape.n, meta["BLOCK_M"]))](
+    _launch(_stage1_kernel, lambda meta: (shape.G, triton.cdiv(shape.n, meta["BLOCK_M"])))(
         streams,
         heads[1],
         heads[2],
@@ -746,7 +768,7 @@ def add_attention(
     shape = _Shape(heads, embed, layout)
     streams = _forward_streams(heads, embed, layout, shape)
     values, _, _ = _forward_stage1(heads, streams, lambda1, norm1, layout, shape, save=False)
-    _stage2_kernel[lambda meta: (shape.G, triton.cdiv(shape.N, meta["BLOCK_N"]))](
+    _launch(_stage2_kernel, lambda meta: (shape.G, triton.cdiv(shape.N, meta["BLOCK_N"])))(
         heads[0],
         streams,
         values,
@@ -800,7 +822,7 @@ def attention_backward(
     grad_qkv = heads.new_empty(B, N, 3 * shape.C)  # written by the kernels: dq, dk, dv in the projection's layout
     grad_out = torch.empty(G, N, d, **floats)
     stats = torch.empty(2, G, N, 2, **floats)  # log-sum-exps and row terms, per query and stream
-    _stage2_rows_kernel[lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"]))](
+    _launch(_stage2_rows_kernel, lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"])))(
         heads[0],
         streams,
         values,
@@ -828,7 +850,7 @@ def attention_backward(
     )
     grad_values = torch.empty(G, n, d, **floats)
     grad_stage2 = torch.empty(G, shape.m2, d, **floats)
-    _stage2_columns_kernel[lambda meta: (G, triton.cdiv(n, meta["BLOCK_M"]))](
+    _launch(_stage2_columns_kernel, lambda meta: (G, triton.cdiv(n, meta["BLOCK_M"])))(
         heads[0],
         streams,
         values,
@@ -852,7 +874,7 @@ def attention_backward(
     # Stage I: its RMSNorm and λ₁, then per key block (dk, dv) and per contrast block (dT± of Stage I).
     grad_reads = torch.empty(G, shape.m1, d, **floats)
     delta1 = torch.empty(G, shape.m1, **floats)
-    _stage1_norm_kernel[(G, triton.cdiv(n, _TOKEN_BLOCK))](
+    _launch(_stage1_norm_kernel, (G, triton.cdiv(n, _TOKEN_BLOCK)))(
         reads,
         grad_values,
         _with_dummy(lambda1, streams),
@@ -870,7 +892,7 @@ def attention_backward(
         BLOCK_M=_TOKEN_BLOCK,
     )
     stage1 = (streams, heads[1], heads[2], grad_reads, lse1, delta1)
-    _stage1_keys_kernel[lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"]))](
+    _launch(_stage1_keys_kernel, lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"])))(
         *stage1,
         grad_local,
         grad_qkv,
@@ -884,7 +906,7 @@ def attention_backward(
         BLOCK_D=shape.block_d,
     )
     grad_stage1 = torch.empty(G, shape.m1, d, **floats)
-    _stage1_rows_kernel[lambda meta: (G, triton.cdiv(shape.m1, meta["BLOCK_M"]))](
+    _launch(_stage1_rows_kernel, lambda meta: (G, triton.cdiv(shape.m1, meta["BLOCK_M"])))(
         *stage1,
         grad_stage1,
         N,
@@ -898,7 +920,7 @@ def attention_backward(
 
     # The streams: dE± (summed over the batch) and, through the pooling, dq.
     grad_embed = torch.zeros(1, h, shape.S, n, d, **floats)
-    _streams_backward_kernel[(G, triton.cdiv(n, _TOKEN_BLOCK))](
+    _launch(_streams_backward_kernel, (G, triton.cdiv(n, _TOKEN_BLOCK)))(
         grad_stage1,
         grad_stage2,
         grad_embed,
