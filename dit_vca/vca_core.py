@@ -13,6 +13,10 @@ operations (VisualContrastAttention.reference_forward, the specification):
 - Fused attention kernels. Every SDPA call here and in the readable path takes 4-D (B, h, L, d) tensors of one
   dtype whose last dimension has stride 1: what PyTorch's dispatcher requires of the flash and
   memory-efficient kernels (see SDPA_FUSED_CONSTRAINTS).
+- Two implementations of the attention stages, chosen by the operators' `triton` argument
+  (VisualContrastAttention.kernel): the ATen operations here, the CPU default and the reference, or the fused
+  Triton kernels of dit_vca.vca_triton, the CUDA default. The projection, the convolution and their gradients
+  are shared.
 - Mixed precision. The core computes in the dtype of its input x (the caller casts x to the autocast dtype);
   the parameters arrive in their own dtype and their gradients are summed in float32, so that a loss scaled
   for fp16 cannot overflow sums over B·h·N rows (λ, RMSNorm weights, E±, the biases).
@@ -629,7 +633,10 @@ def _attention_macs(x_shape, layout: KernelLayout) -> dict[str, int]:
     FlopCounterMode counts none."""
     B, N, C = x_shape
     n, m1, m2 = layout.contrast_grid**2, layout.stage1_rows, layout.stage2_cols
-    stage2 = (2 * m2 if layout.stage2_sdpa else m2 + n) * N * C * B  # scores and values of every query
+    if layout.triton:  # scores, then one value product for a joint softmax, one per stream for two
+        stage2 = (m2 + (m2 if layout.stage2_differential and not layout.joint_softmax else n)) * N * C * B
+    else:  # scores and values of every query: SDPA calls or GEMMs
+        stage2 = (2 * m2 if layout.stage2_sdpa else m2 + n) * N * C * B
     return {"qkv": 3 * B * N * C * C, "stage1": 2 * m1 * N * C * B, "stage2": stage2, "conv": 9 * B * N * C}
 
 

@@ -37,24 +37,18 @@ from torch import Tensor
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(names: tuple[str, ...], choices: list[tuple]) -> list[triton.Config]:
-    """Autotuning configurations from (block sizes..., num_warps, num_stages) tuples; under the interpreter the
-    first alone (small blocks, so that the tests cross tile boundaries), as timing there means nothing."""
-    configs = [
-        triton.Config(dict(zip(names, choice[:-2])), num_warps=choice[-2], num_stages=choice[-1]) for choice in choices
-    ]
-    return configs[:1] if INTERPRETED else configs
+def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
+    """Autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few of
+    `compiled` (each one more compilation per dtype and head dim), under the interpreter `interpreted` alone
+    (timing there means nothing; small blocks, so that the tests' small shapes cross tile boundaries)."""
+    choices = [interpreted] if INTERPRETED else compiled
+    return [triton.Config(dict(zip(names, c[:-2])), num_warps=c[-2], num_stages=c[-1]) for c in choices]
 
 
-# Block sizes ≥ 16 (tl.dot's smallest) and the first entry small, for the interpreter.
-_ROW_BLOCKS = _configs(
-    ("BLOCK_M", "BLOCK_N"),
-    [(16, 16, 4, 1), (16, 64, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
-)
-_QUERY_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"),
-    [(16, 16, 4, 1), (64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (32, 64, 4, 2)],
-)
+# Block sizes ≥ 16 (tl.dot's smallest). Rows: contrast tokens (BLOCK_M) against key or query tiles (BLOCK_N).
+_ROW_BLOCKS = _configs(("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)])
+# Queries: query tiles (BLOCK_N) against tiles of contrast columns (BLOCK_C).
+_QUERY_BLOCKS = _configs(("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 2)])
 
 
 @triton.jit
@@ -673,7 +667,8 @@ def _launch(kernel, grid):
     ATen operations the core dispatches."""
 
     def run(*args, **meta):
-        name = (kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel).__name__
+        jitted = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+        name = jitted.fn.__name__  # the Python function (JITFunction and the interpreter's both keep it)
         with torch.profiler.record_function(f"vca_triton.{name}"):
             kernel[grid](*args, **meta)
 

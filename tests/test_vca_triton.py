@@ -197,3 +197,19 @@ def test_kernel_choice():
     module.kernel = "cuda"
     with pytest.raises(ValueError, match="kernel='cuda'"):
         module(torch.randn(1, 16, 32))
+
+
+def test_triton_core_counts_the_products_it_runs():
+    """FlopCounterMode sees the operator, not its kernels: its formula for the Triton path counts their products,
+    Stage II's value product once for a joint softmax (7·n·N·C + 9·N·C, as VCA.md's cost) and once per stream
+    for two softmaxes (8·n·N·C + 9·N·C)."""
+    from test_attention import core_multiply_adds
+
+    dim, tokens, n = 384, 256, 64
+    for joint, products in ((True, 7), (False, 8)):
+        with torch.device("meta"):  # shapes only: the fake kernel runs, the formula counts
+            vca = VisualContrastAttention(dim, 6, 16, 0, VCAOptions(contrast_grid=8, joint_softmax=joint))
+            vca.kernel = "triton"
+            assert (
+                core_multiply_adds(vca, torch.empty(1, tokens, dim)) == products * n * tokens * dim + 9 * tokens * dim
+            )
