@@ -3,15 +3,21 @@
     PYTHONPATH=. python -m bench.gpu                  # bench/results/gpu-cuda.md and gpu-cuda-<time>.jsonl
     PYTHONPATH=. python -m bench.gpu --out /tmp/gpu   # elsewhere
     PYTHONPATH=. python -m bench.gpu --rehearse       # the same code path on the CPU at tiny sizes, < 3 minutes
+                                                      # (the Triton kernels under Triton's interpreter)
 
 It runs with the machine's own interpreter and never the package index (docs/benchmarks.md says which wheels to copy
 in beside the tree). Three parts, each in its own process under its own time budget, the slowest last:
-1. attention: one layer, fwd+bwd, N = 1024, 4096, 16384 (batch·N = 16384), C = 384 and 1152, bf16 and fp32:
-   MHSA on SDPA (flash in bf16) against VCA with n = 64, Stage II as SDPA calls (the CUDA default) and as GEMMs;
-   first a check that every SDPA call of VCA runs with only the flash kernel allowed;
+1. attention: one layer, C = 384 and 1152, bf16 and fp32, batch·N = 16384: first a check that every SDPA call
+   of VCA's ATen core runs with only the flash kernel allowed; then VCA's core on the Triton kernels
+   (dit_vca.vca_triton, the CUDA default) against the ATen core and MHSA on SDPA (flash in bf16), n = 64,
+   N = 256 … 16384, fwd and fwd+bwd (the goal rows: bf16 fwd+bwd, Triton ≤ 1.0x flash MHSA at N = 256 and
+   ≤ 0.33x at N = 16384); then, fwd+bwd at N = 1024, 4096, 16384, the ATen core with Stage II as SDPA calls
+   and as GEMMs against MHSA;
 2. samplers: DDIM-50 (DiT-S/2) and Euler-50 (SiT-S/2), VCA and MHSA, bf16, batch 32;
 3. train: the DiT-S/2 training step at 256 and 512 px, batch 32, fp32 and bf16 (the goal rows), then
-   compiled (inductor) at 256 px in bf16, compile time apart from the steady state.
+   compiled (inductor) at 256 px in bf16, compile time apart from the steady state; then DiT-XL/2 at 256 px,
+   bf16, eager and compiled (the goal row: compiled VCA ≥ 0.95x MHSA's images/s). VCA's core runs on the
+   Triton kernels there (the CUDA default).
 Every case appends its row to the JSONL file the moment it is measured, so a part stopped by its budget or by
 running out of memory keeps what it measured (an out-of-memory case is a row with its error). After each part
 the summary table (gpu-<device>.md) is rewritten: each part's status, every row, and met/missed for every goal
@@ -21,6 +27,7 @@ row, fp32 and bf16.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -37,7 +44,11 @@ from bench._harness import RESULTS, bf16_skip_reason, describe_device, saved_act
 
 RUNBOOK_SECONDS = 480  # the whole run on one H200-class GPU
 MAIN_PROCESS_SECONDS = 30  # this process's own start-up and summaries, outside the parts' budgets
+LARGE_MODEL = "DiT-XL/2"
+LARGE_MODEL_GOAL = 0.95  # compiled bf16 DiT-XL/2-VCA training: at least 0.95x MHSA's images/s
 ATTENTION_GOAL = 1 / 3  # fwd+bwd at the largest N, n = 64: VCA at least 3x faster than flash MHSA
+# The Triton core's goals, VCA layer / flash MHSA time (bf16, fwd+bwd, n = 64), per token count.
+TRITON_GOALS = {256: 1.0, 16384: 1 / 3}
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,10 @@ class Settings:
     attention_tokens: tuple[int, ...]
     attention_widths: tuple[tuple[int, int], ...]  # (C, heads)
     tokens_per_batch: int
+    triton_tokens: tuple[int, ...]  # the Triton core against the ATen core and flash MHSA
+    triton_tokens_per_batch: int
+    triton_modes: tuple[str, ...]  # "fwd", "fwd+bwd"
+    large_model: bool  # DiT-XL/2 training steps too (bf16, eager and compiled)
     min_time: float  # seconds of timed calls per attention row
     sampler_batch: int
     sampler_steps: int
@@ -61,10 +76,14 @@ class Settings:
 
 
 RUNBOOK = Settings(
-    budgets={"attention": 100, "samplers": 60, "train": 270},
+    budgets={"attention": 180, "samplers": 45, "train": 225},
     attention_tokens=(1024, 4096, 16384),
     attention_widths=((384, 6), (1152, 16)),
     tokens_per_batch=16384,
+    triton_tokens=(256, 1024, 4096, 16384),
+    triton_tokens_per_batch=16384,
+    triton_modes=("fwd", "fwd+bwd"),
+    large_model=True,
     min_time=0.2,
     sampler_batch=32,
     sampler_steps=50,
@@ -80,6 +99,10 @@ REHEARSAL = Settings(
     attention_tokens=(64, 256),
     attention_widths=((64, 2),),
     tokens_per_batch=256,
+    triton_tokens=(64,),  # under Triton's interpreter: one image, one mode
+    triton_tokens_per_batch=64,
+    triton_modes=("fwd+bwd",),
+    large_model=False,
     min_time=0.0,
     sampler_batch=2,
     sampler_steps=3,
@@ -108,12 +131,14 @@ def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) 
     # Flash only: a VCA call the flash kernel rejects raises instead of falling back to the math kernel.
     tokens, (width, heads) = settings.attention_tokens[0], settings.attention_widths[0]
     layer = build_layer("vca-64", width, heads, tokens).to(device)
+    layer.kernel = "aten"  # the Triton core calls no SDPA
     x = torch.randn(max(1, settings.tokens_per_batch // tokens), tokens, width, device=device, requires_grad=True)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for stage2_sdpa in (True, False):
             layer.stage2_sdpa = stage2_sdpa
             layer_step(layer, x, torch.bfloat16, backward=True)()
     yield {"case": "flash-only", "tokens": tokens, "width": width, "result": "every VCA SDPA call ran on flash"}
+    yield from triton_layer_rows(settings, device, dtypes)
 
     for tokens in settings.attention_tokens:  # the largest (slowest) last
         batch = max(1, settings.tokens_per_batch // tokens)
@@ -126,6 +151,7 @@ def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) 
                 }
                 layers["vca-64-gemm2"] = build_layer("vca-64", width, heads, tokens)
                 layers["vca-64"].stage2_sdpa, layers["vca-64-gemm2"].stage2_sdpa = True, False
+                layers["vca-64"].kernel = layers["vca-64-gemm2"].kernel = "aten"  # the Triton core: triton_layer_rows
                 layers = {name: layer.to(device) for name, layer in layers.items()}
                 x = torch.randn(batch, tokens, width, device=device, requires_grad=True)
                 torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -148,6 +174,40 @@ def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) 
                     "saved_mib": saved,
                 }
                 del layers, steps
+
+
+def triton_layer_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
+    """VCA's core on the Triton kernels against the ATen core (Stage II as SDPA calls) and flash MHSA: one layer,
+    n = 64, forward and forward + backward. bf16 first (the goal rows), then by head dimension, then N: the
+    kernels compile (autotuning) in the warm-up of the first row of each dtype and head dimension, and every
+    later N reuses them."""
+    from bench.attention import build_layer, interleaved_median_seconds, layer_step
+
+    for dtype, (width, heads), tokens in itertools.product(
+        reversed(dtypes), settings.attention_widths, settings.triton_tokens
+    ):
+        batch = max(1, settings.triton_tokens_per_batch // tokens)
+        torch.manual_seed(0)
+        layers = {name: build_layer(name, width, heads, tokens) for name in ("mhsa-sdpa", "vca-64")}
+        layers["vca-64-triton"] = build_layer("vca-64", width, heads, tokens)
+        layers["vca-64"].kernel, layers["vca-64-triton"].kernel = "aten", "triton"
+        layers = {name: layer.to(device) for name, layer in layers.items()}
+        x = torch.randn(batch, tokens, width, device=device, requires_grad=True)
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        for mode in settings.triton_modes:
+            steps = {name: layer_step(layer, x, torch_dtype, mode == "fwd+bwd") for name, layer in layers.items()}
+            seconds = interleaved_median_seconds(steps, device, settings.min_time, 20)
+            yield {
+                "case": "triton-layer",
+                "tokens": tokens,
+                "width": width,
+                "heads": heads,
+                "batch": batch,
+                "dtype": dtype,
+                "mode": mode,
+                "ms": {name: 1e3 * s for name, s in seconds.items()},
+            }
+        del layers, steps
 
 
 def sampler_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
@@ -181,7 +241,7 @@ def sampler_rows(settings: Settings, device: torch.device, dtypes: list[str]) ->
 
 
 def train_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
-    from bench.train import goal_cases, measure
+    from bench.train import Case, goal_cases, measure
 
     cases = [case for dtype in dtypes for case in goal_cases(dtype)]  # the goal rows, fp32 and bf16
     cases += [
@@ -189,7 +249,14 @@ def train_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> I
         for case in goal_cases(dtypes[-1])
         if case.image_size == 256 and case.contrast_grid is None
     ]  # compiling is the slowest: last
-    for case in cases:
+    cases = [(case, []) for case in cases]
+    if settings.large_model:  # same step, the DiT-XL/2 model (its VCA core on the Triton kernels on CUDA)
+        cases += [
+            (Case(LARGE_MODEL, 256, attention, None, "bf16", "latents", compiled), [f"model.name={LARGE_MODEL}"])
+            for compiled in (False, True)
+            for attention in ("mhsa", "vca")
+        ]
+    for case, overrides in cases:
         yield {
             "case": "train",
             **measure(
@@ -197,7 +264,7 @@ def train_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> I
                 settings.train_batch,
                 settings.train_warmup,
                 settings.train_steps,
-                list(settings.model_overrides),
+                [*settings.model_overrides, *overrides],
                 count_memory=True,
             ),
         }
@@ -264,7 +331,8 @@ def run_part(part: str, budget: int, rehearse: bool, rows_path: Path) -> dict:
         *(["--rehearse"] if rehearse else []),
     ]
     print(f"bench.gpu: part {part} (budget {budget} s)", flush=True)
-    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if rehearse else {})}  # a rehearsal stays on the CPU
+    # A rehearsal stays on the CPU, where the Triton kernels run under Triton's interpreter.
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"} if rehearse else {})}
     started = time.perf_counter()
     try:
         done = subprocess.run(command, timeout=budget, env=env)
@@ -315,6 +383,7 @@ def summary_lines(rows: list[dict], goal_tokens: int) -> list[str]:
                 f"| {ms['vca-64-gemm2'] / ms['mhsa-sdpa']:.3f} | {saved['mhsa-sdpa']:.0f} / "
                 f"{saved['vca-64']:.0f} |"
             )
+    lines += triton_summary_lines([r for r in rows if r.get("case") == "triton-layer"])
     samplers = [r for r in rows if r.get("case") == "sampler"]
     if samplers:
         lines += ["", "| model | sampler | precision | NFE | images/s | ms / NFE |", "|---|---|---|---:|---:|---:|"]
@@ -343,6 +412,38 @@ def summary_lines(rows: list[dict], goal_tokens: int) -> list[str]:
             f"- {v['label']}: {v['ratio']:.2f} (goal ≤ {v['limit']:.2f}, {v['verdict']})"
             for v in goal_verdicts(list(speedups.values()))
         ]
+        large = speedups.get(f"{LARGE_MODEL} 256px vca bf16 latents compiled")
+        if large:
+            ratio = large["speedup_over_mhsa"]
+            large_verdict = "met" if ratio >= LARGE_MODEL_GOAL else f"missed by {LARGE_MODEL_GOAL / ratio:.2f}x"
+            lines.append(
+                f"- {LARGE_MODEL} 256px vca bf16 latents compiled: {ratio:.2f}x MHSA's images/s "
+                f"(goal ≥ {LARGE_MODEL_GOAL:.2f}, {large_verdict})"
+            )
+    return lines
+
+
+def triton_summary_lines(rows: list[dict]) -> list[str]:
+    """The Triton core's table, with met/missed for the TRITON_GOALS rows (bf16, fwd+bwd)."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| N | C / h | dtype | pass | MHSA flash ms | VCA ATen ms | VCA Triton ms | Triton / MHSA | Triton / ATen |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ms = r["ms"]
+        ratio = ms["vca-64-triton"] / ms["mhsa-sdpa"]
+        goal = ""
+        if r["tokens"] in TRITON_GOALS and r["dtype"] == "bf16" and r["mode"] == "fwd+bwd":
+            limit = TRITON_GOALS[r["tokens"]]
+            goal = f" (goal ≤ {limit:.2f}: {verdict(ratio, limit)})"
+        lines.append(
+            f"| {r['tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {r['mode']} | {ms['mhsa-sdpa']:.2f} "
+            f"| {ms['vca-64']:.2f} | {ms['vca-64-triton']:.2f} | {ratio:.3f}{goal} "
+            f"| {ms['vca-64-triton'] / ms['vca-64']:.3f} |"
+        )
     return lines
 
 

@@ -5,6 +5,7 @@ keep the official DiT parameter names (`qkv`, a fused Linear(C, 3C), and `proj`)
 VCA follows docs/VCA.md (Pu et al., NeurIPS 2025, "Linear Differential Vision Transformer").
 """
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from torch import Tensor, nn
 from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
+VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
 NORM_EPS = 1e-5  # of VCA's two RMSNorms
 
 
@@ -140,8 +143,12 @@ class VisualContrastAttention(nn.Module):
         # backward for 3·B·N·C fewer values saved for it (see dit_vca.vca_core). stage2_sdpa: Stage II of the
         # fast forward as SDPA calls (True) or GEMM–softmax–GEMM (False); None: the faster per device type
         # (vca_core.STAGE2_SDPA).
+        # kernel: the core's attention stages in ATen operations ("aten") or in the Triton kernels of
+        # dit_vca.vca_triton ("triton"); None: Triton on CUDA where triton is installed, ATen elsewhere (on CPU
+        # tensors "triton" needs Triton's interpreter, TRITON_INTERPRET=1 before triton is imported).
         self.recompute_qkv = False
         self.stage2_sdpa: bool | None = None
+        self.kernel: str | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """The fast path: the core as one custom operator with a hand-written backward (dit_vca.vca_core), also
@@ -163,6 +170,7 @@ class VisualContrastAttention(nn.Module):
             NORM_EPS,
             self.recompute_qkv,
             stage2_uses_sdpa(device_type) if self.stage2_sdpa is None else self.stage2_sdpa,
+            self.uses_triton(device_type),
         )
         core = vca_core(
             x.to(dtype),  # (B, N, C)
@@ -178,6 +186,14 @@ class VisualContrastAttention(nn.Module):
             layout,
         )  # (B, N, C)
         return self.proj(core)  # (B, N, C)
+
+    def uses_triton(self, device_type: str) -> bool:
+        """Whether the core runs on the Triton kernels for tensors of `device_type` (see `kernel`)."""
+        if self.kernel is None:
+            return device_type == "cuda" and TRITON_INSTALLED
+        if self.kernel not in VCA_KERNELS:
+            raise ValueError(f"VisualContrastAttention.kernel={self.kernel!r}; expected None or one of {VCA_KERNELS}")
+        return self.kernel == "triton"
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The readable path: VCA step by step in autograd-differentiated torch operations. It is the

@@ -13,6 +13,10 @@ operations (VisualContrastAttention.reference_forward, the specification):
 - Fused attention kernels. Every SDPA call here and in the readable path takes 4-D (B, h, L, d) tensors of one
   dtype whose last dimension has stride 1: what PyTorch's dispatcher requires of the flash and
   memory-efficient kernels (see SDPA_FUSED_CONSTRAINTS).
+- Two implementations of the attention stages, chosen by the operators' `triton` argument
+  (VisualContrastAttention.kernel): the ATen operations here, the CPU default and the reference, or the fused
+  Triton kernels of dit_vca.vca_triton, the CUDA default. The projection, the convolution and their gradients
+  are shared.
 - Mixed precision. The core computes in the dtype of its input x (the caller casts x to the autocast dtype);
   the parameters arrive in their own dtype and their gradients are summed in float32, so that a loss scaled
   for fp16 cannot overflow sums over B·h·N rows (λ, RMSNorm weights, E±, the biases).
@@ -67,6 +71,7 @@ class KernelLayout:
     eps: float  # of both RMSNorms
     recompute_qkv: bool  # recompute q, k, v in backward instead of saving them
     stage2_sdpa: bool  # Stage II of the forward as SDPA calls (see STAGE2_SDPA)
+    triton: bool = False  # both attention stages on the Triton kernels of dit_vca.vca_triton
 
     def as_args(self) -> tuple:
         """The fields in order: the scalar arguments of the operators."""
@@ -82,6 +87,7 @@ class KernelLayout:
             self.eps,
             self.recompute_qkv,
             self.stage2_sdpa,
+            self.triton,
         )
 
     @property
@@ -142,6 +148,7 @@ def _core_op(
     eps: float,
     recompute_qkv: bool,
     stage2_sdpa: bool,
+    triton: bool,
 ) -> tuple[Tensor, Tensor]:
     """(result (B, N, C), heads (3, B, h, N, d)): the core's output and the head-major q, k, v it computed
     (returned so that backward can keep them instead of recomputing them)."""
@@ -157,6 +164,7 @@ def _core_op(
         eps,
         recompute_qkv,
         stage2_sdpa,
+        triton,
     )
     B, N, C = x.shape
     with _autocast_off(x.device.type):
@@ -164,12 +172,17 @@ def _core_op(
             x.dtype, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias
         )
         heads = _project_heads(x, qkv_weight, qkv_bias, num_heads)  # (3, B, h, N, d)
-        out = _mixed_forward(heads, embed, lambda1, lambda2, norm1, layout)  # (B, h, N, d)
-        if stage2_differential:
-            out = out * _inverse_rms(out, eps) * (norm2 * (1 - lambda_init))
         local = F.conv2d(_value_image(heads[2], grid_size), conv_weight, conv_bias, padding=1, groups=C)
         result = local.permute(0, 2, 3, 1).reshape(B, N, C).contiguous()  # (B, N, C); a view when channels-last
-        result.view(B, N, num_heads, C // num_heads).add_(out.transpose(1, 2))
+        if triton:
+            from dit_vca import vca_triton  # imported on first use: importing triton costs a second
+
+            vca_triton.add_attention(result, heads, embed, lambda1, lambda2, norm1, norm2, layout)
+        else:
+            out = _mixed_forward(heads, embed, lambda1, lambda2, norm1, layout)  # (B, h, N, d)
+            if stage2_differential:
+                out = out * _inverse_rms(out, eps) * (norm2 * (1 - lambda_init))
+            result.view(B, N, num_heads, C // num_heads).add_(out.transpose(1, 2))
     return result, heads
 
 
@@ -205,6 +218,7 @@ def _core_backward_op(
     eps: float,
     recompute_qkv: bool,
     stage2_sdpa: bool,
+    triton: bool,
 ) -> list[Tensor]:
     """Gradients of x, qkv weight and bias, E±, λ₁, λ₂, both norm weights, conv weight and bias, in that order
     (an empty tensor for an absent optional input), each in its input's dtype."""
@@ -220,6 +234,7 @@ def _core_backward_op(
         eps,
         recompute_qkv,
         stage2_sdpa,
+        triton,
     )
     with _autocast_off(x.device.type):
         grads = _core_backward(
@@ -484,20 +499,16 @@ def _core_backward(
     layout: KernelLayout,
 ) -> tuple[Tensor | None, ...]:
     """The gradients of _core_op's inputs (see _core_backward_op), computed in x's dtype, parameter sums in
-    float32."""
+    float32: the convolution and the qkv projection here, the attention stages in `_attention_backward` or on
+    the Triton kernels (dit_vca.vca_triton)."""
     B, N, C = x.shape
-    h, H, p = layout.num_heads, layout.grid_size, layout.contrast_grid
-    d = C // h
-    n, r, c, G = p * p, H // p, 1 - layout.lambda_init, B * h
+    H = layout.grid_size
     qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight = _in_dtype(
         x.dtype, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight
     )
     grad = grad.to(x.dtype).contiguous()  # (B, N, C)
     if heads is None:
-        heads = _project_heads(x, qkv_weight, qkv_bias, h)  # (3, B, h, N, d)
-    fwd = _Recomputed(heads, embed, lambda1, lambda2, norm1, layout)
-    grad_heads = torch.empty_like(heads)  # (3, B, h, N, d): dq, dk, dv written in place
-    grad_q, grad_k, grad_v = (t.view(G, N, d) for t in grad_heads.unbind(0))
+        heads = _project_heads(x, qkv_weight, qkv_bias, layout.num_heads)  # (3, B, h, N, d)
 
     # Depthwise convolution of v (its bias gradient, a sum over B·N rows, in float32).
     value_image = _value_image(heads[2], H)
@@ -506,6 +517,45 @@ def _core_backward(
         grad_image, value_image, conv_weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], C, [True, True, False]
     )
     grad_conv_bias = _sum_to_fp32(grad.view(B * N, C), 0)  # (C,)
+
+    if layout.triton:
+        from dit_vca import vca_triton  # imported on first use, as in _core_op
+
+        grad_qkv, *grad_attention = vca_triton.attention_backward(
+            grad, heads, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
+        )
+    else:
+        grad_qkv, *grad_attention = _attention_backward(
+            grad, heads, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
+        )
+
+    # The qkv projection (the weight's gradient a GEMM in x's dtype, as nn.Linear's under autocast).
+    grad_x = (grad_qkv @ qkv_weight).view(B, N, C)
+    grad_qkv_weight = grad_qkv.T @ x.reshape(B * N, C)  # (3C, C)
+    grad_qkv_bias = _sum_to_fp32(grad_qkv, 0)
+    return (grad_x, grad_qkv_weight, grad_qkv_bias, *grad_attention, grad_conv_weight, grad_conv_bias)
+
+
+def _attention_backward(
+    grad: Tensor,
+    heads: Tensor,
+    embed: Tensor,
+    lambda1: Tensor | None,
+    lambda2: Tensor | None,
+    norm1: Tensor | None,
+    norm2: Tensor | None,
+    grad_local: Tensor,
+    layout: KernelLayout,
+) -> tuple[Tensor | None, ...]:
+    """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result: the
+    gradient of the qkv projection's output (B·N, 3C), the convolution's share `grad_local` of dv included, then
+    those of E±, λ₁, λ₂ and the norm weights (None where a switch is off)."""
+    _, B, h, N, d = heads.shape
+    H, p = layout.grid_size, layout.contrast_grid
+    n, r, c, G = p * p, H // p, 1 - layout.lambda_init, B * h
+    fwd = _Recomputed(heads, embed, lambda1, lambda2, norm1, layout)
+    grad_heads = torch.empty_like(heads)  # (3, B, h, N, d): dq, dk, dv written in place
+    grad_q, grad_k, grad_v = (t.view(G, N, d) for t in grad_heads.unbind(0))
 
     # Stage II (and its RMSNorm).
     grad_mixed = grad.view(B, N, h, d).transpose(1, 2).reshape(G, N, d)  # (G, N, d)
@@ -566,26 +616,9 @@ def _core_backward(
         grad_pooled = grad_streams.sum(dim=2).div_(r * r).view(B, h, p, 1, p, 1, d)
         grad_q.view(B, h, p, r, p, r, d).add_(grad_pooled)
     grad_heads[2].add_(grad_local.permute(0, 2, 3, 1).reshape(B, N, h, d).transpose(1, 2))
-
-    # The qkv projection (the weight's gradient a GEMM in x's dtype, as nn.Linear's under autocast).
-    grad_qkv = x.new_empty(B, N, 3, h, d)
+    grad_qkv = heads.new_empty(B, N, 3, h, d)
     grad_qkv.copy_(grad_heads.permute(1, 3, 0, 2, 4))  # (B, N, 3, h, d)
-    grad_qkv = grad_qkv.view(B * N, 3 * C)
-    grad_x = (grad_qkv @ qkv_weight).view(B, N, C)
-    grad_qkv_weight = grad_qkv.T @ x.reshape(B * N, C)  # (3C, C)
-    grad_qkv_bias = _sum_to_fp32(grad_qkv, 0)
-    return (
-        grad_x,
-        grad_qkv_weight,
-        grad_qkv_bias,
-        grad_embed,
-        grad_lambda1,
-        grad_lambda2,
-        grad_norm1,
-        grad_norm2,
-        grad_conv_weight,
-        grad_conv_bias,
-    )
+    return grad_qkv.view(B * N, 3 * h * d), grad_embed, grad_lambda1, grad_lambda2, grad_norm1, grad_norm2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -600,7 +633,10 @@ def _attention_macs(x_shape, layout: KernelLayout) -> dict[str, int]:
     FlopCounterMode counts none."""
     B, N, C = x_shape
     n, m1, m2 = layout.contrast_grid**2, layout.stage1_rows, layout.stage2_cols
-    stage2 = (2 * m2 if layout.stage2_sdpa else m2 + n) * N * C * B  # scores and values of every query
+    if layout.triton:  # scores, then one value product for a joint softmax, one per stream for two
+        stage2 = (m2 + (m2 if layout.stage2_differential and not layout.joint_softmax else n)) * N * C * B
+    else:  # scores and values of every query: SDPA calls or GEMMs
+        stage2 = (2 * m2 if layout.stage2_sdpa else m2 + n) * N * C * B
     return {"qkv": 3 * B * N * C * C, "stage1": 2 * m1 * N * C * B, "stage2": stage2, "conv": 9 * B * N * C}
 
 
