@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,15 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 from commands import check_launched_processes
-from training.checkpoint import keep_plain_model_keys, list_checkpoints
-from training.config import Config, ConfigError
+from training.checkpoint import (
+    RESUME_LATEST,
+    TRAIN_CONFIG,
+    TRAINER_STATE,
+    keep_plain_model_keys,
+    list_checkpoints,
+    resolve_resume,
+)
+from training.config import Config, ConfigError, load_config
 from training.trackers import TRACKER_FOLDERS, check_trackers
 
 # step-XXXXXXX (a checkpoint or export folder), step-XXXXXXX.png (a grid), and the hidden folders and files of
@@ -116,6 +124,56 @@ class RunDirectory:
                 if not any(folder.iterdir()):
                     folder.rmdir()
         return kept
+
+
+def load_launch_config(
+    config_file: str | None, resume: str | None, overrides: Sequence[str]
+) -> tuple[Config, str | None]:
+    """The config of a train.py launch and what its --resume means, as (config, resume spec for resolve_resume).
+
+    Without --config, a resume takes the run's own config (the overrides still apply on top and are checked
+    against the checkpoint as with --config): `--resume <run folder>` reads that folder's config.yaml,
+    `run.dir=<run folder> --resume latest` too, and `--resume <checkpoint folder>` the checkpoint's. `--resume
+    <run folder>` continues the newest checkpoint of that folder: in place (as `--resume latest`, a fresh start
+    when it has none yet), or into another run.dir given as an override."""
+    run_dir = next((item.partition("=")[2] for item in reversed(overrides) if item.startswith("run.dir=")), None)
+    folder = Path(resume) if resume not in (None, RESUME_LATEST) else None
+    if folder is not None and folder.is_dir() and not (folder / TRAINER_STATE).is_file():  # a run folder
+        run = RunDirectory(folder)
+        newest = list_checkpoints(run.checkpoints)
+        if not run.config.is_file() and not newest:
+            raise ConfigError(
+                f"--resume {folder}: neither a run folder (no {run.config.name}, no checkpoints/) nor a checkpoint "
+                f"folder (no {TRAINER_STATE})"
+            )
+        if run_dir is None or Path(run_dir).resolve() == folder.resolve():
+            resume = RESUME_LATEST
+        elif newest:
+            resume = str(newest[-1])
+        else:
+            raise ConfigError(f"--resume {folder}: the run holds no checkpoint to continue in run.dir={run_dir}")
+        config = load_config(
+            config_file or (run.config if run.config.is_file() else newest[-1] / TRAIN_CONFIG), overrides
+        )
+        if run_dir is None:
+            config.run.dir = str(folder)  # where the run is now, wherever its config.yaml says it was
+        return config, resume
+    if config_file is not None:
+        return load_config(config_file, overrides), resume
+    if resume is None:
+        raise ConfigError("--config is required for a new run (to continue one: --resume <run folder>)")
+    if resume == RESUME_LATEST:
+        if run_dir is None:
+            raise ConfigError("--resume latest without --config needs the run: add run.dir=<run folder>")
+        run = RunDirectory(Path(run_dir))
+        if not run.config.is_file():
+            raise ConfigError(f"run.dir={run_dir} holds no {run.config.name} to resume with: pass --config")
+        return load_config(run.config, overrides), resume
+    checkpoint = resolve_resume(resume, Path(resume).parent)  # a missing checkpoint stops here
+    config = load_config(checkpoint / TRAIN_CONFIG, overrides)
+    if run_dir is None and checkpoint.parent.name == RunDirectory(checkpoint.parent.parent).checkpoints.name:
+        config.run.dir = str(checkpoint.parent.parent)
+    return config, resume
 
 
 def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
