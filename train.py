@@ -84,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         run.check_new()  # and a run directory already in use,
     check_writable(run.root)  # or one where nothing can be written
     accelerator = create_accelerator(config, run)
+    run.lock(accelerator)  # a second train.py into this run.dir stops here, before anything is built
     parts = build_training(config, accelerator)
 
     state = TrainerState(
@@ -114,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     stopped_by = Trainer(
         accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
     ).fit()
+    run.unlock()
     if stopped_by is not None:
         raise SystemExit(STOPPED_STATUS)
 

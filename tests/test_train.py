@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -614,3 +616,42 @@ def test_a_resume_without_config_says_what_it_needs(train_script, tmp_path, argu
     with pytest.raises(ConfigError) as raised:
         train_script.main([argument.format(tmp=tmp_path) for argument in arguments])
     assert message.format(tmp=tmp_path) in str(raised.value)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 Two launches into one run directory
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("second", [[], ["--resume", "latest"]], ids=["fresh", "resume"])
+def test_a_second_launch_into_a_running_run_directory_is_refused(train_script, tmp_path, monkeypatch, second):
+    # Before: both ran to the end and wrote every metrics line twice. The refusal names the folder and the process
+    # holding it, before any model is built.
+    from atomic_files.folder_lock import locked_by_another
+
+    run_dir = tmp_path / "run"
+    settings = [*TINY, "train.max_steps=1000000", "log.every=100000", "log.sample_every=0", "log.trackers=[]"]
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(DIGITS), *settings, f"run.dir={run_dir}"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir.is_dir() and locked_by_another(run_dir)) and not (run_dir / "startup.txt").exists():
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first train.py never took its run directory"
+            time.sleep(0.2)
+        monkeypatch.setattr(train_script, "build_training", lambda *_: pytest.fail("a model was built"))
+        with pytest.raises(ConfigError) as raised:
+            train_script.main(["--config", str(DIGITS), *settings, "train.max_steps=2", f"run.dir={run_dir}", *second])
+        assert str(raised.value) == (
+            f"run.dir {run_dir} is in use by another train.py (process {first.pid}) right now: wait for it to end, "
+            f"or choose another run.dir=..."
+        )
+    finally:
+        first.kill()
+        first.communicate()

@@ -11,7 +11,9 @@
         exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
 
 A new launch never damages an earlier run: a run directory that already holds one is refused unless the
-launch continues it (--resume) or replaces it (--overwrite).
+launch continues it (--resume) or replaces it (--overwrite). While a launch runs, its main process holds the
+run directory's lock (atomic_files.folder_lock): a second train.py into the same run.dir is refused, naming the
+process that holds it, before any model is built.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from atomic_files.folder_lock import lock_folder, lock_holder, locked_by_another, release_folder
 from commands import check_launched_processes
 from training.checkpoint import (
     RESUME_LATEST,
@@ -46,6 +49,30 @@ STEP_FILE = re.compile(r"^\.?step-\d{7,}(\.png)?(\.tmp|\.old|\.tmp-\d+)?$")
 @dataclass(frozen=True)
 class RunDirectory:
     root: Path
+
+    def lock(self, accelerator: Accelerator) -> None:
+        """Hold this run directory for the launch (its main process holds the lock until `unlock` or its end);
+        another launch holding it is refused on every process with one line naming the folder and the process."""
+        busy: list[str | None] = [None]
+        if accelerator.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not lock_folder(self.root):
+                busy[0] = self._in_use()
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(busy)
+        if busy[0] is not None:
+            raise ConfigError(busy[0])
+
+    def unlock(self) -> None:
+        release_folder(self.root)
+
+    def _in_use(self) -> str:
+        return (
+            f"run.dir {self.root} is in use by another train.py ({lock_holder(self.root)}) right now: wait for it "
+            f"to end, or choose another run.dir=..."
+        )
 
     @property
     def config(self) -> Path:
@@ -83,6 +110,8 @@ class RunDirectory:
     def check_new(self) -> None:
         """Refuse to start a fresh run over an earlier one (it would truncate its logs and rotate its checkpoints)."""
         found = self.earlier_run()
+        if found and locked_by_another(self.root):  # the run that left them is still going
+            raise ConfigError(self._in_use())
         if found:
             names = ", ".join(str(path.relative_to(self.root)) for path in found[:3])
             raise ConfigError(
