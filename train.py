@@ -84,8 +84,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         run.check_new()  # and a run directory already in use,
     check_writable(run.root)  # or one where nothing can be written
     accelerator = create_accelerator(config, run)
-    run.lock(accelerator)  # a second train.py into this run.dir stops here, before anything is built
-    parts = build_training(config, accelerator)
+    with run.claimed(accelerator):  # a second train.py into this run.dir stops here, before anything is built
+        parts = build_training(config, accelerator)
 
     state = TrainerState(
         num_processes=accelerator.num_processes,

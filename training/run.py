@@ -18,9 +18,10 @@ process that holds it, before any model is built.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,14 @@ STEP_FILE = re.compile(r"^\.?step-\d{7,}(\.png)?(\.tmp|\.old|\.tmp-\d+)?$")
 class RunDirectory:
     root: Path
 
-    def lock(self, accelerator: Accelerator) -> None:
-        """Hold this run directory for the launch (its main process holds the lock until `unlock` or its end);
-        another launch holding it is refused on every process with one line naming the folder and the process."""
+    @contextlib.contextmanager
+    def claimed(self, accelerator: Accelerator) -> Iterator[None]:
+        """Hold this run directory for the launch from here on (its main process holds the lock until `unlock`
+        or its end); another launch holding it is refused on every process with one line naming the folder and
+        the process. If the block fails (the model, data or VAE cannot be built), the lock is let go and a folder
+        created for it removed again, so a failed launch leaves nothing behind."""
         busy: list[str | None] = [None]
+        created = not self.root.exists()
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             if not lock_folder(self.root):
@@ -64,6 +69,13 @@ class RunDirectory:
             broadcast_object_list(busy)
         if busy[0] is not None:
             raise ConfigError(busy[0])
+        try:
+            yield
+        except BaseException:
+            self.unlock()
+            if created and accelerator.is_main_process and not any(self.root.iterdir()):
+                self.root.rmdir()
+            raise
 
     def unlock(self) -> None:
         release_folder(self.root)
