@@ -246,3 +246,19 @@ def test_an_empty_class_folder_is_named_or_kept_as_a_class_without_examples(tmp_
         ImageFolderDataset(folder, 16, random_flip=False)
     lenient = ImageFolderDataset(folder, 16, random_flip=False, on_corrupt="skip")
     assert lenient.classes == ["cat", "dog", "emu"] and [label for _, label in lenient.samples] == [0, 0, 2, 2]
+
+
+def test_a_non_finite_latent_is_named_by_its_shard(tmp_path):
+    # Before: training went on until "loss is not finite ... try a lower train.lr", naming neither file nor row.
+    from training.data import LatentShardError
+
+    means, stds = torch.zeros(6, 2, 4, 4, 4), torch.ones(6, 2, 4, 4, 4)
+    means[4, :, 1, 2, 3] = float("nan")
+    write_latent_shards(tmp_path / "latents", means, stds, torch.arange(6) % 3, shard_size=3)
+    dataset = LatentShardDataset(tmp_path / "latents", scale=0.5, random_flip=True)
+    assert torch.isfinite(dataset[3][0]).all()
+    shard = tmp_path / "latents" / "shard-00001.safetensors"
+    with pytest.raises(
+        LatentShardError, match=rf"latent shard {shard} holds NaN or infinite values at row 1 \(image 4\)"
+    ):
+        dataset[4]

@@ -229,6 +229,11 @@ class LatentShardDataset(_EpochSeeded):
         mean = tensors.get_slice("mean")[row, flip].float()  # (C, h, w)
         std = tensors.get_slice("std")[row, flip].float()  # (C, h, w)
         latent = mean + std * torch.randn(mean.shape, generator=generator)  # (C, h, w)
+        if not torch.isfinite(latent).all():  # else training stops later at a non-finite loss, blaming train.lr
+            raise LatentShardError(
+                f"latent shard {self.files[shard]} holds NaN or infinite values at row {row} (image {index}); "
+                f"extract the latents again"
+            )
         label = int(tensors.get_slice("labels")[row])
         if self.images is None:
             return self.scale * latent, label

@@ -115,9 +115,12 @@ class RunDirectory:
         return self.root / "exports"
 
     def earlier_run(self) -> list[Path]:
-        """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory)."""
+        """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory). A config.yaml
+        alone does not count: a launch that failed before its first log line (an unreadable image, say) leaves
+        nothing a rerun of the same command could lose, and it would block that rerun."""
+        checkpoints = list_checkpoints(self.checkpoints)
         logs = [path for path in (self.config, self.metrics, self.fid, self.exports) if path.exists()]
-        return list_checkpoints(self.checkpoints) + logs
+        return [] if not checkpoints and logs == [self.config] else checkpoints + logs
 
     def check_new(self) -> None:
         """Refuse to start a fresh run over an earlier one (it would truncate its logs and rotate its checkpoints)."""
