@@ -52,6 +52,8 @@ def inputs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("inputs")
     (root / "bad.yaml").write_text("train:\n  lr: [1\n")
     (root / "scalar.yaml").write_text("5\n")
+    (root / "loop-a").symlink_to(root / "loop-b")  # --ckpt naming a loop of symbolic links
+    (root / "loop-b").symlink_to(root / "loop-a")
     import numpy as np
 
     np.savez(root / "no-stats.npz", mu_s=np.zeros(3), sigma_s=np.eye(3))  # sFID statistics only
@@ -197,6 +199,12 @@ CASES = [  # (id, command, arguments, text the one line must contain)
     ("sample-num-samples", "sample", [*SAMPLE, "--num-samples", "0"], "--num-samples must be positive, got 0"),
     ("sample-argument-type", "sample", [*SAMPLE, "--seed", "x"], "argument --seed: invalid int value: 'x'"),
     ("sample-seed-negative", "sample", [*SAMPLE, "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (
+        "ckpt-symlink-loop",
+        "sample",
+        ["--ckpt", "{tmp}/loop-a", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
+        "--ckpt: {tmp}/loop-a: a loop of symbolic links; expected an export folder",
+    ),
     (
         "cut-ema",
         "sample",
