@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -130,3 +132,29 @@ def test_a_config_yaml_alone_does_not_block_rerunning_the_command(tmp_path):
     run.check_new()
     run.metrics.write_text('{"step": 1}\n')
     assert run.earlier_run() == [run.config, run.metrics]
+
+
+def test_an_export_whose_vae_does_not_fit_its_image_size_is_refused_before_sampling(tmp_path):
+    # Before: a VAE of downsampling 2 decoded the 4x4 latents of a model declared for 32 px into 8 px images.
+    from diffusers import AutoencoderKL
+
+    import dit_vca
+    from generation import ExportDescription, ExportError, ImageGenerator, read_export, write_export
+    from test_latents import TINY_VAE
+
+    AutoencoderKL(**TINY_VAE).save_pretrained(tmp_path / "vae")  # 2 blocks: 2 px per latent cell
+    model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, num_classes=2)
+    description = ExportDescription(
+        model=model.config,
+        objective={"kind": "diffusion", "learn_sigma": True},
+        space="latents",
+        image_size=32,  # 4 latent cells x 8 px: what an SD VAE would decode
+        num_classes=2,
+        vae=str(tmp_path / "vae"),
+        latent_scale=0.5,
+    )
+    write_export(tmp_path / "export", model.state_dict(), description)
+    with pytest.raises(
+        ExportError, match=r"decodes the model's 4x4 latents to 8 px images, but the export declares 32"
+    ):
+        ImageGenerator.from_export(read_export(tmp_path / "export"))
