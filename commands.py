@@ -117,5 +117,18 @@ def run_command(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str]
 def _fail(message: str, error: BaseException, debug: bool) -> NoReturn:
     if debug:
         raise error
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {_unwrapped(message)}", file=sys.stderr)
     raise SystemExit(USER_ERROR_STATUS) from None
+
+
+LOADER_WORKER_PREFIX = "Caught "  # torch's DataLoader raises a worker's error again as "Caught E in DataLoader
+LOADER_WORKER_TRACEBACK = "\nOriginal Traceback"  # worker process 0.\nOriginal Traceback ...\nmodule.E: message"
+
+
+def _unwrapped(message: str) -> str:
+    """The error's own line when torch's DataLoader wrapped a worker's user error (a corrupt image, a damaged
+    latent shard) in the worker's traceback; any other message unchanged."""
+    if not (message.startswith(LOADER_WORKER_PREFIX) and LOADER_WORKER_TRACEBACK in message):
+        return message
+    last = message.rstrip().splitlines()[-1]  # "training.data.LatentShardError: latent shard ..."
+    return last.partition(": ")[2] or last

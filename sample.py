@@ -139,8 +139,9 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.grid_size < 0:
-        raise SystemExit(f"--grid-size must be >= 0, got {args.grid_size}")
+    for name in ("grid_size", "seed"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not math.isfinite(args.cfg_scale) or args.cfg_scale < 0:
         raise SystemExit(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
     if args.guidance_interval is not None and not args.guidance_interval[0] < args.guidance_interval[1]:

@@ -3,6 +3,7 @@
     python train.py --config configs/digits.yaml                                   # one process
     accelerate launch --multi_gpu --num_processes 8 train.py --config configs/dit-s2-vca.yaml
     accelerate launch train.py --config configs/dit-s2-vca.yaml train.lr=2e-4 --resume latest
+    python train.py --resume results/digits train.max_steps=4000                   # the run's own config.yaml
 
 Overrides are `section.key=value` (see training/config.py for every key). The run lives in run.dir
 (default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
@@ -19,7 +20,8 @@ A bad argument, config value or checkpoint file stops the command with one line 
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
 continued only with --resume and replaced only with --overwrite. With --resume, the model, objective, data and
 seed stay the checkpoint's (another value is refused, naming it); every other setting, such as train.lr above,
-applies from the resume step on, and config.yaml records this launch's values.
+applies from the resume step on, and config.yaml records this launch's values. A resume without --config
+uses the run's own config.yaml (training.run.load_launch_config).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from training.checkpoint import (
     load_checkpoint,
     resolve_resume,
 )
-from training.config import config_to_yaml, load_config
+from training.config import config_to_yaml
 from training.loop import Trainer, TrainerState
 from training.repa import check_repa_resume
-from training.run import RunDirectory, create_accelerator
+from training.run import RunDirectory, create_accelerator, load_launch_config
 from training.stop_signals import STOPPED_STATUS
 from training.summary import startup_summary
 from training.trackers import start_trackers
@@ -50,12 +52,16 @@ from training.trackers import start_trackers
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = CommandParser(prog="train.py", description=__doc__)
-    parser.add_argument("--config", required=True, help="experiment YAML: a path, or a shipped name like dit-s2-vca")
+    parser.add_argument(
+        "--config",
+        help="experiment YAML: a path, or a shipped name like dit-s2-vca (a resume without it uses the run's own)",
+    )
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument(
         "--resume",
-        metavar="latest|PATH",
-        help="continue from the newest checkpoint of the run (fresh start if none) or from PATH",
+        metavar="latest|RUN|CHECKPOINT",
+        help="continue from the newest checkpoint of run.dir (fresh start if none), of the run folder RUN, "
+        "or from the checkpoint folder CHECKPOINT",
     )
     resume.add_argument(
         "--overwrite",
@@ -68,9 +74,9 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
-    config = load_config(args.config, args.overrides)  # unknown keys and bad values stop here
-    run = RunDirectory(Path(config.run.dir))
-    resume_from = resolve_resume(args.resume, run.checkpoints)  # so does a missing checkpoint,
+    config, resume = load_launch_config(args.config, args.resume, args.overrides)  # unknown keys and bad values
+    run = RunDirectory(Path(config.run.dir))  # stop here,
+    resume_from = resolve_resume(resume, run.checkpoints)  # so does a missing checkpoint,
     if resume_from is not None:
         check_checkpoint(resume_from)  # a damaged one,
         check_resume_settings(config, resume_from)  # another model, objective, data or seed,
@@ -79,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         run.check_new()  # and a run directory already in use,
     check_writable(run.root)  # or one where nothing can be written
     accelerator = create_accelerator(config, run)
-    parts = build_training(config, accelerator)
+    with run.claimed(accelerator):  # a second train.py into this run.dir stops here, before anything is built
+        parts = build_training(config, accelerator)
 
     state = TrainerState(
         num_processes=accelerator.num_processes,
@@ -109,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     stopped_by = Trainer(
         accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
     ).fit()
+    run.unlock()
     if stopped_by is not None:
         raise SystemExit(STOPPED_STATUS)
 

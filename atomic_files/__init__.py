@@ -63,8 +63,24 @@ def _temporary_name(path: Path, pid: int) -> Path:
 
 
 def commit(temporary: Path, target: Path) -> None:
-    """Rename a complete temporary file or folder into place (one step on a POSIX file system)."""
+    """Rename a complete temporary file or folder into place (one step on a POSIX file system), its files given
+    the mode the umask gives a new file (`file_mode`)."""
+    mode = file_mode()
+    for file in [temporary] if not temporary.is_dir() else [path for path in temporary.rglob("*") if path.is_file()]:
+        os.chmod(file, mode)
     os.replace(temporary, target)
+
+
+def file_mode() -> int:
+    """The mode of a file created now by open(): 0o666 less the process's umask. Some writers (safetensors)
+    create their files 0o600 whatever the umask, so that others of a group could not read a shared run."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration):  # not Linux: read it the only other way, setting it and back
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 def free_bytes(path: str | os.PathLike) -> int:
@@ -178,10 +194,15 @@ def check_writable(folder: str | os.PathLike) -> None:
     while not folder.exists():
         folder = folder.parent
     probe = folder / f".write-probe{TEMPORARY_MARK}{os.getpid()}"
-    with _failing_as_output_error(folder, None):
-        with atomic_output(probe) as temporary:
+    temporary = _temporary_name(probe, os.getpid())
+    with _failing_as_output_error(folder, None):  # the error names the folder, never the probe's own files
+        try:
             temporary.write_bytes(b"")
-        probe.unlink()
+            commit(temporary, probe)
+        finally:
+            for path in (temporary, probe):
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
 
 
 def check_room(path: str | os.PathLike, needed: int) -> None:

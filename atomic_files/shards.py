@@ -4,26 +4,23 @@ Used by `sample.py` (image shards merged into one .npz at the end) and by latent
 output). A killed job is simply rerun: finished shards are kept, the others are written again. The folder's
 settings record (`settings.json`) makes sure that shards of different runs are never mixed: a rerun with other
 settings is refused, naming the first setting that differs. A folder in which no shard is finished belongs to
-no one: the next run claims it. The main process of the run that claims the folder holds an exclusive lock on
-it (flock, released by the kernel when the process ends, also by kill -9), so a second run started into the
-same folder is refused at once instead of doing the work twice.
+no one: the next run claims it. The main process of the run that claims the folder holds its lock
+(atomic_files.folder_lock), so a second run started into the same folder is refused at once, naming the process
+that holds it, instead of doing the work twice.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from atomic_files import atomic_output, remove_stale_temporaries, write_json_atomic
+from atomic_files.folder_lock import lock_folder, lock_holder, release_folder
 from commands import UserError
 
 SETTINGS_FILE = "settings.json"
-_LOCKS: dict[Path, int] = {}  # folder -> descriptor holding its lock: one per folder and process (flock
-# conflicts between two descriptors of one process, and the runs of one process follow each other)
 
 
 class ShardFolderError(UserError):
@@ -82,7 +79,11 @@ class ShardFolder:
 
     def _claim_on_main_process(self) -> list[int]:
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock_folder()
+        if not lock_folder(self.folder):
+            raise ShardFolderError(
+                f"{self.folder} is being written by another run right now ({lock_holder(self.folder)}): wait for "
+                f"it to finish (its result is then kept), or choose another output"
+            )
         for name in self.shard_names:
             remove_stale_temporaries(self.folder / name)
         record = self.folder / SETTINGS_FILE
@@ -112,26 +113,9 @@ class ShardFolder:
             )
         return pending
 
-    def _lock_folder(self) -> None:
-        key = self.folder.resolve()
-        if key in _LOCKS:
-            return
-        descriptor = os.open(self.folder, os.O_RDONLY)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(descriptor)
-            raise ShardFolderError(
-                f"{self.folder} is being written by another run right now: wait for it to "
-                f"finish (its result is then kept), or choose another output"
-            ) from None
-        _LOCKS[key] = descriptor
-
     def release(self) -> None:
         """Drop this process's lock on the folder (once its run is done; process exit drops it too)."""
-        descriptor = _LOCKS.pop(self.folder.resolve(), None)
-        if descriptor is not None:
-            os.close(descriptor)
+        release_folder(self.folder)
 
     def write(self, index: int, write: Callable[[Path], None]) -> None:
         """Write shard `index` atomically: `write(temporary_path)` fills a temporary file that is then renamed."""

@@ -5,7 +5,7 @@ iterators, against images or ADM-format statistics files.
 """
 
 from .errors import InputError
-from .evaluation import Evaluation, evaluate, extract_features, fid_from_batches
+from .evaluation import Evaluation, evaluate, extract_features, fid_from_batches, reference_pool
 from .frechet import frechet_distance
 from .inception import InceptionFeatures, load_inception
 from .inception_score import inception_score
@@ -28,5 +28,6 @@ __all__ = [
     "load_inception",
     "load_statistics",
     "precision_recall",
+    "reference_pool",
     "save_statistics",
 ]

@@ -75,6 +75,14 @@ def extract_features(
     )
 
 
+def reference_pool(path: str | os.PathLike) -> Gaussian:
+    """The pool_3 statistics ('mu', 'sigma') of a reference .npz; InputError naming the file when it has none."""
+    reference = load_statistics(path).pool
+    if reference is None:
+        raise InputError(f"{path}: no pool_3 statistics ('mu', 'sigma')")
+    return reference
+
+
 def fid_from_batches(
     batches: Iterable[np.ndarray | torch.Tensor],
     reference: Gaussian | str | os.PathLike,
@@ -88,9 +96,7 @@ def fid_from_batches(
     and all get the FID of the union.
     """
     if not isinstance(reference, Gaussian):
-        path, reference = reference, load_statistics(reference).pool
-        if reference is None:
-            raise InputError(f"{path}: no pool_3 statistics ('mu', 'sigma')")
+        reference = reference_pool(reference)
     features = extract_features(batches, extractor, gaussians=("pool",), across_processes=across_processes)
     return frechet_distance(features.gaussians["pool"], reference)
 

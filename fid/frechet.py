@@ -20,7 +20,9 @@ def frechet_distance(a: Gaussian, b: Gaussian) -> float:
     eigenvalues = np.linalg.eigvalsh((inner + inner.T) / 2)  # (D,)
     trace_sqrt = np.sqrt(np.clip(eigenvalues, 0.0, None)).sum()
     diff = a.mean - b.mean  # (D,)
-    return float(diff @ diff + np.trace(a.cov) + np.trace(b.cov) - 2.0 * trace_sqrt)
+    distance = float(diff @ diff + np.trace(a.cov) + np.trace(b.cov) - 2.0 * trace_sqrt)
+    # A squared distance: round-off in the traces leaves about -1e-12 for two equal Gaussians, printed -0.0000.
+    return max(distance, 0.0)
 
 
 def _psd_sqrt(matrix: np.ndarray) -> np.ndarray:

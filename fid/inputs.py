@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import InputError
-from .preprocess import center_crop_adm
+from .preprocess import DECODE_ERRORS, center_crop_adm, to_rgb
 from .statistics import Gaussian, StatisticsFile, load_statistics
 
 IMAGE_KEY = "arr_0"  # the ADM / DiT sample-file convention
@@ -117,8 +117,8 @@ class FolderImages:
         """(H, W, 3) pixels; None for a file left out with skip_corrupt."""
         try:
             with Image.open(path) as image:
-                image = image.convert("RGB")
-        except _DECODE_ERRORS as error:
+                image = to_rgb(image)
+        except DECODE_ERRORS as error:
             self._unreadable(path, _UnreadableImage(error))
             return None
         if self.center_crop is not None:
@@ -131,8 +131,6 @@ class FolderImages:
         warnings.warn(f"{path}: not a readable image ({error}); left out", stacklevel=2)
 
 
-# What PIL raises for files that are not images, broken headers (SyntaxError from verify) and cut data.
-_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 _JPEG_END = b"\xff\xd9"
 _JPEG_TAIL_BYTES = 64  # where the end-of-image marker must appear; encoders may pad a few bytes after it
 
@@ -152,7 +150,7 @@ def _checked_size(path: Path) -> tuple[int, int]:
         if image_format == "JPEG" and not _has_jpeg_end(path):
             with Image.open(path) as image:
                 image.load()
-    except _DECODE_ERRORS as error:
+    except DECODE_ERRORS as error:
         raise _UnreadableImage(error) from None
     return size
 

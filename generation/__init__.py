@@ -8,6 +8,8 @@ previews and the demo all go through it. It depends on the model packages and th
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
 
@@ -45,6 +47,18 @@ def load_export(source: str | Path, model: str | None = None, image_size: int | 
         )
     if Path(text).exists():
         return read_export(text)
+    if Path(text).is_symlink():  # a link that exists() cannot follow: a loop, or a link to nothing
+        try:
+            Path(text).stat()
+        except OSError as error:
+            problem = (
+                "a loop of symbolic links"
+                if error.errno == errno.ELOOP
+                else f"a symbolic link to nothing ({os.readlink(text)})"
+            )
+            raise ExportError(
+                f"{text}: {problem}; expected an export folder, a run directory or an official .pt"
+            ) from None
     if HUB_ID.match(text) and not text.startswith("."):
         try:
             return Export.from_pretrained(text)

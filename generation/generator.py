@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dit_vca.models import DiT, build_model_from_config
-from generation.export import Export, ExportDescription
+from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
 from generation.objective import Objective, create_objective
 from samplers import PerSampleNoise, classifier_free_guidance
@@ -85,9 +85,17 @@ class ImageGenerator:
         description = export.description
         autoencoder = None
         if not description.in_pixel_space:
-            from generation.vae import load_vae  # diffusers is slow to import: only for latent models
+            from generation.vae import latent_downsampling, load_vae  # diffusers is slow to import: latents only
 
             autoencoder = load_vae(vae or description.vae, device)  # before the model: fails fast offline
+            latent_side = description.model["input_size"]
+            decoded = latent_side * latent_downsampling(autoencoder.config)
+            if decoded != description.image_size:  # else it would sample images of another size without a word
+                raise ExportError(
+                    f"the VAE {vae or description.vae} decodes the model's {latent_side}x{latent_side} latents to "
+                    f"{decoded} px images, but the export declares {description.image_size} px: use the VAE it "
+                    f"was trained with (sample.py --vae)"
+                )
         model = build_model_from_config(description.model)
         model.load_state_dict(export.weights, strict=True)
         model = model.to(device).eval().requires_grad_(False)

@@ -51,6 +51,12 @@ def inputs(tmp_path_factory) -> Path:
     """One folder with every damaged or foreign input the table below points to."""
     root = tmp_path_factory.mktemp("inputs")
     (root / "bad.yaml").write_text("train:\n  lr: [1\n")
+    (root / "scalar.yaml").write_text("5\n")
+    (root / "loop-a").symlink_to(root / "loop-b")  # --ckpt naming a loop of symbolic links
+    (root / "loop-b").symlink_to(root / "loop-a")
+    import numpy as np
+
+    np.savez(root / "no-stats.npz", mu_s=np.zeros(3), sigma_s=np.eye(3))  # sFID statistics only
     for name in ("cut-weights", "cut-config"):
         tiny_export(root / name)
     truncate(root / "cut-weights" / "ema.safetensors")
@@ -104,6 +110,20 @@ CASES = [  # (id, command, arguments, text the one line must contain)
         "bad.yaml: not valid YAML (did not find expected ',' or ']' at line 3, column 1)",
     ),
     ("no-config", "train", ["--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml does not exist"),
+    # issue 32: a folder, a bare value, an FID reference without mu/sigma (found at start-up, not at the first FID)
+    ("config-folder", "train", ["--config", "{tmp}/images"], "config file {tmp}/images is a folder, not a file"),
+    (
+        "config-scalar",
+        "train",
+        ["--config", "{tmp}/scalar.yaml"],
+        "scalar.yaml: a bare value (Invalid loaded object type: int), not a mapping of sections at the top level",
+    ),
+    (
+        "fid-reference-without-mu",
+        "train",
+        [*TRAIN, "log.fid_every=1", "log.fid_reference={tmp}/no-stats.npz"],
+        "log.fid_reference: {tmp}/no-stats.npz: no pool_3 statistics ('mu', 'sigma')",
+    ),
     ("unknown-key", "train", [*TRAIN, "train.lrr=1"], "unknown key 'train.lrr'; valid keys under 'train'"),
     ("wrong-type", "train", [*TRAIN, "train.max_steps=many"], "bad value for 'train.max_steps' (expected int)"),
     ("max-steps-0", "train", [*TRAIN, "train.max_steps=0"], "'train.max_steps' is 0; expected a finite value >= 1"),
@@ -178,6 +198,13 @@ CASES = [  # (id, command, arguments, text the one line must contain)
     ("demo-override", "demo", ["--out", "{tmp}/demo", "train.lrr=1"], "unknown key 'train.lrr'"),
     ("sample-num-samples", "sample", [*SAMPLE, "--num-samples", "0"], "--num-samples must be positive, got 0"),
     ("sample-argument-type", "sample", [*SAMPLE, "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    ("sample-seed-negative", "sample", [*SAMPLE, "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (
+        "ckpt-symlink-loop",
+        "sample",
+        ["--ckpt", "{tmp}/loop-a", "--out", "{tmp}/samples.npz", "--num-samples", "4"],
+        "--ckpt: {tmp}/loop-a: a loop of symbolic links; expected an export folder",
+    ),
     (
         "cut-ema",
         "sample",

@@ -167,3 +167,98 @@ def test_batches_do_not_depend_on_the_number_of_loader_workers(tmp_path):
         stream = ShardedBatches(dataset, 4, 0, 1, seed=2, num_workers=workers).stream(0)
         draws.append([x for x, _, _ in itertools.islice(stream, 8)])  # two epochs of 4 batches
     assert all(torch.equal(a, b) for a, b in zip(*draws))
+
+
+# --------------------------------------------------------------------------------------------------
+#                                      Odd image folders
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_symlink_loop_in_a_class_folder_is_followed_once(tmp_path):
+    # Before: the loop was walked until the OS stopped it at 40 levels (each cat image counted 41 times).
+    folder = make_image_folder(tmp_path / "images")
+    (folder / "cat" / "again").symlink_to(folder / "cat", target_is_directory=True)
+    (folder / "dog" / "elsewhere").symlink_to(make_image_folder(tmp_path / "more", classes=("x",), per_class=2) / "x")
+    dataset = ImageFolderDataset(folder, 16, random_flip=False)
+    assert [label for _, label in dataset.samples] == [0] * 6 + [1] * 8  # a link to a new folder is followed
+    assert len({path for path, _ in dataset.samples}) == len(dataset.samples)
+
+
+def test_the_image_order_is_torchvisions(tmp_path):
+    # Latent shards record each latent's index in the folder: the listing must stay what it was (torchvision's).
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
+    folder = make_image_folder(tmp_path / "images", classes=("b", "a"))
+    (folder / "a" / "sub").mkdir()
+    Image.new("RGB", (20, 20)).save(folder / "a" / "sub" / "000.png")
+    Image.new("RGB", (20, 20)).save(folder / "a" / "zz.JPEG")
+    (folder / "a" / "notes.txt").write_text("not an image")
+    dataset = ImageFolderDataset(folder, 16, random_flip=False)
+    assert dataset.samples == make_dataset(str(folder), {"a": 0, "b": 1}, extensions=IMG_EXTENSIONS)
+
+
+def test_a_16_bit_png_is_scaled_not_clipped(tmp_path):
+    # Before: convert("RGB") clipped every value above 255, so 99.6 % of this ramp became white.
+    folder = make_image_folder(tmp_path / "images", per_class=1, size=(16, 16))
+    ramp = (np.arange(256, dtype=np.uint32).reshape(16, 16) * 257).astype(np.uint16)  # 0..65535 in steps of 257
+    Image.fromarray(ramp).save(folder / "cat" / "000.png")
+    with Image.open(folder / "cat" / "000.png") as image:
+        assert image.mode.startswith("I")  # Pillow reads it as 16-bit greyscale
+    x, _ = ImageFolderDataset(folder, 16, random_flip=False)[0]
+    pixels = (x + 1) * 127.5  # (3, 16, 16) back to 0..255
+    expected = torch.arange(256, dtype=torch.float32).reshape(16, 16)  # value / 257 exactly
+    for channel in pixels:
+        torch.testing.assert_close(channel, expected, atol=1e-4, rtol=0)  # float32 round trip of x / 127.5 - 1
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height pixels (8-bit RGB) and whose data are a token: a decompression
+    bomb as Pillow sees it when it opens the file."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_named_or_skipped(tmp_path):
+    # Before: PIL's DecompressionBombError came through as a traceback.
+    folder = make_image_folder(tmp_path / "images", per_class=2, size=(16, 16))
+    bomb = folder / "dog" / "001.png"
+    bomb.write_bytes(png_declaring(30000, 30000))
+    with pytest.raises(CorruptImageError, match=rf"cannot decode image {bomb}: .*decompression bomb"):
+        ImageFolderDataset(folder, 16, random_flip=False)[3]
+    assert ImageFolderDataset(folder, 16, random_flip=False, on_corrupt="skip")[3] is None
+
+
+def test_an_empty_class_folder_is_named_or_kept_as_a_class_without_examples(tmp_path):
+    # Before: torchvision's FileNotFoundError ("Found no valid file for the classes ...") as a traceback.
+    from training.data import DataMismatchError
+
+    folder = make_image_folder(tmp_path / "images", classes=("cat", "dog", "emu"), per_class=2)
+    for image in (folder / "dog").iterdir():
+        image.unlink()
+    (folder / "dog" / "readme.txt").write_text("no images here")
+    with pytest.raises(DataMismatchError, match=rf"the class folder {folder / 'dog'} holds no images"):
+        ImageFolderDataset(folder, 16, random_flip=False)
+    lenient = ImageFolderDataset(folder, 16, random_flip=False, on_corrupt="skip")
+    assert lenient.classes == ["cat", "dog", "emu"] and [label for _, label in lenient.samples] == [0, 0, 2, 2]
+
+
+def test_a_non_finite_latent_is_named_by_its_shard(tmp_path):
+    # Before: training went on until "loss is not finite ... try a lower train.lr", naming neither file nor row.
+    from training.data import LatentShardError
+
+    means, stds = torch.zeros(6, 2, 4, 4, 4), torch.ones(6, 2, 4, 4, 4)
+    means[4, :, 1, 2, 3] = float("nan")
+    write_latent_shards(tmp_path / "latents", means, stds, torch.arange(6) % 3, shard_size=3)
+    dataset = LatentShardDataset(tmp_path / "latents", scale=0.5, random_flip=True)
+    assert torch.isfinite(dataset[3][0]).all()
+    shard = tmp_path / "latents" / "shard-00001.safetensors"
+    with pytest.raises(
+        LatentShardError, match=rf"latent shard {shard} holds NaN or infinite values at row 1 \(image 4\)"
+    ):
+        dataset[4]

@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -559,3 +561,97 @@ def test_milestone_exports_are_kept_apart_from_the_rolling_checkpoints(train_scr
 def test_overrides_may_follow_the_options(train_script):
     args = train_script.parse_arguments(["--config", "c.yaml", "--resume", "latest", "train.lr=1", "log.every=2"])
     assert args.resume == "latest" and args.overrides == ["train.lr=1", "log.every=2"]
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 Resuming with the run's own config
+# --------------------------------------------------------------------------------------------------
+
+
+def reset_accelerate() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_a_run_folder_resumes_with_its_own_config_wherever_it_moved(short_run, train_script, tmp_path):
+    # No --config and none of the run's overrides retyped: the run's config.yaml is used, the folder given is the
+    # run.dir (its config.yaml still names the folder it was trained in), overrides apply on top.
+    run_dir = tmp_path / "moved"
+    shutil.copytree(short_run, run_dir)
+    train_script.main(["--resume", str(run_dir), "train.max_steps=6"])
+    assert [line["step"] for line in metrics(run_dir)] == [2, 4, 6]
+    assert (run_dir / "checkpoints" / "step-0000006").is_dir() and not (
+        short_run / "checkpoints" / "step-0000006"
+    ).exists()
+    assert f"dir: {run_dir}" in (run_dir / "config.yaml").read_text()
+    reset_accelerate()
+    train_script.main([f"run.dir={run_dir}", "--resume", "latest", "train.max_steps=8"])  # the same with run.dir
+    assert [line["step"] for line in metrics(run_dir)] == [2, 4, 6, 8]
+    reset_accelerate()
+    with pytest.raises(ConfigError, match=r"model.depth is 1 in the checkpoint, not 2"):  # refused as with --config
+        train_script.main(["--resume", str(run_dir), "model.depth=2"])
+
+
+def test_a_checkpoint_folder_resumes_with_its_own_config(short_run, train_script, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(short_run, run_dir)
+    train_script.main(["--resume", str(run_dir / "checkpoints" / "step-0000002"), "train.max_steps=4"])
+    assert "step-0000002 at step 2" in capsys.readouterr().out
+    assert [line["step"] for line in metrics(run_dir)] == [2, 4]  # the lines after step 2 were written again
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ([], "--config is required for a new run (to continue one: --resume <run folder>)"),
+        (["--resume", "latest"], "--resume latest without --config needs the run: add run.dir=<run folder>"),
+        (["--resume", "latest", "run.dir={tmp}"], "run.dir={tmp} holds no config.yaml to resume with: pass --config"),
+        (
+            ["--resume", "{tmp}"],
+            "--resume {tmp}: neither a run folder (no config.yaml, no checkpoints/) nor a checkpoint",
+        ),
+    ],
+)
+def test_a_resume_without_config_says_what_it_needs(train_script, tmp_path, arguments, message):
+    with pytest.raises(ConfigError) as raised:
+        train_script.main([argument.format(tmp=tmp_path) for argument in arguments])
+    assert message.format(tmp=tmp_path) in str(raised.value)
+
+
+# --------------------------------------------------------------------------------------------------
+#                                 Two launches into one run directory
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("second", [[], ["--resume", "latest"]], ids=["fresh", "resume"])
+def test_a_second_launch_into_a_running_run_directory_is_refused(train_script, tmp_path, monkeypatch, second):
+    # Before: both ran to the end and wrote every metrics line twice. The refusal names the folder and the process
+    # holding it, before any model is built.
+    from atomic_files.folder_lock import locked_by_another
+
+    run_dir = tmp_path / "run"
+    settings = [*TINY, "train.max_steps=1000000", "log.every=100000", "log.sample_every=0", "log.trackers=[]"]
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(DIGITS), *settings, f"run.dir={run_dir}"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir.is_dir() and locked_by_another(run_dir)) and not (run_dir / "startup.txt").exists():
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first train.py never took its run directory"
+            time.sleep(0.2)
+        monkeypatch.setattr(train_script, "build_training", lambda *_: pytest.fail("a model was built"))
+        with pytest.raises(ConfigError) as raised:
+            train_script.main(["--config", str(DIGITS), *settings, "train.max_steps=2", f"run.dir={run_dir}", *second])
+        assert str(raised.value) == (
+            f"run.dir {run_dir} is in use by another train.py (process {first.pid}) right now: wait for it to end, "
+            f"or choose another run.dir=..."
+        )
+    finally:
+        first.kill()
+        first.communicate()

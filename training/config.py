@@ -309,13 +309,19 @@ def _read_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictConfi
         raise ConfigError(f"{path}: circular `base:` chain through {' -> '.join(map(str, seen))}")
     if not path.is_file():
         referrer = f" (named as base by {seen[-1]})" if seen else ""
-        raise ConfigError(f"config file {path} does not exist{referrer}")
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what}{referrer}")
     try:
-        values = OmegaConf.load(path)
+        values = OmegaConf.load(path)  # with OmegaConf's limit on YAML alias expansion (a "billion laughs" file)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (expected a YAML config)") from None
+    except OSError as error:
+        if error.errno is not None:
+            raise ConfigError(f"config file {path} cannot be read ({error.strerror})") from None
+        # OmegaConf's answer to a bare number or boolean: "Invalid loaded object type: int"
+        raise ConfigError(f"{path}: a bare value ({error}), not a mapping of sections at the top level") from None
     if not isinstance(values, DictConfig):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     bases = values.pop(BASE_KEY, None)

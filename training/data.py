@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +20,11 @@ import torch
 from accelerate import skip_first_batches
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
 # The evaluator's preprocessing: training images are cut exactly as the ADM reference batches were.
 from commands import UserError
-from fid.preprocess import center_crop_adm
+from fid.preprocess import DECODE_ERRORS, center_crop_adm, to_rgb
 from training.config import Config
 
 # torch warns of more loader workers than this process has CPUs from two places (creating the loader and its
@@ -45,7 +46,7 @@ Example = tuple[torch.Tensor, int]
 
 
 class CorruptImageError(UserError):
-    """An image file that PIL cannot decode."""
+    """An image file that PIL cannot decode, or will not (a decompression bomb)."""
 
 
 class LatentShardError(UserError):
@@ -85,8 +86,10 @@ class _EpochSeeded(Dataset):
 class ImageFolderDataset(_EpochSeeded):
     """root/<class name>/<image>; classes sorted by name get labels 0..K-1.
 
-    Items are (image (3, S, S) in [-1, 1], label). A file PIL cannot decode raises CorruptImageError naming
-    it, or, with on_corrupt="skip", yields None (dropped and counted by `collate_examples`).
+    Items are (image (3, S, S) in [-1, 1], label); 16-bit images are scaled to 8 bits (fid.preprocess.to_rgb).
+    A file PIL cannot decode raises CorruptImageError naming it, or, with on_corrupt="skip", yields None (dropped
+    and counted by `collate_examples`). A class folder without images is an error naming it (with "skip": a
+    class without examples).
     """
 
     def __init__(
@@ -102,7 +105,7 @@ class ImageFolderDataset(_EpochSeeded):
             raise DataMismatchError(
                 f"data.images={root}: the folder holds no class folders; expected <folder>/<class name>/<image>"
             ) from None
-        self.samples = make_dataset(str(root), class_to_index, extensions=IMG_EXTENSIONS)
+        self.samples = list_images(root, class_to_index, allow_empty=on_corrupt == "skip")
         self.image_size = image_size
         self.random_flip = random_flip
         self.on_corrupt = on_corrupt
@@ -114,8 +117,8 @@ class ImageFolderDataset(_EpochSeeded):
         path, label = self.samples[index]
         try:
             with Image.open(path) as file:
-                image = file.convert("RGB")
-        except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for unreadable or truncated files
+                image = to_rgb(file)
+        except DECODE_ERRORS as error:
             if self.on_corrupt == "skip":
                 return None
             raise CorruptImageError(
@@ -126,6 +129,30 @@ class ImageFolderDataset(_EpochSeeded):
         if self.random_flip and torch.randint(2, (), generator=self.generator(index)):
             x = x.flip(-1)
         return x, label
+
+
+def list_images(root: Path, class_to_index: dict[str, int], allow_empty: bool) -> list[tuple[str, int]]:
+    """(path, label) of every image under root/<class>/, in torchvision's ImageFolder order (classes, then
+    folders, then files, each sorted). Symlinked folders are followed, but no folder twice (a link back up the
+    tree would list a class dozens of times, until the OS stops it at 40 levels)."""
+    samples = []
+    for name in sorted(class_to_index):
+        found, seen = [], set()
+        for folder, subfolders, files in os.walk(root / name, followlinks=True):
+            subfolders.sort()  # the first of several links to one folder is the one followed, on every machine
+            real = os.path.realpath(folder)
+            if real in seen:
+                subfolders.clear()
+                continue
+            seen.add(real)
+            found += [os.path.join(folder, file) for file in files if file.lower().endswith(IMG_EXTENSIONS)]
+        if not found and not allow_empty:
+            raise DataMismatchError(
+                f"data.images={root}: the class folder {root / name} holds no images ({', '.join(IMG_EXTENSIONS)}); "
+                f"remove it, or set data.on_corrupt=skip to keep it as a class without examples"
+            )
+        samples += [(path, class_to_index[name]) for path in sorted(found, key=lambda path: os.path.split(path))]
+    return samples
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,6 +229,11 @@ class LatentShardDataset(_EpochSeeded):
         mean = tensors.get_slice("mean")[row, flip].float()  # (C, h, w)
         std = tensors.get_slice("std")[row, flip].float()  # (C, h, w)
         latent = mean + std * torch.randn(mean.shape, generator=generator)  # (C, h, w)
+        if not torch.isfinite(latent).all():  # else training stops later at a non-finite loss, blaming train.lr
+            raise LatentShardError(
+                f"latent shard {self.files[shard]} holds NaN or infinite values at row {row} (image {index}); "
+                f"extract the latents again"
+            )
         label = int(tensors.get_slice("labels")[row])
         if self.images is None:
             return self.scale * latent, label

@@ -15,22 +15,26 @@ import numpy as np
 from generation.generator import ImageGenerator
 from generation.images import save_grid
 from generation.sample_plan import sample_seeds
-from training.config import LogConfig
+from training.config import ConfigError, LogConfig
 
 PREVIEW_SEED = 0
 
 
 def load_fid_extractor(log: LogConfig, device):
     """The Inception feature extractor for FID monitoring (None when log.fid_every is 0); the reference
-    statistics file is checked here, before training starts."""
+    statistics are read here, before training starts (not at the first FID step, after a checkpoint)."""
     if not log.fid_every:
         return None
-    from fid import load_inception
+    from fid import InputError, load_inception, reference_pool
 
     if log.fid_reference is None or not Path(log.fid_reference).is_file():
-        raise FileNotFoundError(
+        raise ConfigError(
             f"log.fid_every={log.fid_every} needs log.fid_reference=<.npz with mu and sigma>, got {log.fid_reference}"
         )
+    try:
+        reference_pool(log.fid_reference)
+    except InputError as error:
+        raise ConfigError(f"log.fid_reference: {error}") from None
     return load_inception(log.fid_inception, device=device)
 
 

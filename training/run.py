@@ -11,13 +11,17 @@
         exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
 
 A new launch never damages an earlier run: a run directory that already holds one is refused unless the
-launch continues it (--resume) or replaces it (--overwrite).
+launch continues it (--resume) or replaces it (--overwrite). While a launch runs, its main process holds the
+run directory's lock (atomic_files.folder_lock): a second train.py into the same run.dir is refused, naming the
+process that holds it, before any model is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +29,17 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from atomic_files.folder_lock import lock_folder, lock_holder, locked_by_another, release_folder
 from commands import check_launched_processes
-from training.checkpoint import keep_plain_model_keys, list_checkpoints
-from training.config import Config, ConfigError
+from training.checkpoint import (
+    RESUME_LATEST,
+    TRAIN_CONFIG,
+    TRAINER_STATE,
+    keep_plain_model_keys,
+    list_checkpoints,
+    resolve_resume,
+)
+from training.config import Config, ConfigError, load_config
 from training.trackers import TRACKER_FOLDERS, check_trackers
 
 # step-XXXXXXX (a checkpoint or export folder), step-XXXXXXX.png (a grid), and the hidden folders and files of
@@ -38,6 +50,41 @@ STEP_FILE = re.compile(r"^\.?step-\d{7,}(\.png)?(\.tmp|\.old|\.tmp-\d+)?$")
 @dataclass(frozen=True)
 class RunDirectory:
     root: Path
+
+    @contextlib.contextmanager
+    def claimed(self, accelerator: Accelerator) -> Iterator[None]:
+        """Hold this run directory for the launch from here on (its main process holds the lock until `unlock`
+        or its end); another launch holding it is refused on every process with one line naming the folder and
+        the process. If the block fails (the model, data or VAE cannot be built), the lock is let go and a folder
+        created for it removed again, so a failed launch leaves nothing behind."""
+        busy: list[str | None] = [None]
+        created = not self.root.exists()
+        if accelerator.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not lock_folder(self.root):
+                busy[0] = self._in_use()
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(busy)
+        if busy[0] is not None:
+            raise ConfigError(busy[0])
+        try:
+            yield
+        except BaseException:
+            self.unlock()
+            if created and accelerator.is_main_process and not any(self.root.iterdir()):
+                self.root.rmdir()
+            raise
+
+    def unlock(self) -> None:
+        release_folder(self.root)
+
+    def _in_use(self) -> str:
+        return (
+            f"run.dir {self.root} is in use by another train.py ({lock_holder(self.root)}) right now: wait for it "
+            f"to end, or choose another run.dir=..."
+        )
 
     @property
     def config(self) -> Path:
@@ -68,13 +115,18 @@ class RunDirectory:
         return self.root / "exports"
 
     def earlier_run(self) -> list[Path]:
-        """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory)."""
+        """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory). A config.yaml
+        alone does not count: a launch that failed before its first log line (an unreadable image, say) leaves
+        nothing a rerun of the same command could lose, and it would block that rerun."""
+        checkpoints = list_checkpoints(self.checkpoints)
         logs = [path for path in (self.config, self.metrics, self.fid, self.exports) if path.exists()]
-        return list_checkpoints(self.checkpoints) + logs
+        return [] if not checkpoints and logs == [self.config] else checkpoints + logs
 
     def check_new(self) -> None:
         """Refuse to start a fresh run over an earlier one (it would truncate its logs and rotate its checkpoints)."""
         found = self.earlier_run()
+        if found and locked_by_another(self.root):  # the run that left them is still going
+            raise ConfigError(self._in_use())
         if found:
             names = ", ".join(str(path.relative_to(self.root)) for path in found[:3])
             raise ConfigError(
@@ -116,6 +168,56 @@ class RunDirectory:
                 if not any(folder.iterdir()):
                     folder.rmdir()
         return kept
+
+
+def load_launch_config(
+    config_file: str | None, resume: str | None, overrides: Sequence[str]
+) -> tuple[Config, str | None]:
+    """The config of a train.py launch and what its --resume means, as (config, resume spec for resolve_resume).
+
+    Without --config, a resume takes the run's own config (the overrides still apply on top and are checked
+    against the checkpoint as with --config): `--resume <run folder>` reads that folder's config.yaml,
+    `run.dir=<run folder> --resume latest` too, and `--resume <checkpoint folder>` the checkpoint's. `--resume
+    <run folder>` continues the newest checkpoint of that folder: in place (as `--resume latest`, a fresh start
+    when it has none yet), or into another run.dir given as an override."""
+    run_dir = next((item.partition("=")[2] for item in reversed(overrides) if item.startswith("run.dir=")), None)
+    folder = Path(resume) if resume not in (None, RESUME_LATEST) else None
+    if folder is not None and folder.is_dir() and not (folder / TRAINER_STATE).is_file():  # a run folder
+        run = RunDirectory(folder)
+        newest = list_checkpoints(run.checkpoints)
+        if not run.config.is_file() and not newest:
+            raise ConfigError(
+                f"--resume {folder}: neither a run folder (no {run.config.name}, no checkpoints/) nor a checkpoint "
+                f"folder (no {TRAINER_STATE})"
+            )
+        if run_dir is None or Path(run_dir).resolve() == folder.resolve():
+            resume = RESUME_LATEST
+        elif newest:
+            resume = str(newest[-1])
+        else:
+            raise ConfigError(f"--resume {folder}: the run holds no checkpoint to continue in run.dir={run_dir}")
+        config = load_config(
+            config_file or (run.config if run.config.is_file() else newest[-1] / TRAIN_CONFIG), overrides
+        )
+        if run_dir is None:
+            config.run.dir = str(folder)  # where the run is now, wherever its config.yaml says it was
+        return config, resume
+    if config_file is not None:
+        return load_config(config_file, overrides), resume
+    if resume is None:
+        raise ConfigError("--config is required for a new run (to continue one: --resume <run folder>)")
+    if resume == RESUME_LATEST:
+        if run_dir is None:
+            raise ConfigError("--resume latest without --config needs the run: add run.dir=<run folder>")
+        run = RunDirectory(Path(run_dir))
+        if not run.config.is_file():
+            raise ConfigError(f"run.dir={run_dir} holds no {run.config.name} to resume with: pass --config")
+        return load_config(run.config, overrides), resume
+    checkpoint = resolve_resume(resume, Path(resume).parent)  # a missing checkpoint stops here
+    config = load_config(checkpoint / TRAIN_CONFIG, overrides)
+    if run_dir is None and checkpoint.parent.name == RunDirectory(checkpoint.parent.parent).checkpoints.name:
+        config.run.dir = str(checkpoint.parent.parent)
+    return config, resume
 
 
 def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:

@@ -1,0 +1,160 @@
+"""Faults of the second day (issue 32): folders in use, odd inputs checked at start-up, cosmetic messages."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_claimed_shard_folder_names_the_process_that_holds_it(tmp_path):
+    # sample.py, training.latents and train.py share one lock (atomic_files.folder_lock); each refusal names the
+    # process, as /proc/locks lists it.
+    from atomic_files.shards import ShardFolder
+
+    folder = ShardFolder(tmp_path / "out.shards", ["shard-0.npz"], {"seed": 0})
+    folder.claim()
+    try:
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from atomic_files.shards import ShardFolder\n"
+                "try:\n    ShardFolder(sys.argv[1], ['shard-0.npz'], {'seed': 0}).claim()\n"
+                "except Exception as error:\n    print(error)",
+                str(tmp_path / "out.shards"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        folder.release()
+    assert f"is being written by another run right now (process {os.getpid()})" in second.stdout, second.stderr
+
+
+def test_a_nan_in_a_latent_shard_stops_training_naming_the_shard_in_one_line(tmp_path):
+    # Before: the run went on to "loss is not finite ... try a lower train.lr". Through a loader worker, torch wraps
+    # the error in the worker's traceback: the command still prints the error's own line.
+    from safetensors.torch import load_file, save_file
+
+    from test_faults import latent_run, latent_shards
+
+    latent_shards(tmp_path / "latents")
+    shard = tmp_path / "latents" / "shard-00001.safetensors"
+    tensors = load_file(shard)
+    tensors["mean"][:, :, 0, 0, 0] = float("nan")
+    save_file(tensors, shard)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *latent_run(tmp_path / "latents"),
+            "train.max_steps=8",
+            "log.sample_every=0",
+            "log.trackers=[]",
+            "data.num_workers=1",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    # the progress bar's line may precede it (tqdm ends its line with a carriage return, not a newline)
+    errors = [line[line.index("error:") :] for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: latent shard {shard} holds NaN or infinite values at row "), errors[0]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_read_only_error_names_the_folder_not_the_probe(tmp_path, monkeypatch):
+    import errno
+
+    from atomic_files import OutputError, check_writable
+    from faults import failing_writes
+
+    failing_writes(monkeypatch, errno.EROFS)
+    try:
+        check_writable(tmp_path)
+    except OutputError as error:
+        assert str(error) == f"cannot write {tmp_path}: read-only file system; choose a writable place"
+    else:
+        raise AssertionError("the read-only folder was not found")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_written_files_take_the_umasks_mode(tmp_path):
+    # safetensors creates its files 0o600 whatever the umask (before: so were every export and checkpoint).
+    import torch
+    from safetensors.torch import save_file
+
+    from atomic_files import atomic_folder, atomic_output
+
+    previous = os.umask(0o002)  # a group-shared run directory
+    try:
+        with atomic_output(tmp_path / "ema.safetensors") as temporary:
+            save_file({"w": torch.zeros(2)}, temporary)
+        with atomic_folder(tmp_path / "checkpoint") as folder:
+            save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    finally:
+        os.umask(previous)
+    for path in (tmp_path / "ema.safetensors", tmp_path / "checkpoint" / "model.safetensors"):
+        assert oct(path.stat().st_mode & 0o777) == oct(0o664), path
+
+
+def test_the_fid_of_a_set_with_itself_is_zero_not_minus_zero():
+    import numpy as np
+
+    from fid import gaussian_of
+    from fid.frechet import frechet_distance
+
+    # 50 samples of 64 features: a singular covariance, whose traces' round-off left -3.9e-7 (printed -0.0000)
+    features = np.random.default_rng(0).normal(size=(50, 64))
+    same = gaussian_of(features)
+    assert f"{frechet_distance(same, same):.4f}" == "0.0000"
+
+
+def test_a_config_yaml_alone_does_not_block_rerunning_the_command(tmp_path):
+    # A launch that failed at its first step (an unreadable image) leaves config.yaml and startup.txt, nothing that
+    # a rerun could lose; before, the rerun of the same command was refused as "already holds a run (config.yaml)".
+    from training.run import RunDirectory
+
+    run = RunDirectory(tmp_path)
+    run.config.write_text("model: {}\n")
+    run.startup.write_text("train.py start-up\n")
+    run.check_new()
+    run.metrics.write_text('{"step": 1}\n')
+    assert run.earlier_run() == [run.config, run.metrics]
+
+
+def test_an_export_whose_vae_does_not_fit_its_image_size_is_refused_before_sampling(tmp_path):
+    # Before: a VAE of downsampling 2 decoded the 4x4 latents of a model declared for 32 px into 8 px images.
+    from diffusers import AutoencoderKL
+
+    import dit_vca
+    from generation import ExportDescription, ExportError, ImageGenerator, read_export, write_export
+    from test_latents import TINY_VAE
+
+    AutoencoderKL(**TINY_VAE).save_pretrained(tmp_path / "vae")  # 2 blocks: 2 px per latent cell
+    model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, num_classes=2)
+    description = ExportDescription(
+        model=model.config,
+        objective={"kind": "diffusion", "learn_sigma": True},
+        space="latents",
+        image_size=32,  # 4 latent cells x 8 px: what an SD VAE would decode
+        num_classes=2,
+        vae=str(tmp_path / "vae"),
+        latent_scale=0.5,
+    )
+    write_export(tmp_path / "export", model.state_dict(), description)
+    with pytest.raises(
+        ExportError, match=r"decodes the model's 4x4 latents to 8 px images, but the export declares 32"
+    ):
+        ImageGenerator.from_export(read_export(tmp_path / "export"))
