@@ -27,24 +27,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
-from training.build import build_training
-from training.checkpoint import (
-    TRAIN_CONFIG,
-    apply_optimizer_settings,
-    check_checkpoint,
-    check_resume_settings,
-    load_checkpoint,
-    resolve_resume,
-)
-from training.config import config_to_yaml, load_config
-from training.loop import Trainer, TrainerState
-from training.repa import check_repa_resume
-from training.run import RunDirectory, create_accelerator
-from training.stop_signals import STOPPED_STATUS
-from training.summary import startup_summary
-from training.trackers import start_trackers
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -67,7 +50,28 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
+    # Libraries are imported once the checks before them have passed: --help and a bad argument answer before
+    # torch is imported, an unknown key or a bad value before accelerate, diffusers and timm (seconds each).
+    from training.config import config_to_yaml, load_config
+
     config = load_config(args.config, args.overrides)  # unknown keys and bad values stop here
+    from atomic_files import check_writable, write_text_atomic
+    from training.build import build_training
+    from training.checkpoint import (
+        TRAIN_CONFIG,
+        apply_optimizer_settings,
+        check_checkpoint,
+        check_resume_settings,
+        load_checkpoint,
+        resolve_resume,
+    )
+    from training.loop import Trainer, TrainerState
+    from training.repa import check_repa_resume
+    from training.run import RunDirectory, create_accelerator
+    from training.stop_signals import STOPPED_STATUS
+    from training.summary import startup_summary
+    from training.trackers import start_trackers
+
     run = RunDirectory(Path(config.run.dir))
     resume_from = resolve_resume(args.resume, run.checkpoints)  # so does a missing checkpoint,
     if resume_from is not None:

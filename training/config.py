@@ -236,6 +236,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     config: Config = OmegaConf.to_object(merged)
     _check_values(config, prefix="")
     _check_model_name(config.model.name)
+    _check_model_heads(config.model)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(
             f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
@@ -426,6 +427,19 @@ def _check_repa(config: Config) -> None:
         )
     if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
         raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
+
+
+def _check_model_heads(model: ModelConfig) -> None:
+    """The width splits into the heads (the backbone checks this too, but only once the data are loaded)."""
+    from dit_vca.models import name_size
+
+    _, preset_width, preset_heads = name_size(model.name)[0]
+    width, heads = model.hidden_size or preset_width, model.num_heads or preset_heads
+    if width % heads:
+        raise ConfigError(
+            f"'model.num_heads' is {heads}, but {model.name} with model.hidden_size={width} cannot be split into "
+            f"{heads} heads; expected a divisor of {width}"
+        )
 
 
 def _check_model_name(name: str) -> None:
