@@ -37,7 +37,7 @@ import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, check_launched_processes, run_command
+from commands import CommandParser, UserError, check_launched_processes, run_command
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
@@ -261,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         generator = ImageGenerator.from_export(
             export, accelerator.device, vae=args.vae, precision=precision, compile=args.compile
         )  # model and VAE load before the folder is claimed
+    except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
+        raise
     except ValueError as error:  # the backbone names the sizes that do not fit together
         raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)

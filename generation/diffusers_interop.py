@@ -309,7 +309,7 @@ def convert(
         from generation.vae import VAEUnavailableError, load_vae
 
         try:
-            vae = load_vae(vae_name)
+            vae = load_vae(vae_name, option="--vae")
         except VAEUnavailableError as error:
             raise SourceError(f"--vae {vae_name}: {error}") from None
     transformer = to_diffusers(load_mhsa_model(source, model, image_size))

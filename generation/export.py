@@ -30,7 +30,7 @@ EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{7,})$")  # the checkpoint folders of a run (see training.checkpoint)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: vae_path; 2 is read as 3 without it
 SPACES = ("pixels", "latents")
 
 
@@ -43,7 +43,9 @@ class ExportDescription:
     """What rebuilds the network and turns its outputs into images.
 
     `space` says where the model works: "pixels" (its outputs are images in [-1, 1]) or "latents" (its
-    outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`, a hub id or a local folder).
+    outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`: its hub id where one is known, else
+    the absolute path of its folder, with `vae_path`, the absolute local folder training loaded it from, as a hint
+    tried first where it exists (generation.vae.VAESource).
     """
 
     model: dict[str, Any]  # model.config: rebuilds the network (dit_vca.build_model_from_config)
@@ -52,6 +54,7 @@ class ExportDescription:
     image_size: int  # side of the generated images in pixels
     num_classes: int
     vae: str | None = None  # latents only
+    vae_path: str | None = None  # latents only, where the VAE was a local folder
     latent_scale: float | None = None  # latents only
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
@@ -94,7 +97,7 @@ class ExportDescription:
                 latent_scale=data.get("latent_scale"),
                 model=current_model_config(values["model"]),
             )
-        elif version != FORMAT_VERSION:
+        elif version not in (2, FORMAT_VERSION):
             raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)
 

@@ -87,7 +87,11 @@ class ImageGenerator:
         if not description.in_pixel_space:
             from generation.vae import load_vae  # diffusers is slow to import: only for latent models
 
-            autoencoder = load_vae(vae or description.vae, device)  # before the model: fails fast offline
+            autoencoder = (  # before the model: fails fast offline
+                load_vae(vae, device, option="--vae")
+                if vae is not None
+                else load_vae(description.vae, device, hint=description.vae_path, option="--vae")
+            )
         model = build_model_from_config(description.model)
         model.load_state_dict(export.weights, strict=True)
         model = model.to(device).eval().requires_grad_(False)

@@ -498,19 +498,11 @@ def test_shards_of_another_run_are_not_mixed_in(main_process, tmp_path):
 
 
 def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
-    from diffusers import AutoencoderKL
-
     from dit_vca import create_model
+    from test_portable_vae import tiny_sd_vae
 
-    vae_folder = tmp_path / "vae"  # SD-VAE layout (4 levels: 8x downsampling, 4 latent channels), tiny widths
-    AutoencoderKL(
-        block_out_channels=(8, 8, 8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-    ).save_pretrained(vae_folder)
+    vae_folder = tmp_path / "vae"
+    tiny_sd_vae().save_pretrained(vae_folder)
     official = create_model("DiT-S/8", attention="mhsa", input_size=32)
     torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")  # architecture read from the name
 

@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from commands import UserError
 from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCAOptions
+from generation.vae import vae_source
 
 BASE_KEY = "base"
 DEFAULT_RESULTS_DIR = "results"
@@ -110,7 +111,8 @@ class DataConfig:
 class VAEConfig:
     """The autoencoder that maps images to latents (required unless data.source is pixel-space)."""
 
-    name: str | None = None  # hub id or a local folder written by save_pretrained
+    name: str | None = None  # hub id or a local folder written by save_pretrained (recorded by its hub id)
+    path: str | None = None  # the local folder's absolute path, tried first where it exists; set from vae.name
     scale: float | None = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
 
 
@@ -241,6 +243,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(
             f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
         )
+    if config.vae.name is not None:  # named so that config.yaml works from another folder (generation.vae)
+        source = vae_source(config.vae.name, config.vae.path)
+        config.vae.name, config.vae.path = source.name, source.path
     if config.train.repa.enabled:
         _check_repa(config)
     if config.run.dir is None:
