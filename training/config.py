@@ -135,7 +135,8 @@ class RepaConfig:
     depth: int = _range(8, 1)  # align the output of this block (1-based; 8 of SiT-XL/2's 28)
     coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
     projector_dim: int = _range(2048, 1)  # hidden width of the 3-layer SiLU projector
-    input_size: int = _range(224, 1)  # the encoder's input side in pixels (REPA: 224 for DINOv2-B/14)
+    input_size: int | None = _range(None, 1)  # the encoder's input side in pixels; None: the size it was built for
+    # (its config's img_size: 518 for DINOv2, whose REPA setting is 224 at 256 px and 448 at 512 px)
     mean: list[float] | None = None  # input normalisation; None: the encoder's own (timm pretrained cfg)
     std: list[float] | None = _range(None, 0.0, above=True)
 
