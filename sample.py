@@ -133,6 +133,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def describe_protocol(args: argparse.Namespace) -> str:
+    """What --protocol resolved to: each of its settings as used, those given on the command line marked."""
+    parts = []
+    for name, preset in PROTOCOLS[args.protocol].settings.items():
+        used = getattr(args, name)
+        parts.append(
+            f"--{name.replace('_', '-')} {used}" + ("" if used == preset else f" (given; the protocol's {preset})")
+        )
+    return f"sample.py: --protocol {args.protocol}: " + " ".join(parts)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Reject arguments that cannot work, before anything is loaded or written."""
     for name in ("num_samples", "per_proc_batch_size", "shard_size", "steps", "guidance_channels"):
@@ -250,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         accelerator.print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
         )
+    if args.protocol:
+        accelerator.print(describe_protocol(args))
     from generation import ImageGenerator
     from generation.generator import default_precision, set_matmul_precision
 

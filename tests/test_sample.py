@@ -595,7 +595,7 @@ def test_without_a_protocol_the_plain_defaults_apply():
     )
 
 
-def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_path):
+def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_path, capsys):
     out = tmp_path / "samples.npz"
     sample.main(
         [
@@ -623,6 +623,10 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
         "ddpm",
     )
     assert (settings["steps"], settings["guidance_channels"]) == (3, 1)  # given on the command line
+    assert (  # and the command said what the protocol resolved to
+        "sample.py: --protocol dit: --labels uniform --cfg-scale 1.5 --guidance-channels 1 (given; the protocol's 3) "
+        "--sampler ddpm --steps 3 (given; the protocol's 250)\n" in capsys.readouterr().out
+    )
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_1"], assign_labels(4, NUM_CLASSES, "uniform", seed=0))
 
