@@ -37,7 +37,7 @@ import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, check_launched_processes, run_command
+from commands import CommandParser, UserError, check_launched_processes, run_command
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
@@ -131,6 +131,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def describe_protocol(args: argparse.Namespace) -> str:
+    """What --protocol resolved to: each of its settings as used, those given on the command line marked."""
+    parts = []
+    for name, preset in PROTOCOLS[args.protocol].settings.items():
+        used = getattr(args, name)
+        parts.append(
+            f"--{name.replace('_', '-')} {used}" + ("" if used == preset else f" (given; the protocol's {preset})")
+        )
+    return f"sample.py: --protocol {args.protocol}: " + " ".join(parts)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -251,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         accelerator.print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
         )
+    if args.protocol:
+        accelerator.print(describe_protocol(args))
     from generation import ImageGenerator
     from generation.generator import default_precision, set_matmul_precision
 
@@ -262,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         generator = ImageGenerator.from_export(
             export, accelerator.device, vae=args.vae, precision=precision, compile=args.compile
         )  # model and VAE load before the folder is claimed
+    except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
+        raise
     except ValueError as error:  # the backbone names the sizes that do not fit together
         raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)

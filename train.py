@@ -30,24 +30,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from atomic_files import check_writable, write_text_atomic
 from commands import CommandParser, run_command
-from training.build import build_training
-from training.checkpoint import (
-    TRAIN_CONFIG,
-    apply_optimizer_settings,
-    check_checkpoint,
-    check_resume_settings,
-    load_checkpoint,
-    resolve_resume,
-)
-from training.config import config_to_yaml
-from training.loop import Trainer, TrainerState
-from training.repa import check_repa_resume
-from training.run import RunDirectory, create_accelerator, load_launch_config
-from training.stop_signals import STOPPED_STATUS
-from training.summary import startup_summary
-from training.trackers import start_trackers
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -74,9 +57,33 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
-    config, resume = load_launch_config(args.config, args.resume, args.overrides)  # unknown keys and bad values
-    run = RunDirectory(Path(config.run.dir))  # stop here,
-    resume_from = resolve_resume(resume, run.checkpoints)  # so does a missing checkpoint,
+    # Libraries are imported once the checks before them have passed: --help and a bad argument answer before
+    # torch is imported, an unknown key or a bad value of --config's file before accelerate, diffusers and timm
+    # (seconds each); load_launch_config then resolves what a resume means (the run's own config.yaml).
+    from training.config import config_to_yaml, load_config
+
+    if args.config is not None:
+        load_config(args.config, args.overrides)  # unknown keys and bad values stop here
+    from atomic_files import check_writable, write_text_atomic
+    from training.build import build_training
+    from training.checkpoint import (
+        TRAIN_CONFIG,
+        apply_optimizer_settings,
+        check_checkpoint,
+        check_resume_settings,
+        load_checkpoint,
+        resolve_resume,
+    )
+    from training.loop import Trainer, TrainerState
+    from training.repa import check_repa_resume
+    from training.run import RunDirectory, create_accelerator, load_launch_config
+    from training.stop_signals import STOPPED_STATUS
+    from training.summary import startup_summary
+    from training.trackers import start_trackers
+
+    config, resume = load_launch_config(args.config, args.resume, args.overrides)  # so does a resume's,
+    run = RunDirectory(Path(config.run.dir))
+    resume_from = resolve_resume(resume, run.checkpoints)  # a missing checkpoint,
     if resume_from is not None:
         check_checkpoint(resume_from)  # a damaged one,
         check_resume_settings(config, resume_from)  # another model, objective, data or seed,

@@ -9,7 +9,6 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
-from timm.layers import Mlp, PatchEmbed
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -97,6 +96,8 @@ class DiTBlock(nn.Module):
     """A transformer block with adaLN-Zero conditioning; its token mixer is MHSA or VCA."""
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, attention: nn.Module):
+        from timm.layers import Mlp  # imported where used: a config check or --help never pays for timm
+
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
         self.attn = attention
@@ -169,6 +170,8 @@ class DiT(nn.Module):
         self.num_classes = num_classes
         self.num_heads = num_heads
         self.gradient_checkpointing = gradient_checkpointing
+
+        from timm.layers import PatchEmbed  # imported where used, as in DiTBlock
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)

@@ -268,7 +268,9 @@ def evaluate(
     sample_input = open_input(resolve_input(samples), center_crop, skip_corrupt)
     ref_input = open_input(resolve_input(ref), center_crop, skip_corrupt) if ref is not None else None
     metrics = choose_metrics(metrics, sample_input, ref_input)
-    sample_plan = _plan(sample_input, "SAMPLES", metrics, wants_statistics=save_stats is not None)
+    # Without REF or IS, the one input is only summarised for --save-stats (often a reference set): not "SAMPLES"
+    sample_role = "SAMPLES" if ref_input is not None or "is" in metrics else "--save-stats input"
+    sample_plan = _plan(sample_input, sample_role, metrics, wants_statistics=save_stats is not None)
     ref_plan = _plan(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
     if center_crop is not None and not any(
         isinstance(x.images, FolderImages) for x in (sample_input, ref_input) if x is not None

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
 from .errors import InputError
 from .fp32 import full_fp32_precision
@@ -36,6 +35,9 @@ class InceptionFeatures(nn.Module):
     """Inception-v3 2015-12-05 feature extractor for uint8 (B, H, W, 3) images of any size."""
 
     def __init__(self, weights: InceptionWeights):
+        # imported where used: torch-fidelity brings torchvision (seconds), which `python -m fid --help` never needs
+        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
         super().__init__()
         self.weights = weights
         # torch-fidelity reads its weights only from a path, with torch.load(weights_only=False). It gets an

@@ -4,17 +4,34 @@ Owns the export format (`ExportDescription`, `Export`: a folder of EMA weights a
 Hugging Face Hub), the conversion of official DiT/SiT checkpoints into exports, the VAE between pixels and
 latents, and `ImageGenerator.generate`, the one path from labels and seeds to uint8 images. `sample.py`, training's
 previews and the demo all go through it. It depends on the model packages and the samplers, never on training.
+
+The names below are imported from their modules on first use (PEP 562), so that importing a light module of the
+package (`generation.protocols`, `generation.sample_file`, which sample.py reads to parse its arguments) does not
+import the models, the samplers and huggingface_hub first.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from generation.export import Export, ExportDescription, ExportError, find_export, read_export, write_export
-from generation.generator import ImageGenerator
+if TYPE_CHECKING:
+    from generation.export import Export, ExportDescription, ExportError, find_export, read_export, write_export
+    from generation.generator import ImageGenerator
+
+_HOMES = {
+    "Export": "generation.export",
+    "ExportDescription": "generation.export",
+    "ExportError": "generation.export",
+    "find_export": "generation.export",
+    "read_export": "generation.export",
+    "write_export": "generation.export",
+    "ImageGenerator": "generation.generator",
+}
 
 __all__ = [
     "Export",
@@ -27,6 +44,13 @@ __all__ = [
     "write_export",
 ]
 
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'generation' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name"
 
 
@@ -36,6 +60,7 @@ def load_export(source: str | Path, model: str | None = None, image_size: int | 
     Hugging Face Hub id ("owner/name") of an export pushed with `Export.push_to_hub`."""
     # Imported here, not at the top: `python -m generation.official` imports this package first, and runpy warns
     # when the module it is about to run is already imported.
+    from generation.export import Export, ExportError, read_export
     from generation.official import is_official_reference, official_export
 
     text = str(source)

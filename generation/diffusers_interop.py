@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,9 @@ TOP_LAYERS = {"x_embedder.proj": "pos_embed.proj", **FINAL_LAYERS}
 QKV = ("to_q", "to_k", "to_v")
 PARAMETERS = ("weight", "bias")
 DIFFUSERS_MLP_RATIO = 4  # DiTTransformer2DModel's feed-forward width is fixed at 4x the hidden size
+DIFFUSERS_NULL_CLASS = (
+    1000  # DiTPipeline's null class of guidance, hard-coded: models of other class counts cannot guide
+)
 NORM_EPS = 1e-6  # the official DiT's LayerNorm eps (diffusers' default norm_eps is 1e-5)
 
 
@@ -309,10 +313,19 @@ def convert(
         from generation.vae import VAEUnavailableError, load_vae
 
         try:
-            vae = load_vae(vae_name)
+            vae = load_vae(vae_name, option="--vae")
         except VAEUnavailableError as error:
             raise SourceError(f"--vae {vae_name}: {error}") from None
-    transformer = to_diffusers(load_mhsa_model(source, model, image_size))
+    mhsa_model = load_mhsa_model(source, model, image_size)
+    if mhsa_model.num_classes != DIFFUSERS_NULL_CLASS:
+        print(
+            f"warning: {source} has {mhsa_model.num_classes} classes; DiTPipeline takes class "
+            f"{DIFFUSERS_NULL_CLASS} as the null class of guidance, so pipeline(..., guidance_scale > 1) (its "
+            f"default is 4) fails with an IndexError for this model: call it with guidance_scale=1, or sample "
+            f"guided with sample.py",
+            file=sys.stderr,
+        )
+    transformer = to_diffusers(mhsa_model)
     scheduler = dit_scheduler(solver)
     # Written beside the target and renamed once complete, so out_dir is either whole or absent.
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")

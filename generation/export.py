@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import ModelHubMixin
+from huggingface_hub import ModelCard, ModelHubMixin
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -30,8 +30,28 @@ EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{7,})$")  # the checkpoint folders of a run (see training.checkpoint)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: vae_path; 2 is read as 3 without it
 SPACES = ("pixels", "latents")
+
+
+MODEL_CARD = """---
+{{ card_data }}
+---
+
+# {{ title }}
+
+A class-conditional image generator exported by the VCA diffusion project (`generation.export`): `ema.safetensors`
+holds the EMA weights, `config.json` the description that rebuilds the network.
+
+{{ facts }}
+
+Sample with `python sample.py --ckpt <this repository id> --num-samples 50000 --out samples.npz`, or in Python with
+`generation.load_export` and `ImageGenerator.from_export`.
+"""
+
+
+def _settings(values: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in values.items() if key != "kind")
 
 
 class ExportError(UserError):
@@ -43,7 +63,9 @@ class ExportDescription:
     """What rebuilds the network and turns its outputs into images.
 
     `space` says where the model works: "pixels" (its outputs are images in [-1, 1]) or "latents" (its
-    outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`, a hub id or a local folder).
+    outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`: its hub id where one is known, else
+    the absolute path of its folder, with `vae_path`, the absolute local folder training loaded it from, as a hint
+    tried first where it exists (generation.vae.VAESource).
     """
 
     model: dict[str, Any]  # model.config: rebuilds the network (dit_vca.build_model_from_config)
@@ -52,6 +74,7 @@ class ExportDescription:
     image_size: int  # side of the generated images in pixels
     num_classes: int
     vae: str | None = None  # latents only
+    vae_path: str | None = None  # latents only, where the VAE was a local folder
     latent_scale: float | None = None  # latents only
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
@@ -94,7 +117,7 @@ class ExportDescription:
                 latent_scale=data.get("latent_scale"),
                 model=current_model_config(values["model"]),
             )
-        elif version != FORMAT_VERSION:
+        elif version not in (2, FORMAT_VERSION):
             raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)
 
@@ -109,6 +132,31 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
 
     def _save_pretrained(self, save_directory: Path) -> None:
         write_export(save_directory, self.weights, self.description)
+
+    def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
+        """The README.md that `save_pretrained` and `push_to_hub` write: what the export's description says (the
+        mixin's own card is a template of empty fields)."""
+        description, model = self.description, self.description.model
+        sizes = f"depth {model['depth']}, width {model['hidden_size']}, {model['num_heads']} heads"
+        facts = [
+            f"- Model: {model['name']} ({sizes}), attention: {model['attention']}",
+            f"- Objective: {description.objective['kind']} ({_settings(description.objective)})",
+            f"- Generates: {description.image_size} px images of {description.num_classes} classes, "
+            + ("in pixel space" if description.in_pixel_space else f"in the latent space of the VAE {description.vae}"),
+        ]
+        if not description.in_pixel_space:
+            facts.append(f"- Latent scale: {description.latent_scale:g}")
+        if description.train_step is not None:
+            facts.append(f"- EMA weights after {description.train_step:,} optimiser steps")
+        if description.source is not None:
+            facts.append(f"- Converted from: {description.source}")
+        return ModelCard.from_template(
+            card_data=self._hub_mixin_info.model_card_data,
+            template_str=MODEL_CARD,
+            title=f"{model['name']} with {model['attention'].upper()} attention",
+            facts="\n".join(facts),
+            **kwargs,
+        )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path, **kwargs: Any) -> Export:

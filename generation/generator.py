@@ -87,7 +87,11 @@ class ImageGenerator:
         if not description.in_pixel_space:
             from generation.vae import latent_downsampling, load_vae  # diffusers is slow to import: latents only
 
-            autoencoder = load_vae(vae or description.vae, device)  # before the model: fails fast offline
+            autoencoder = (  # before the model: fails fast offline
+                load_vae(vae, device, option="--vae")
+                if vae is not None
+                else load_vae(description.vae, device, hint=description.vae_path, option="--vae")
+            )
             latent_side = description.model["input_size"]
             decoded = latent_side * latent_downsampling(autoencoder.config)
             if decoded != description.image_size:  # else it would sample images of another size without a word

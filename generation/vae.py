@@ -2,19 +2,29 @@
 
 Latents seen by the model are `scale * z` with z drawn from the encoder's posterior; `scale` comes from the
 config (0.18215 for the SD VAEs), never from a constant here.
+
+A VAE is named so that the name travels between folders and machines (`VAESource`): by its hub id where one is
+known, also for a local folder (diffusers' `save_pretrained` keeps the id it was loaded from in the folder's
+config.json), with the folder's absolute path as a hint that is tried first where it exists. diffusers is imported
+only when a VAE is loaded: a command that checks its arguments or config never pays for it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKL
 
 from commands import UserError
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
 
 # The SD 1.x autoencoder (also sd-vae-ft-ema / -mse): used to build a randomly initialised twin for
 # benchmarks, so throughput can be measured without downloading the weights.
@@ -37,32 +47,85 @@ class VAEUnavailableError(UserError):
     """The requested autoencoder cannot be loaded (missing folder, or offline without a cached copy)."""
 
 
-def load_vae(spec: str, device: torch.device | str | None = None) -> AutoencoderKL:
-    """A frozen AutoencoderKL from a local folder (written by `save_pretrained`) or a hub id.
+@dataclass(frozen=True)
+class VAESource:
+    """A VAE named so that the name travels: `name` is its hub id where one is known, else the absolute path of
+    its folder; `path` is the absolute local folder it was loaded from, tried first where it exists (None for a
+    VAE taken from the hub)."""
 
-    A hub id is looked up in the local Hugging Face cache first; the network is only tried when the hub is
-    not marked offline (HF_HUB_OFFLINE=1), and only once one request to the hub has answered, so offline runs
-    fail at once, naming the cause, instead of retrying.
-    """
+    name: str
+    path: str | None = None
+
+
+def vae_source(spec: str, hint: str | None = None) -> VAESource:
+    """The portable name of what `spec` (a hub id or a local folder, relative to the working directory) names.
+
+    A local folder is named by the hub id in its config.json (`_name_or_path`, which diffusers' save_pretrained
+    writes as the id the VAE was loaded from), else by its absolute path; its absolute path becomes the hint. For a
+    hub id, a recorded `hint` is kept unless it is a folder here that names another VAE."""
     folder = Path(spec).expanduser()
     if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            raise VAEUnavailableError(
-                f"VAE folder {folder} has no config.json; expected a folder written by AutoencoderKL.save_pretrained"
-            )
-        try:
-            vae = AutoencoderKL.from_pretrained(folder)
-        except (OSError, ValueError, RuntimeError) as error:  # missing or cut weights, a config of another model
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise VAEUnavailableError(
-                f"VAE folder {folder} cannot be loaded ({first[:300]}); expected a folder "
-                f"written by AutoencoderKL.save_pretrained"
-            ) from None
+        folder = folder.resolve()
+        return VAESource(_recorded_hub_id(folder) or str(folder), str(folder))
+    if hint is not None and Path(hint).is_dir() and vae_source(hint).name != spec:
+        hint = None
+    return VAESource(spec, hint)
+
+
+def load_vae(
+    spec: str, device: torch.device | str | None = None, hint: str | None = None, option: str = "vae.name"
+) -> AutoencoderKL:
+    """A frozen AutoencoderKL from a local folder (written by `save_pretrained`) or a hub id.
+
+    `hint` (a `VAESource.path`) is loaded first when it exists and is the VAE `spec` names. A hub id is looked up in
+    the local Hugging Face cache next; the network is only tried when the hub is not marked offline
+    (HF_HUB_OFFLINE=1), and only once one request to the hub has answered, so offline runs fail at once, naming
+    the cause and `option`, the setting that chooses another VAE (vae.name for training, --vae for sampling).
+    """
+    if hint is not None and Path(hint).is_dir() and vae_source(hint).name == spec:
+        spec = hint
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
+        vae = _load_folder(folder)
     elif _looks_like_path(spec):
-        raise VAEUnavailableError(f"VAE folder {folder} does not exist")
+        raise VAEUnavailableError(
+            f"VAE folder {folder} does not exist; set {_setting(option, 'a VAE folder or hub id')}"
+        )
     else:
-        vae = _load_from_hub(spec)
+        vae = _load_from_hub(spec, option, hint)
     return vae.eval().requires_grad_(False).to(device)
+
+
+def _load_folder(folder: Path) -> AutoencoderKL:
+    from diffusers import AutoencoderKL
+
+    if not (folder / "config.json").is_file():
+        raise VAEUnavailableError(
+            f"VAE folder {folder} has no config.json; expected a folder written by AutoencoderKL.save_pretrained"
+        )
+    try:
+        return AutoencoderKL.from_pretrained(folder)
+    except (OSError, ValueError, RuntimeError) as error:  # missing or cut weights, a config of another model
+        raise VAEUnavailableError(
+            f"VAE folder {folder} cannot be loaded ({_first_line(error)}); expected a folder "
+            f"written by AutoencoderKL.save_pretrained"
+        ) from None
+
+
+def _recorded_hub_id(folder: Path) -> str | None:
+    """The hub id a saved VAE folder says it was loaded from, or None (saved from a folder, or made here)."""
+    try:
+        recorded = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None  # loading the folder names what is wrong with it
+    if not isinstance(recorded, str) or _looks_like_path(recorded) or Path(recorded).expanduser().exists():
+        return None
+    return recorded if recorded.count("/") == 1 else None
+
+
+def _setting(option: str, value: str) -> str:
+    """How a user sets `option` to `value`: `--vae VALUE` on a command line, `vae.name=VALUE` as an override."""
+    return f"{option} {value}" if option.startswith("--") else f"{option}={value}"
 
 
 def latent_downsampling(vae_config: Mapping) -> int:
@@ -95,31 +158,35 @@ def _hub_offline() -> bool:
     return flag or bool(constants.HF_HUB_OFFLINE)
 
 
-def _load_from_hub(repo_id: str) -> AutoencoderKL:
+def _load_from_hub(repo_id: str, option: str, hint: str | None) -> AutoencoderKL:
+    from diffusers import AutoencoderKL
+
     try:
         return AutoencoderKL.from_pretrained(repo_id, local_files_only=True)
     except OSError:
         pass  # not cached: download below, unless offline
+    copy = f"vae/{repo_id.split('/')[-1]}"
     how_to = (
         f"To provide it, on a machine with internet run "
         f'`python -c "from diffusers import AutoencoderKL; '
-        f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('vae/{repo_id.split('/')[-1]}')\"`, "
-        f"copy the folder here and set vae.name=vae/{repo_id.split('/')[-1]} "
+        f"AutoencoderKL.from_pretrained('{repo_id}').save_pretrained('{copy}')\"`, "
+        f"copy the folder here and set {_setting(option, copy)} "
         f"(or copy the Hugging Face cache into $HF_HOME)."
     )
+    missing_copy = f" (its local copy {hint} is not on this machine)" if hint is not None else ""
     if _hub_offline():
         raise VAEUnavailableError(
-            f"VAE '{repo_id}' is not in the local Hugging Face cache and the hub is "
+            f"VAE '{repo_id}'{missing_copy} is not in the local Hugging Face cache and the hub is "
             f"offline (HF_HUB_OFFLINE=1). {how_to}"
         )
-    _probe_hub(repo_id, how_to)
+    _probe_hub(repo_id, how_to, option)
     try:
         return AutoencoderKL.from_pretrained(repo_id)
     except OSError as error:
         raise VAEUnavailableError(f"VAE '{repo_id}' could not be downloaded ({error}). {how_to}") from error
 
 
-def _probe_hub(repo_id: str, how_to: str) -> None:
+def _probe_hub(repo_id: str, how_to: str, option: str) -> None:
     """Ask the hub once, with a short timeout, whether `repo_id` exists; raise VAEUnavailableError naming the cause
     when it cannot be reached or has no such model. Without this, diffusers' download of an unreachable hub
     retries with back-off for about 30 s and then reports "no file named config.json"."""
@@ -130,7 +197,7 @@ def _probe_hub(repo_id: str, how_to: str) -> None:
         model_info(repo_id, timeout=HUB_PROBE_SECONDS)
     except RepositoryNotFoundError:
         raise VAEUnavailableError(
-            f"vae.name '{repo_id}': {constants.ENDPOINT} has no such model (or it is private and no token is set)"
+            f"{option} '{repo_id}': {constants.ENDPOINT} has no such model (or it is private and no token is set)"
         ) from None
     except HfHubHTTPError as error:
         raise VAEUnavailableError(

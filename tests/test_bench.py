@@ -24,6 +24,7 @@ SCRIPTS = {
     "train": ("train-cpu-quick", "results", "images_per_s"),
     "fid": ("fid-cpu-quick", "inception", "images_per_s"),
     "solvers": ("solvers-cpu-quick", "rows", "images_per_s"),
+    "startup": ("startup-cpu-quick", "rows", "seconds"),
 }
 
 

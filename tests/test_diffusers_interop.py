@@ -254,7 +254,7 @@ def in_process(capsys, *args: str) -> str:
     return lines[0]
 
 
-def test_command_with_a_local_vae_writes_a_pipeline(tmp_path):
+def test_command_with_a_local_vae_writes_a_pipeline(tmp_path, capsys):
     write_tiny_export(tmp_path / "export")
     tiny_vae().save_pretrained(tmp_path / "vae")
     main([str(tmp_path / "export"), str(tmp_path / "pipe"), "--vae", str(tmp_path / "vae"), "--scheduler", "unipc"])
@@ -263,6 +263,11 @@ def test_command_with_a_local_vae_writes_a_pipeline(tmp_path):
     pipeline.set_progress_bar_config(disable=True)
     images = pipeline([3], guidance_scale=1.0, num_inference_steps=2, output_type="pt").images
     assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()
+    # A 10-class model: the conversion said what guided sampling in DiTPipeline then does (its null class is 1000)
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert f"{tmp_path / 'export'} has {NUM_CLASSES} classes; DiTPipeline takes class 1000 as the null" in warning
+    with pytest.raises(IndexError):
+        pipeline([3], guidance_scale=4.0, num_inference_steps=1, output_type="pt")
 
 
 def test_command_reads_an_official_state_dict_with_weights_only(tmp_path, capsys):

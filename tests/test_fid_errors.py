@@ -238,8 +238,17 @@ def test_small_sets_are_warned_about_before_inception_runs(tmp_path, no_inceptio
         main([str(tmp_path / "samples.npz"), str(tmp_path / "ref.npz"), "--metrics", "fid"])
     warnings_ = capsys.readouterr().err.splitlines()
     assert len(warnings_) == 2 and all(line.startswith("warning: ") for line in warnings_)
-    assert "samples.npz: 2 images; with fewer than 2048 per set FID is biased" in warnings_[0]
-    assert "ref.npz: 20 images" in warnings_[1] and "rank <= 19" in warnings_[1]
+    assert f"SAMPLES {tmp_path / 'samples.npz'}: 2 images; with fewer than 2048 per set FID is biased" in warnings_[0]
+    assert f"REF {tmp_path / 'ref.npz'}: 20 images" in warnings_[1] and "rank <= 19" in warnings_[1]
+
+
+def test_a_set_summarised_for_save_stats_alone_is_not_called_samples(tmp_path, no_inception, capsys):
+    """`python -m fid REF_IMAGES --save-stats ref_stats.npz`, the way reference statistics are made."""
+    np.savez(tmp_path / "reference.npz", arr_0=uint8_images(20))
+    with pytest.raises(AssertionError, match="Inception was loaded"):
+        main([str(tmp_path / "reference.npz"), "--save-stats", str(tmp_path / "stats.npz")])
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: --save-stats input {tmp_path / 'reference.npz'}: 20 images; with fewer")
 
 
 def all_stats() -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import generation.official as official
@@ -73,8 +74,10 @@ def test_description_round_trips_through_json(tmp_path):
     description = pixel_description(model, train_step=11)
     write_export(tmp_path, model.state_dict(), description)
     stored = json.loads((tmp_path / "config.json").read_text())
-    assert stored["format"] == 2 and stored["space"] == "pixels"
+    assert stored["format"] == 3 and stored["space"] == "pixels"
     assert read_export(tmp_path).description == description
+    del stored["vae_path"]  # format 2, written before the VAE's local folder was recorded: read the same
+    assert ExportDescription.from_json({**stored, "format": 2}) == description
 
 
 @pytest.mark.parametrize(
@@ -307,3 +310,28 @@ def test_precision_defaults_and_bf16_generation_stays_close_to_fp32():
     assert difference.mean() < 1 and difference.max() < 16
     with pytest.raises(ValueError, match="precision 'fp16'"):
         ImageGenerator.from_export(export, precision="fp16")
+
+
+def test_a_saved_export_carries_a_model_card_filled_from_its_description(tmp_path):
+    model = create_model("DiT-S/2", attention="mhsa", in_channels=4, num_classes=3, **TINY)
+    description = pixel_description(
+        model, space="latents", vae="stabilityai/sd-vae-ft-ema", latent_scale=0.18215, train_step=4000
+    )
+    Export(description, model.state_dict()).save_pretrained(tmp_path / "export")
+    card = (tmp_path / "export" / "README.md").read_text()
+    header, body = card.split("---\n")[1:3]
+    metadata = yaml.safe_load(header)
+    assert metadata["library_name"] == "vca-diffusion"
+    assert {"diffusion", "visual-contrast-attention"} <= set(metadata["tags"])
+    assert "# DiT-S/2 with MHSA attention" in body and "More Information Needed" not in body
+    config = model.config
+    assert (
+        f"- Model: DiT-S/2 (depth {config['depth']}, width {config['hidden_size']}, {config['num_heads']} heads)"
+        in body
+    )
+    assert "- Objective: diffusion (learn_sigma True)" in body
+    assert (
+        f"- Generates: {model.input_size} px images of 3 classes, in the latent space of the VAE "
+        "stabilityai/sd-vae-ft-ema" in body
+    )
+    assert "- Latent scale: 0.18215" in body and "- EMA weights after 4,000 optimiser steps" in body

@@ -459,3 +459,63 @@ def test_two_processes_keep_model_and_projector_identical(encoder_folder, tmp_pa
     # that abort, and nothing else, is tolerated after the script's last line.
     teardown_abort = "terminate called without an active exception" in done.stderr
     assert done.returncode == 0 or teardown_abort, done.stderr[-3000:]
+
+
+def test_the_input_size_is_the_encoders_own_when_unset(encoder_folder, tmp_path):
+    assert load_encoder(repa(encoder_folder, input_size=None), 1, model_grid=4).input_size == 8  # built for 8 px
+    built_for_16 = save_vit(tmp_path / "vit-16", img_size=16)
+    encoder = load_encoder(repa(built_for_16, input_size=None), 1, model_grid=4)
+    assert (encoder.input_size, encoder.grid) == (16, 8)
+    assert load_encoder(repa(built_for_16, input_size=8), 1, model_grid=4).input_size == 8  # a set size wins
+
+
+def test_the_startup_summary_has_a_repa_line_and_counts_the_projector(train_script, tmp_path, capsys):
+    from test_startup import summary_rows
+
+    built_for_16 = save_vit(tmp_path / "vit-16", img_size=16)  # patch 2: an 8x8 grid over the model's 4x4 tokens
+    run_dir = tmp_path / "run"
+    train_script.main(
+        [
+            "--config",
+            str(DIGITS),
+            *(option for option in TINY if not option.startswith("train.repa.input_size")),
+            f"train.repa.encoder={built_for_16}",
+            "train.max_steps=1",
+            "log.checkpoint_every=1",
+            f"run.dir={run_dir}",
+        ]
+    )
+    rows = summary_rows(capsys.readouterr().out)
+    projector = sum(p.numel() for p in build_projector(32, 16, ENCODER_WIDTH).parameters())
+    assert rows["REPA"] == (
+        f"encoder {built_for_16}, block 1, input 16 px, encoder grid 8x8 -> model grid 4x4, "
+        f"projector {projector:,} parameters, coefficient 0.5"
+    )
+    checkpoint = run_dir / "checkpoints" / "step-0000001"
+    model = sum(tensor.numel() for tensor in load_file(checkpoint / "export" / "ema.safetensors").values())
+    assert projector == sum(tensor.numel() for tensor in load_file(checkpoint / "model_1.safetensors").values())
+    assert f": {model + projector:,} parameters (" in rows["model"]
+    assert f"REPA's projector {projector:,} included; attention layers" in rows["model"]
+
+
+def test_the_offline_recipe_of_the_training_page_runs(train_script, tmp_path, monkeypatch, capsys):
+    """docs/training.md's tiny-RGB-encoder recipe, both blocks as written (only shortened to 2 steps, no grids)."""
+    import re
+    import shlex
+    import textwrap
+
+    from test_startup import summary_rows
+
+    page = (ROOT / "docs" / "training.md").read_text()
+    recipe = page[page.index("*Trying it offline.*") : page.index("*Grids.*")]
+    snippet = textwrap.dedent(re.search(r"```python\n(.*?)```", recipe, re.S).group(1))
+    command = shlex.split(re.search(r"```bash\n(.*?)```", recipe, re.S).group(1).strip())
+    assert command[:2] == ["python", "train.py"]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "docs/training.md", "exec"), {})
+    train_script.main([*command[2:], "train.max_steps=2", "log.sample_every=0", "log.trackers=[]"])
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["REPA"].startswith(
+        "encoder encoders/tiny-rgb, block 2, input 32 px, encoder grid 8x8 -> model grid 4x4"
+    )
+    assert summary_rows((tmp_path / "results" / "digits-repa" / "startup.txt").read_text()) == rows

@@ -498,19 +498,11 @@ def test_shards_of_another_run_are_not_mixed_in(main_process, tmp_path):
 
 
 def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
-    from diffusers import AutoencoderKL
-
     from dit_vca import create_model
+    from test_portable_vae import tiny_sd_vae
 
-    vae_folder = tmp_path / "vae"  # SD-VAE layout (4 levels: 8x downsampling, 4 latent channels), tiny widths
-    AutoencoderKL(
-        block_out_channels=(8, 8, 8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-    ).save_pretrained(vae_folder)
+    vae_folder = tmp_path / "vae"
+    tiny_sd_vae().save_pretrained(vae_folder)
     official = create_model("DiT-S/8", attention="mhsa", input_size=32)
     torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")  # architecture read from the name
 
@@ -603,7 +595,7 @@ def test_without_a_protocol_the_plain_defaults_apply():
     )
 
 
-def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_path):
+def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_path, capsys):
     out = tmp_path / "samples.npz"
     sample.main(
         [
@@ -631,6 +623,10 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
         "ddpm",
     )
     assert (settings["steps"], settings["guidance_channels"]) == (3, 1)  # given on the command line
+    assert (  # and the command said what the protocol resolved to
+        "sample.py: --protocol dit: --labels uniform --cfg-scale 1.5 --guidance-channels 1 (given; the protocol's 3) "
+        "--sampler ddpm --steps 3 (given; the protocol's 250)\n" in capsys.readouterr().out
+    )
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_1"], assign_labels(4, NUM_CLASSES, "uniform", seed=0))
 

@@ -12,7 +12,7 @@ from _launch import TORCHRUN_TWO_PROCESSES
 from commands import USER_ERROR_STATUS
 from faults import run_train
 from training.loop import TrainerState
-from training.summary import describe_resume
+from training.summary import describe_model, describe_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -49,11 +49,14 @@ def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, cap
     weights = load_file(run_dir / "checkpoints" / "step-0000002" / "export" / "ema.safetensors")
     total = sum(tensor.numel() for tensor in weights.values())  # every parameter, counted from the saved file
     attention = sum(tensor.numel() for key, tensor in weights.items() if ".attn." in key)
-    assert rows["model"].startswith(f"DiT-S/2, attention vca: {total:,} parameters")
+    assert rows["model"].startswith(  # what was built, not the preset DiT-S/2 (12 blocks of width 384)
+        f"DiT-S/2 resized to depth 1, width 32, 2 heads, MLP ratio 4 (the name's: 12, 384, 6, 4), "
+        f"attention vca: {total:,} parameters"
+    )
     assert rows["model"].endswith(f"attention layers {attention:,})") and attention > 0
     assert rows["data"] == "digits (built in): 1,797 images in 10 classes, 8 px"
     assert rows["batch"] == "1 process(es) x 64 micro-batch x 1 accumulation = 64 global batch"
-    assert rows["precision"] == "fp32, TF32 on, compile off"
+    assert rows["precision"] == "fp32, TF32 unused on cpu, compile off"  # train.tf32 is on, but only CUDA has it
     assert rows["devices"] == "1 process on cpu"
     assert rows["run.dir"] == str(run_dir)
     assert rows["resumed from"] == "nothing (a fresh start at step 0)"
@@ -149,3 +152,9 @@ def test_more_loader_workers_than_cpus_is_said_once(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.count(f"This DataLoader will create {workers} worker processes") == 1, result.stderr
+
+
+def test_a_model_of_the_names_own_sizes_is_named_alone():
+    built = {"name": "SiT-XL/2", "depth": 28, "hidden_size": 1152, "num_heads": 16, "mlp_ratio": 4.0}
+    assert describe_model(built) == "SiT-XL/2"
+    assert describe_model({**built, "mlp_ratio": 2.0}).startswith("SiT-XL/2 resized to depth 28, width 1152, 16 heads")

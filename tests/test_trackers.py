@@ -163,3 +163,22 @@ def test_a_new_run_gets_a_new_tracker_run(wandb, train_main, tmp_path):
     assert first["id"] != second["id"] and (first["name"], second["name"]) == ("first", "second")
     assert first["project"] == "vca-diffusion"  # LogConfig's default
     assert not (tmp_path / "first" / "tensorboard").exists()
+
+
+def test_tensorboard_shows_one_run_per_training_run_with_its_hyperparameters(train_main, tmp_path):
+    """Everything in <run>/tensorboard/ itself: no timestamp folders beside it (Accelerate's add_hparams made two,
+    each a run of its own in TensorBoard), the hyper-parameters in the same event file as the metrics."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    run_dir = tmp_path / "run"
+    arguments = [*TINY, "log.sample_every=0", "log.trackers=[tensorboard]", f"run.dir={run_dir}"]
+    train_main(["--config", str(DIGITS), *arguments, "train.max_steps=2"])
+    folder = run_dir / "tensorboard"
+    assert [path.is_file() for path in folder.iterdir()] == [True]  # one event file, no folders
+    events = EventAccumulator(str(folder)).Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [2]
+    session = plugin_data_pb2.HParamsPluginData.FromString(
+        events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    )
+    assert session.session_start_info.hparams["train.max_steps"].number_value == 2
+    assert session.session_start_info.hparams["model.name"].string_value == "DiT-S/2"

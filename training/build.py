@@ -125,6 +125,7 @@ def export_description(config: Config, model: DiT) -> ExportDescription:
         image_size=config.data.image_size,
         num_classes=config.data.num_classes,
         vae=None if pixels else config.vae.name,
+        vae_path=None if pixels else config.vae.path,
         latent_scale=None if pixels else config.vae.scale,
     )
 
@@ -158,7 +159,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     if config.train.repa.enabled:
         check_encoder_name(config.train.repa.encoder)  # before the data is read
     dataset = build_dataset(config)
-    vae = load_vae(config.vae.name, accelerator.device) if needs_vae(config) else None
+    vae = load_vae(config.vae.name, accelerator.device, hint=config.vae.path) if needs_vae(config) else None
     fid_extractor = load_fid_extractor(config.log, accelerator.device)
     in_channels, input_size = model_input_shape(config, dataset, vae)
     model_grid = input_size // name_size(config.model.name)[1]

@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from commands import UserError
 from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCAOptions
+from generation.vae import vae_source
 
 BASE_KEY = "base"
 DEFAULT_RESULTS_DIR = "results"
@@ -110,7 +111,8 @@ class DataConfig:
 class VAEConfig:
     """The autoencoder that maps images to latents (required unless data.source is pixel-space)."""
 
-    name: str | None = None  # hub id or a local folder written by save_pretrained
+    name: str | None = None  # hub id or a local folder written by save_pretrained (recorded by its hub id)
+    path: str | None = None  # the local folder's absolute path, tried first where it exists; set from vae.name
     scale: float | None = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
 
 
@@ -133,7 +135,8 @@ class RepaConfig:
     depth: int = _range(8, 1)  # align the output of this block (1-based; 8 of SiT-XL/2's 28)
     coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
     projector_dim: int = _range(2048, 1)  # hidden width of the 3-layer SiLU projector
-    input_size: int = _range(224, 1)  # the encoder's input side in pixels (REPA: 224 for DINOv2-B/14)
+    input_size: int | None = _range(None, 1)  # the encoder's input side in pixels; None: the size it was built for
+    # (its config's img_size: 518 for DINOv2, whose REPA setting is 224 at 256 px and 448 at 512 px)
     mean: list[float] | None = None  # input normalisation; None: the encoder's own (timm pretrained cfg)
     std: list[float] | None = _range(None, 0.0, above=True)
 
@@ -236,10 +239,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     config: Config = OmegaConf.to_object(merged)
     _check_values(config, prefix="")
     _check_model_name(config.model.name)
+    _check_model_heads(config.model)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(
             f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
         )
+    if config.vae.name is not None:  # named so that config.yaml works from another folder (generation.vae)
+        source = vae_source(config.vae.name, config.vae.path)
+        config.vae.name, config.vae.path = source.name, source.path
     if config.train.repa.enabled:
         _check_repa(config)
     if config.run.dir is None:
@@ -432,6 +439,19 @@ def _check_repa(config: Config) -> None:
         )
     if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
         raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
+
+
+def _check_model_heads(model: ModelConfig) -> None:
+    """The width splits into the heads (the backbone checks this too, but only once the data are loaded)."""
+    from dit_vca.models import name_size
+
+    _, preset_width, preset_heads = name_size(model.name)[0]
+    width, heads = model.hidden_size or preset_width, model.num_heads or preset_heads
+    if width % heads:
+        raise ConfigError(
+            f"'model.num_heads' is {heads}, but {model.name} with model.hidden_size={width} cannot be split into "
+            f"{heads} heads; expected a divisor of {width}"
+        )
 
 
 def _check_model_name(name: str) -> None:

@@ -51,7 +51,9 @@ def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     shards = plan_shards(len(dataset), config.extract.shard_size)
     folder = ShardFolder(data.latents, [shard_name(k) for k in range(len(shards))], _settings(config, len(dataset)))
     check_writable(data.latents)
-    vae = load_vae(config.vae.name, device=state.device)  # an unavailable VAE fails before the folder is claimed
+    vae = load_vae(
+        config.vae.name, device=state.device, hint=config.vae.path
+    )  # an unavailable VAE fails before the folder is claimed
     pending = folder.claim(state)
     if folder.kept and state.is_main_process:
         print(

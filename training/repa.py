@@ -10,7 +10,8 @@ own clean image (the same flip), computed online under no_grad with the encoder 
 The encoder is a timm Vision Transformer: a timm model name (weights from the Hugging Face cache, or the hub
 when online) or a folder written by timm's `save_for_hf(..., safe_serialization=True)` (config.json +
 model.safetensors, loaded without unpickling). Images in [-1, 1] are mapped to [0, 1], resized (bicubic) to
-`input_size` and normalised with the encoder's mean and std, as REPA does for DINOv2 (256 px -> 224).
+`input_size` (unset: the size the encoder was built for) and normalised with the encoder's mean and std (unset:
+its own), as REPA does for DINOv2 (256 px -> 224).
 
 Grid rule: the encoder's patch grid (Ge x Ge) and the model's token grid (Gm x Gm) must divide one another.
 Each model token is matched with the area-weighted mean of the encoder features over the same image region:
@@ -143,11 +144,12 @@ def load_encoder(
             f"Vision Transformer with patch tokens"
         )
     patch = vit.patch_embed.patch_size[0]
-    if repa.input_size % patch:
+    input_size = repa.input_size or vit.patch_embed.img_size[0]  # unset: the size the encoder was built for
+    if input_size % patch:
         raise ConfigError(
-            f"'train.repa.input_size' is {repa.input_size}; expected a multiple of the encoder's patch size {patch}"
+            f"'train.repa.input_size' is {input_size}; expected a multiple of the encoder's patch size {patch}"
         )
-    vit.set_input_size(img_size=(repa.input_size, repa.input_size))  # resamples the position embeddings
+    vit.set_input_size(img_size=(input_size, input_size))  # resamples the position embeddings
     channels = vit.patch_embed.proj.in_channels
     if image_channels != channels and not (image_channels == 1 and channels == 3):
         raise ConfigError(
@@ -161,7 +163,7 @@ def load_encoder(
             f"'train.repa.mean'/'train.repa.std' have {len(mean)}/{len(std)} values, the encoder "
             f"takes {channels} channels"
         )
-    return AlignmentEncoder(vit, list(mean), list(std), repa.input_size).to(device)
+    return AlignmentEncoder(vit, list(mean), list(std), input_size).to(device)
 
 
 def _channels(values, channels: int, name: str) -> list[float]:

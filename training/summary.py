@@ -1,6 +1,7 @@
 """What a training launch is about to do, said once before the first step (printed and kept as
-`<run>/startup.txt`): model and attention with their parameter counts, the data, the batch geometry, precision,
-devices, the run directory and where the run resumes from."""
+`<run>/startup.txt`): model and attention with their parameter counts (REPA's projector included, with a line of
+its own when REPA is on), the data, the batch geometry, precision, devices, the run directory and where the run
+resumes from."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from dit_vca.models import name_size
 from training.build import TrainingParts
 from training.config import Config
 from training.loop import TrainerState
+from training.repa import RepresentationAlignment
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -30,11 +33,41 @@ def attention_parameters(model: nn.Module) -> int:
     )
 
 
+def describe_model(built: dict[str, Any]) -> str:
+    """The model's name, with the sizes that were built where they are not the name's own (tiny test and demo
+    models override depth, width, heads or the MLP ratio): `built` is the model's `config`."""
+    (depth, width, heads), _ = name_size(built["name"])
+    sizes = (built["depth"], built["hidden_size"], built["num_heads"], built["mlp_ratio"])
+    if sizes == (depth, width, heads, 4.0):
+        return built["name"]
+    return (
+        f"{built['name']} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, MLP ratio {sizes[3]:g} "
+        f"(the name's: {depth}, {width}, {heads}, 4)"
+    )
+
+
 def describe_data(config: Config, dataset: Any) -> str:
     data = config.data
     where = {"images": f" from {data.images}", "latents": f" from {data.latents}"}.get(data.source, " (built in)")
     encoded = f", encoded online by {config.vae.name}" if data.source == "images" else ""
     return f"{data.source}{where}: {len(dataset):,} images in {data.num_classes} classes, {data.image_size} px{encoded}"
+
+
+def describe_alignment(config: Config, alignment: RepresentationAlignment, projector_parameters: int) -> str:
+    """REPA's line: which encoder, which block, what the encoder sees and how its grid meets the model's."""
+    repa, encoder = config.train.repa, alignment.encoder
+    return (
+        f"encoder {repa.encoder}, block {repa.depth}, input {encoder.input_size} px, encoder grid "
+        f"{encoder.grid}x{encoder.grid} -> model grid {alignment.model_grid}x{alignment.model_grid}, projector "
+        f"{projector_parameters:,} parameters, coefficient {repa.coefficient:g}"
+    )
+
+
+def describe_tf32(tf32: bool, device: torch.device) -> str:
+    """TF32 matters only on CUDA: elsewhere the setting is named as unused, so a CPU run does not claim it."""
+    if device.type != "cuda":
+        return f"TF32 unused on {device.type}"
+    return f"TF32 {'on' if tf32 else 'off'}"
 
 
 def describe_devices(accelerator: Accelerator) -> str:
@@ -76,14 +109,22 @@ def startup_summary(
     """The lines train.py prints and writes to `<run>/startup.txt` before training starts."""
     model = accelerator.unwrap_model(parts.model)
     train = config.train
-    trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+    trained = [accelerator.unwrap_model(module) for module in parts.trained_modules]  # REPA's projector too
+    total = sum(count_parameters(module) for module in trained)
+    trainable = sum(
+        parameter.numel() for module in trained for parameter in module.parameters() if parameter.requires_grad
+    )
+    projector = total - count_parameters(model)
+    with_projector = f", REPA's projector {projector:,} included" if parts.alignment is not None else ""
     precision = accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"
     rows = {
-        "model": f"{config.model.name}, attention {config.model.attention}: {count_parameters(model):,} parameters "
-        f"({trainable:,} trained; attention layers {attention_parameters(model):,})",
+        "model": f"{describe_model(model.config)}, attention {config.model.attention}: {total:,} parameters "
+        f"({trainable:,} trained{with_projector}; attention layers {attention_parameters(model):,})",
+        **({"REPA": describe_alignment(config, parts.alignment, projector)} if parts.alignment is not None else {}),
         "data": describe_data(config, parts.batches.dataset),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
-        "precision": f"{precision}, TF32 {'on' if train.tf32 else 'off'}, compile {'on' if train.compile else 'off'}",
+        "precision": f"{precision}, {describe_tf32(train.tf32, accelerator.device)}, "
+        f"compile {'on' if train.compile else 'off'}",
         "devices": describe_devices(accelerator),
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),

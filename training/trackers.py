@@ -87,7 +87,25 @@ def start_trackers(
     that `saved_state` (the resumed checkpoint's trainer state; {} for a fresh run) names, and record the config as
     hyper-parameters."""
     accelerator.log_with = create_trackers(config.log, run_dir, start_step, saved_state.get(STATE_KEY, {}))
-    accelerator.init_trackers(config.log.project, config=hyperparameters(config_to_dict(config)))
+    accelerator.init_trackers(config.log.project)  # the hyper-parameters are recorded below
+    values = hyperparameters(config_to_dict(config))
+    for tracker in accelerator.trackers:  # the main process's
+        if tracker.name == "tensorboard":
+            record_tensorboard_hyperparameters(tracker.writer, values)
+        else:
+            tracker.store_init_configuration(values)
+
+
+def record_tensorboard_hyperparameters(writer: Any, values: dict[str, Any]) -> None:
+    """The hyper-parameters in the run's own event file (TensorBoard's HPARAMS tab), so TensorBoard shows one run
+    per training run. Accelerate's tracker goes through SummaryWriter.add_hparams, which writes them into a new
+    folder named by the time (a second run in TensorBoard), and then makes a third such folder for a YAML copy
+    (the run's config.yaml is that record)."""
+    from torch.utils.tensorboard.summary import hparams
+
+    for summary in hparams(values, metric_dict={}):  # experiment, session start and end
+        writer.file_writer.add_summary(summary)
+    writer.flush()
 
 
 def tracker_state(accelerator: Accelerator) -> dict[str, Any]:

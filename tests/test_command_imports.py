@@ -1,0 +1,96 @@
+"""Commands answer at once: `--help`, a bad argument and a bad config value are answered before the heavy libraries
+are imported (diffusers, timm and torchvision take seconds each; bench/startup.py measures the start-up times).
+
+Each case runs the real command line in a fresh interpreter (runpy, as `python train.py ...` runs it) and reads
+which libraries it had imported when it exited."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "diffusers", "timm", "torchvision", "accelerate", "huggingface_hub", "torch_fidelity")
+
+RUN_AND_REPORT = """
+import json, runpy, sys
+command, arguments = sys.argv[1], sys.argv[2:]
+status = 0
+try:
+    if command.endswith(".py"):
+        sys.argv = [command, *arguments]
+        runpy.run_path(command, run_name="__main__")
+    else:
+        sys.argv = [command, *arguments]
+        runpy.run_module(command, run_name="__main__", alter_sys=True)
+except SystemExit as exit_:
+    status = exit_.code if isinstance(exit_.code, int) else 1
+print(json.dumps({"status": status, "imported": sorted(name for name in HEAVY if name in sys.modules)}))
+"""
+
+
+def imported_by(*command: str) -> tuple[int, set[str], str]:
+    """(exit status, heavy libraries imported, stderr) of one command line, run from the repository root."""
+    code = f"HEAVY = {HEAVY!r}\n{RUN_AND_REPORT}"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, *command], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return report["status"], set(report["imported"]), result.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("train.py", "--help"), ("train.py", "--config", "digits", "--no-such-option"), ("sample.py", "--help")],
+)
+def test_help_and_bad_arguments_import_not_even_torch(command):
+    status, imported, _ = imported_by(*command)
+    assert status in (0, 2)
+    assert imported == set(), f"{' '.join(command)} imported {sorted(imported)}"
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (("no_such_section.key=1",), "'no_such_section'"),
+        (("model.num_heads=5",), "'model.num_heads' is 5"),  # found by the config check, not the model build
+        (("model.depth=0",), "'model.depth' is 0"),
+    ],
+)
+def test_config_errors_come_before_diffusers_timm_and_accelerate(overrides, named):
+    status, imported, stderr = imported_by("train.py", "--config", "digits", *overrides)
+    assert status == 2 and named in stderr, stderr
+    assert imported <= {"torch"}, f"a config error imported {sorted(imported)}"
+
+
+def test_a_good_config_is_checked_without_diffusers_or_timm():
+    code = (
+        "import sys\nfrom train import parse_arguments\nfrom training.config import load_config\n"
+        "arguments = parse_arguments(['--config', 'dit-s2-vca', 'model.depth=2', 'train.repa.depth=2',\n"
+        "                             'train.repa.encoder=vit_small_patch16_224'])\n"
+        "load_config(arguments.config, arguments.overrides)\n"
+        f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert result.stdout.split() == ["['torch']"]
+
+
+def test_sample_and_fid_help_do_not_import_the_models_or_inception():
+    status, imported, _ = imported_by("fid", "--help")
+    assert status == 0 and not imported & {"torchvision", "torch_fidelity", "timm", "diffusers"}, imported
+    status, imported, _ = imported_by("sample.py", "--ckpt", "x", "--num-samples", "0", "--out", "o.npz")
+    assert status == 2 and imported == set(), imported

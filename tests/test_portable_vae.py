@@ -1,0 +1,139 @@
+"""Exports and run configs that travel: a VAE given as a local folder is recorded by its hub id (which diffusers'
+save_pretrained keeps in the folder's config.json) with the folder's absolute path as a hint, so `sample.py` and a
+resume work from another folder, and where neither the hint nor the hub can give it, the one line names --vae."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from diffusers import AutoencoderKL
+
+from generation.vae import VAEUnavailableError, load_vae, vae_source
+from test_faults import latent_run, latent_shards
+from training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+HUB_ID = "stabilityai/sd-vae-ft-mse"
+
+
+def tiny_sd_vae() -> AutoencoderKL:
+    """A randomly initialised AutoencoderKL in the SD layout (4 levels: 8x downsampling, 4 latent channels), with
+    tiny widths."""
+    return AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+    )
+
+
+def save_vae_as_downloaded(folder: Path) -> None:
+    """tiny_sd_vae() saved as one loaded from the hub would be: AutoencoderKL.from_pretrained(HUB_ID) registers
+    `_name_or_path=HUB_ID` in the config, and save_pretrained writes it into config.json."""
+    vae = tiny_sd_vae()
+    vae.register_to_config(_name_or_path=HUB_ID)
+    vae.save_pretrained(folder)
+
+
+def test_a_local_folder_is_named_by_its_hub_id_with_its_absolute_path_as_a_hint(tmp_path, monkeypatch):
+    save_vae_as_downloaded(tmp_path / "vae" / "sd-vae-ft-mse")
+    monkeypatch.chdir(tmp_path)
+    source = vae_source("vae/sd-vae-ft-mse")
+    assert (source.name, source.path) == (HUB_ID, str(tmp_path / "vae" / "sd-vae-ft-mse"))
+    AutoencoderKL().save_pretrained(tmp_path / "made-here")  # no hub id recorded: the absolute path names it
+    assert vae_source("made-here").name == vae_source("made-here").path == str(tmp_path / "made-here")
+    assert vae_source(HUB_ID) == vae_source(HUB_ID, None)  # a hub id stays as it is, with no hint
+    assert vae_source(HUB_ID, str(tmp_path / "made-here")).path is None  # a hint that is another VAE is dropped
+    assert vae_source(HUB_ID, "/elsewhere/vae").path == "/elsewhere/vae"  # one not here is kept for where it is
+
+
+def test_a_run_config_names_the_vae_so_that_it_loads_from_another_folder(tmp_path, monkeypatch):
+    """What train.py writes as config.yaml, read back from another working directory, loads the same VAE; once the
+    folder is gone (another machine) and the hub offline, the line says what is missing and how to set it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    first, second = tmp_path / "first", tmp_path / "second"
+    second.mkdir()
+    save_vae_as_downloaded(first / "vae" / "sd-vae-ft-mse")
+    monkeypatch.chdir(first)
+    config = load_config(
+        "digits", ["data.source=latents", "data.latents=x", "vae.name=vae/sd-vae-ft-mse", "vae.scale=0.5"]
+    )
+    assert (config.vae.name, config.vae.path) == (HUB_ID, str(first / "vae" / "sd-vae-ft-mse"))
+    from training.config import config_to_yaml
+
+    (first / "config.yaml").write_text(config_to_yaml(config))
+    monkeypatch.chdir(second)
+    again = load_config(str(first / "config.yaml"))
+    assert (again.vae.name, again.vae.path) == (config.vae.name, config.vae.path)
+    assert load_vae(again.vae.name, hint=again.vae.path).config.block_out_channels == [8, 8, 8, 8]
+
+    (first / "vae").rename(first / "moved")
+    with pytest.raises(VAEUnavailableError) as error:
+        load_vae(again.vae.name, hint=again.vae.path)
+    message = str(error.value)
+    assert f"its local copy {again.vae.path} is not on this machine" in message and "vae.name=vae/" in message
+
+
+def test_an_export_samples_from_another_folder_and_the_error_names_vae(tmp_path):
+    """A tiny latent-space run trained with vae.name=<relative folder>; sample.py from another folder uses the
+    recorded hint; with the folder moved away, the one line names --vae, and --vae gives the VAE back."""
+    from faults import run_train
+
+    latent_shards(tmp_path / "latents")
+    save_vae_as_downloaded(tmp_path / "train-here" / "vae" / "sd-vae-ft-mse")
+    cwd = Path.cwd()
+    os.chdir(tmp_path / "train-here")
+    try:
+        run_train(
+            *latent_run(tmp_path / "latents"),
+            "vae.name=vae/sd-vae-ft-mse",
+            "train.max_steps=1",
+            "log.checkpoint_every=1",
+            "log.sample_every=0",
+            "log.fid_every=0",
+            "log.trackers=[]",
+            f"run.dir={tmp_path / 'run'}",
+        )
+    finally:
+        os.chdir(cwd)
+    hint = str(tmp_path / "train-here" / "vae" / "sd-vae-ft-mse")
+    described = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/export/config.json")).read_text())
+    assert (described["vae"], described["vae_path"]) == (HUB_ID, hint)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["vae"] == {
+        "name": HUB_ID,
+        "path": hint,
+        "scale": 0.5,
+    }
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def sample(out: str, *extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tmp_path / "run"), "--num-samples", "2"]
+        return subprocess.run(
+            [*command, "--steps", "2", "--grid-size", "0", "--out", out, *extra],
+            cwd=elsewhere,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    done = sample("first.npz")
+    assert done.returncode == 0, done.stderr
+    (tmp_path / "train-here" / "vae").rename(tmp_path / "moved")
+    failed = sample("second.npz")
+    lines = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert failed.returncode == 2 and len(lines) == 1, failed.stderr
+    assert f"VAE '{HUB_ID}' (its local copy {hint} is not on this machine)" in lines[0]
+    assert "set --vae vae/sd-vae-ft-mse" in lines[0]
+    given = sample("third.npz", "--vae", str(tmp_path / "moved" / "sd-vae-ft-mse"))
+    assert given.returncode == 0, given.stderr
