@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def _hub_offline() -> bool:
 
 def _load_from_hub(repo_id: str) -> AutoencoderKL:
     try:
-        return AutoencoderKL.from_pretrained(repo_id, local_files_only=True)
+        return _from_hub(repo_id, local_files_only=True)
     except OSError:
         pass  # not cached: download below, unless offline
     how_to = (
@@ -114,9 +115,18 @@ def _load_from_hub(repo_id: str) -> AutoencoderKL:
         )
     _probe_hub(repo_id, how_to)
     try:
-        return AutoencoderKL.from_pretrained(repo_id)
+        return _from_hub(repo_id)
     except OSError as error:
         raise VAEUnavailableError(f"VAE '{repo_id}' could not be downloaded ({error}). {how_to}") from error
+
+
+def _from_hub(repo_id: str, **options) -> AutoencoderKL:
+    """AutoencoderKL.from_pretrained of a hub id, without huggingface_hub's deprecation warning: diffusers (0.42)
+    passes the retired `local_dir_use_symlinks` argument to every config download it makes, which the hub
+    ignores but warns of at each load, cached or not."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks", category=UserWarning)
+        return AutoencoderKL.from_pretrained(repo_id, **options)
 
 
 def _probe_hub(repo_id: str, how_to: str) -> None:

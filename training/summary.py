@@ -37,6 +37,15 @@ def describe_data(config: Config, dataset: Any) -> str:
     return f"{data.source}{where}: {len(dataset):,} images in {data.num_classes} classes, {data.image_size} px{encoded}"
 
 
+def describe_loader(requested: int, workers: int) -> str:
+    """How examples are loaded: in the training process or by `workers` processes (data.num_workers, capped at
+    the CPUs this process may use: training.data.loader_workers)."""
+    if workers == 0:
+        return "in the training process (data.num_workers=0)"
+    capped = f" (data.num_workers={requested}, capped at the {workers} CPUs available)" if workers < requested else ""
+    return f"{workers} worker processes{capped}"
+
+
 def describe_devices(accelerator: Accelerator) -> str:
     device = accelerator.device
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
@@ -82,6 +91,7 @@ def startup_summary(
         "model": f"{config.model.name}, attention {config.model.attention}: {count_parameters(model):,} parameters "
         f"({trainable:,} trained; attention layers {attention_parameters(model):,})",
         "data": describe_data(config, parts.batches.dataset),
+        "loader": describe_loader(config.data.num_workers, parts.batches.loader.num_workers),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
         "precision": f"{precision}, TF32 {'on' if train.tf32 else 'off'}, compile {'on' if train.compile else 'off'}",
         "devices": describe_devices(accelerator),
