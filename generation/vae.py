@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,10 +160,8 @@ def _hub_offline() -> bool:
 
 
 def _load_from_hub(repo_id: str, option: str, hint: str | None) -> AutoencoderKL:
-    from diffusers import AutoencoderKL
-
     try:
-        return AutoencoderKL.from_pretrained(repo_id, local_files_only=True)
+        return _from_hub(repo_id, local_files_only=True)
     except OSError:
         pass  # not cached: download below, unless offline
     copy = f"vae/{repo_id.split('/')[-1]}"
@@ -181,9 +180,20 @@ def _load_from_hub(repo_id: str, option: str, hint: str | None) -> AutoencoderKL
         )
     _probe_hub(repo_id, how_to, option)
     try:
-        return AutoencoderKL.from_pretrained(repo_id)
+        return _from_hub(repo_id)
     except OSError as error:
         raise VAEUnavailableError(f"VAE '{repo_id}' could not be downloaded ({error}). {how_to}") from error
+
+
+def _from_hub(repo_id: str, **options) -> AutoencoderKL:
+    """AutoencoderKL.from_pretrained of a hub id, without huggingface_hub's deprecation warning: diffusers (0.42)
+    passes the retired `local_dir_use_symlinks` argument to every config download it makes, which the hub
+    ignores but warns of at each load, cached or not."""
+    from diffusers import AutoencoderKL
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks", category=UserWarning)
+        return AutoencoderKL.from_pretrained(repo_id, **options)
 
 
 def _probe_hub(repo_id: str, how_to: str, option: str) -> None:

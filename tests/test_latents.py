@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +99,24 @@ def test_missing_vae_errors_say_how_to_provide_one(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(VAEUnavailableError, match="has no config.json"):
         load_vae(str(tmp_path / "empty"))
+
+
+def test_a_cached_hub_vae_loads_by_name_without_deprecation_warnings(vae_folder, tmp_path, monkeypatch):
+    # The Hugging Face cache's layout (models--owner--name/refs/main -> snapshots/<commit>/...) with the tiny VAE.
+    from huggingface_hub import constants
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--tiny--vae"
+    shutil.copytree(vae_folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vae = load_vae("tiny/vae")
+    assert vae.config.block_out_channels == list(TINY_VAE["block_out_channels"])
+    assert not [warning for warning in caught if "local_dir_use_symlinks" in str(warning.message)], caught
 
 
 def test_shards_cover_every_image_once():

@@ -55,6 +55,7 @@ def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, cap
     )
     assert rows["model"].endswith(f"attention layers {attention:,})") and attention > 0
     assert rows["data"] == "digits (built in): 1,797 images in 10 classes, 8 px"
+    assert rows["loader"] == "in the training process (data.num_workers=0)"
     assert rows["batch"] == "1 process(es) x 64 micro-batch x 1 accumulation = 64 global batch"
     assert rows["precision"] == "fp32, TF32 unused on cpu, compile off"  # train.tf32 is on, but only CUDA has it
     assert rows["devices"] == "1 process on cpu"
@@ -138,8 +139,9 @@ def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_more_loader_workers_than_cpus_is_said_once(tmp_path):
-    workers = len(os.sched_getaffinity(0)) + 1  # torch warns from the loader and from its iterator
+def test_more_loader_workers_than_cpus_are_capped_and_the_summary_says_so(tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    workers = cpus + 6  # torch warns of every loader with more workers than CPUs (as data.num_workers=8 on 2 CPUs)
     result = launch(
         [
             sys.executable,
@@ -151,7 +153,9 @@ def test_more_loader_workers_than_cpus_is_said_once(tmp_path):
         ]
     )
     assert result.returncode == 0, result.stderr
-    assert result.stderr.count(f"This DataLoader will create {workers} worker processes") == 1, result.stderr
+    assert "This DataLoader will create" not in result.stderr, result.stderr
+    loader = summary_rows(result.stdout)["loader"]
+    assert loader == f"{cpus} worker processes (data.num_workers={workers}, capped at the {cpus} CPUs available)"
 
 
 def test_a_model_of_the_names_own_sizes_is_named_alone():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,10 +25,6 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 from commands import UserError
 from fid.preprocess import DECODE_ERRORS, center_crop_adm, to_rgb
 from training.config import Config
-
-# torch warns of more loader workers than this process has CPUs from two places (creating the loader and its
-# first iterator): said once, not twice.
-warnings.filterwarnings("once", message="This DataLoader will create", category=UserWarning)
 
 LATENT_MANIFEST = "manifest.json"
 DIGITS_SIZE = 8  # scikit-learn's digits are 8 x 8 ...
@@ -448,11 +443,18 @@ def collate_examples(items: list[Example | None]) -> tuple:
     return (x, y, len(items) - len(kept), *paired)
 
 
+def loader_workers(requested: int) -> int:
+    """`data.num_workers` capped at the CPUs this process may run on (its affinity mask: a Slurm or cgroup
+    allocation, taskset): more workers than CPUs only contend for them, and torch warns of each extra one."""
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(requested, available)
+
+
 class ShardedBatches:
     """This process's share of an endless shuffled stream of micro-batches, resumable at any batch.
 
     Epoch e visits a permutation that depends only on (seed, e), split over processes by DistributedSampler;
-    the stream's position is the number of micro-batches drawn so far.
+    the stream's position is the number of micro-batches drawn so far. `num_workers` is capped by loader_workers.
     """
 
     def __init__(
@@ -476,7 +478,7 @@ class ShardedBatches:
             batch_size=batch_size,
             sampler=self.sampler,
             drop_last=True,
-            num_workers=num_workers,
+            num_workers=loader_workers(num_workers),
             collate_fn=collate_examples,
             pin_memory=pin_memory,
             generator=torch.Generator().manual_seed(seed),

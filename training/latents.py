@@ -27,7 +27,7 @@ from atomic_files.shards import ShardFolder
 from commands import CommandParser, run_command
 from generation.vae import encode_posterior, latent_downsampling, load_vae
 from training.config import Config, ConfigError, load_config
-from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples
+from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples, loader_workers
 
 FORMAT_VERSION = 2  # 2: shards hold "indices", each latent's position in the image folder
 
@@ -96,7 +96,7 @@ def _encode_shards(
     loader = DataLoader(
         dataset,
         batch_sampler=[indices for _, indices in batches],
-        num_workers=config.data.num_workers,
+        num_workers=loader_workers(config.data.num_workers),
         collate_fn=_collate_with_kept,
     )
     dtype = getattr(torch, config.extract.dtype)

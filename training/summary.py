@@ -70,6 +70,15 @@ def describe_tf32(tf32: bool, device: torch.device) -> str:
     return f"TF32 {'on' if tf32 else 'off'}"
 
 
+def describe_loader(requested: int, workers: int) -> str:
+    """How examples are loaded: in the training process or by `workers` processes (data.num_workers, capped at
+    the CPUs this process may use: training.data.loader_workers)."""
+    if workers == 0:
+        return "in the training process (data.num_workers=0)"
+    capped = f" (data.num_workers={requested}, capped at the {workers} CPUs available)" if workers < requested else ""
+    return f"{workers} worker processes{capped}"
+
+
 def describe_devices(accelerator: Accelerator) -> str:
     device = accelerator.device
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
@@ -122,6 +131,7 @@ def startup_summary(
         f"({trainable:,} trained{with_projector}; attention layers {attention_parameters(model):,})",
         **({"REPA": describe_alignment(config, parts.alignment, projector)} if parts.alignment is not None else {}),
         "data": describe_data(config, parts.batches.dataset),
+        "loader": describe_loader(config.data.num_workers, parts.batches.loader.num_workers),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
         "precision": f"{precision}, {describe_tf32(train.tf32, accelerator.device)}, "
         f"compile {'on' if train.compile else 'off'}",
