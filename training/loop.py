@@ -25,6 +25,7 @@ from training.checkpoint import checkpoint_bytes, checkpoint_name, save_checkpoi
 from training.config import Config, config_to_yaml
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
+from training.posthoc_ema import drop_snapshots_after
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
 from training.stop_signals import StopSignals
@@ -77,6 +78,7 @@ class Trainer:
         self.parts = parts
         self.model, self.ema, self.objective = parts.model, parts.ema, parts.objective
         self.optimizer, self.scheduler, self.batches = parts.optimizer, parts.scheduler, parts.batches
+        self.posthoc_ema = parts.posthoc_ema
         self.state = state
         self.last_checkpoint = last_checkpoint
         self.fid_log = JsonLines(run.fid)
@@ -97,6 +99,7 @@ class Trainer:
         metrics = TrainingMetrics(accelerator, self.run.metrics, config.train.global_batch_size, self.state.step)
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
+            drop_snapshots_after(self.run.root, self.state.step)  # post-hoc EMA snapshots of an abandoned timeline
         progress = tqdm(
             total=max_steps,
             initial=self.state.step,
@@ -119,6 +122,9 @@ class Trainer:
                 self.stop_if_non_finite(metrics)
                 line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
                 progress.set_postfix(loss=f"{line['loss']:.4f}", grad_norm=f"{line['grad_norm']:.3f}")
+            if self.posthoc_ema is not None and self.posthoc_ema.snapshot_due(step, last):
+                self.stop_if_non_finite(metrics)
+                self.save_posthoc_snapshot()
             if step % log.checkpoint_every == 0 or last:
                 self.stop_if_non_finite(metrics)
                 self.save_checkpoint()
@@ -143,9 +149,11 @@ class Trainer:
         )
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One optimiser step and the EMA update after it; returns (mean loss, grad norm, skipped files)."""
+        """One optimiser step and the EMA updates after it; returns (mean loss, grad norm, skipped files)."""
         loss, grad_norm, skipped = self.optimizer_step(stream)
         self.ema.update(self.accelerator.unwrap_model(self.model), step=self.state.step)
+        if self.posthoc_ema is not None:
+            self.posthoc_ema.update(self.accelerator.unwrap_model(self.model))
         return loss, grad_norm, skipped
 
     def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -215,7 +223,13 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         trainer_state = {**asdict(self.state), **tracker_state(self.accelerator)}  # tracker run ids for resume
-        needed = checkpoint_bytes(self.model.state_dict(), self.optimizer.state_dict(), self.ema.state_dict())
+        posthoc = self.posthoc_ema
+        needed = checkpoint_bytes(
+            self.model.state_dict(),
+            self.optimizer.state_dict(),
+            self.ema.state_dict(),
+            posthoc.state_tensors() if posthoc is not None else {},
+        )
         try:
             path = save_checkpoint(
                 self.accelerator,
@@ -227,11 +241,18 @@ class Trainer:
                 config_to_yaml(self.config),
                 self.config.log.keep_checkpoints,
                 needed,
+                write_more=posthoc.write_state if posthoc is not None else None,
             )
         except OutputError as error:
             raise OutputError(f"{error} (training stopped after step {self.state.step}; {self.kept()})") from None
         self.last_checkpoint = str(path)
         self.accelerator.print(f"saved checkpoint {path}")
+
+    def save_posthoc_snapshot(self) -> None:
+        if self.accelerator.is_main_process:
+            path = self.posthoc_ema.save_snapshot(self.run.root, self.state.step, self.parts.export)
+            self.accelerator.print(f"saved post-hoc EMA snapshot {path}")
+        self.accelerator.wait_for_everyone()
 
     def save_milestone(self) -> None:
         if self.accelerator.is_main_process:

@@ -41,6 +41,7 @@ from torch import nn
 from atomic_files import atomic_folder, atomic_output, write_json_atomic
 from commands import CommandParser, UserError, run_command
 from generation.export import EXPORT_CONFIG, ExportDescription, read_description, write_export
+from training.checkpoint import CheckpointError
 from training.config import ConfigError, PosthocEMAConfig
 from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma, step_decay
 
@@ -172,7 +173,7 @@ def check_resume(checkpoint: Path, settings: PosthocEMAConfig) -> None:
             with safe_open(file, framework="pt") as header:
                 saved = json.loads(header.metadata()["sigma_rel"])
         except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"cannot resume from {checkpoint}: {file} cannot be read ({error})") from None
+            raise CheckpointError(f"cannot resume from {checkpoint}: {file} cannot be read ({error})") from None
     if saved != list(settings.sigma_rel):
         raise ConfigError(
             f"--resume {checkpoint}: its post-hoc EMA profiles are train.posthoc_ema.sigma_rel={saved}, this launch "
