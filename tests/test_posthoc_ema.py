@@ -1,6 +1,7 @@
 """Post-hoc EMA (EDM2): the profile mathematics against independent references, the tracker's discrete weights
 against their closed form, the least-squares reconstruction, and (below) training runs that store profiles."""
 
+import json
 import math
 import os
 import re
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from scipy import integrate
 from torch import nn
 
+import sample
 from _launch import TORCHRUN_TWO_PROCESSES
 from faults import run_train, signal_at_step
 from generation import ImageGenerator, read_export
@@ -271,10 +273,15 @@ def test_a_third_profile_reconstructed_from_two_others_equals_the_tracked_one(po
     assert sum(entry["coefficient"] for entry in record["snapshots"]) == pytest.approx(1.0, abs=1e-3)
     assert export.description.train_step == 64
 
-    # An export like every other: the Python API samples it, the diffusers converter takes it.
+    # An export like every other: sample.py and the Python API sample it, the diffusers converter takes it.
+    folder = tmp_path / "out" / "sigma_rel-0.07-step-0000064"
+    out = tmp_path / "samples.npz"
+    sample.main(["--ckpt", str(folder), "--out", str(out), "--num-samples", "2", "--steps", "3", "--grid-size", "0"])
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["train_step"] == 64 and summary["source"].startswith("post-hoc EMA sigma_rel 0.07 of ")
     generator = ImageGenerator.from_export(export)
     assert generator.generate([3, 4], [0, 1], steps=3).shape == (2, 8, 8, 3)
-    transformer = to_diffusers(load_mhsa_model(tmp_path / "out" / "sigma_rel-0.07-step-0000064"))
+    transformer = to_diffusers(load_mhsa_model(folder))
     assert transformer.config.num_layers == 1
 
 

@@ -10,6 +10,7 @@
         checkpoints/step-XXXXXXX/  see training.checkpoint (the newest log.keep_checkpoints)
         exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
         posthoc_ema/step-XXXXXXX/  post-hoc EMA snapshots every train.posthoc_ema.snapshot_every steps (never deleted)
+        posthoc_exports/           exports reconstructed from them by `python -m training.posthoc_ema`
 
 A new launch never damages an earlier run: a run directory that already holds one is refused unless the
 launch continues it (--resume) or replaces it (--overwrite).
