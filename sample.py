@@ -275,7 +275,7 @@ def autoguidance_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.guide_ckpt is None:
         return {}
     guide = Path(args.guide_ckpt)
-    export = resolved_export(guide)
+    export = resolved_export(guide, "--guide-ckpt")
     return {
         "guide_ckpt": str(guide.resolve()) if guide.exists() else args.guide_ckpt,
         **({"guide_export": str(export)} if export is not None else {}),
@@ -283,9 +283,9 @@ def autoguidance_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def resolved_export(ckpt: Path) -> Path | None:
-    """The export folder that a run or checkpoint folder --ckpt stands for (a run's newest); None for an export
-    folder itself, a file or a hub id."""
+def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:
+    """The export folder that a run or checkpoint folder `option` (--ckpt, --guide-ckpt) stands for (a run's
+    newest); None for an export folder itself, a file or a hub id."""
     from generation import ExportError
     from generation.export import EXPORT_CONFIG, find_export
 
@@ -294,7 +294,7 @@ def resolved_export(ckpt: Path) -> Path | None:
     try:
         return find_export(ckpt).resolve()
     except ExportError as error:
-        raise SystemExit(f"--ckpt: {error}") from None
+        raise SystemExit(f"{option}: {error}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

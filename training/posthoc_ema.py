@@ -77,7 +77,9 @@ class PowerEMA:
     beta = (1 - batch / t)^(gamma + 1), t the images trained on so far (training.power_profiles.step_decay).
     """
 
-    def __init__(self, model: nn.Module, settings: PosthocEMAConfig, batch: int) -> None:
+    def __init__(
+        self, model: nn.Module, settings: PosthocEMAConfig, batch: int, device: torch.device | str = "cpu"
+    ) -> None:
         names = [profile_file(sigma_rel) for sigma_rel in settings.sigma_rel]
         if len(set(names)) < len(names):
             raise ConfigError(f"'train.posthoc_ema.sigma_rel' is {settings.sigma_rel}: each profile only once")
@@ -86,7 +88,9 @@ class PowerEMA:
         self.snapshot_every, self.dtype, self.batch = settings.snapshot_every, DTYPES[settings.dtype], batch
         state = model.state_dict()
         self.keys = list(state)
-        self.averages = [[state[key].detach().float().clone() for key in self.keys] for _ in self.sigma_rels]
+        self.averages = [
+            [state[key].detach().to(device, torch.float32, copy=True) for key in self.keys] for _ in self.sigma_rels
+        ]
         self.images = 0  # training images behind the averages
 
     @torch.no_grad()
@@ -158,9 +162,7 @@ def create_posthoc_ema(
     """The tracker of `settings` for `model` (before it is wrapped), on `device`; None when no profile is asked for."""
     if not settings.sigma_rel:
         return None
-    tracker = PowerEMA(model, settings, batch)
-    tracker.averages = [[value.to(device) for value in average] for average in tracker.averages]
-    return tracker
+    return PowerEMA(model, settings, batch, device)
 
 
 def check_resume(checkpoint: Path, settings: PosthocEMAConfig) -> None:
