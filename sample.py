@@ -12,7 +12,9 @@ earlier sample.py run with other settings (unless --overwrite), or anything else
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
 (`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
 (generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
-settings.
+settings. `--guide-ckpt PATH --guidance-scale W` guides with a weaker model of the same objective, inputs and classes
+instead of the null class (autoguidance, D = D_guide + W (D_main - D_guide)) on the channels and interval of
+--guidance-channels / --guidance-interval; the guide is checked against the model before anything is written.
 
 Sample i gets label i % num_classes ("balanced") or a seeded draw ("uniform") and draws all its noise from its
 own stream seeded by (--seed, i), so the file depends neither on the number of processes nor (up to float
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--last-step", help="SDE last step type")
     add("--last-step-size", type=float, help="SDE last step size")
     add("--cfg-scale", type=float, help="classifier-free guidance scale (default 1: none)")
+    add("--guide-ckpt", help="autoguidance: a weaker model of the same objective, inputs and classes (as --ckpt)")
+    add("--guidance-scale", type=float, help="autoguidance scale W: guide + W * (model - guide); needs --guide-ckpt")
     add("--guidance-channels", type=int, help="guide only the first k channels (3 reproduces DiT/SiT)")
     add(
         "--guidance-interval",
@@ -119,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace the outputs and shards of an earlier sample.py run with "
         "other settings at --out (only files sample.py wrote are deleted)",
     )
+    parser.set_defaults(guide=None)  # the guide network, once load_guide has loaded --guide-ckpt
     return parser
 
 
@@ -127,6 +132,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults."""
     args = build_parser().parse_args(argv)
     preset = PROTOCOLS[args.protocol].settings if args.protocol else {}
+    if args.guide_ckpt is not None:  # autoguidance replaces the protocol's classifier-free guidance
+        preset = {name: value for name, value in preset.items() if name != "cfg_scale"}
     for name, value in {**PLAIN_DEFAULTS, **preset}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -155,6 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not math.isfinite(args.cfg_scale) or args.cfg_scale < 0:
         raise SystemExit(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
+    check_autoguidance_args(args)
     if args.guidance_interval is not None and not args.guidance_interval[0] < args.guidance_interval[1]:
         low, high = args.guidance_interval
         raise SystemExit(f"--guidance-interval {low} {high}: expected LO < HI")
@@ -163,6 +171,45 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.out.parent.is_dir():
         raise SystemExit(f"--out {args.out}: folder {args.out.parent} does not exist")
     check_writable(args.out.parent)
+
+
+def check_autoguidance_args(args: argparse.Namespace) -> None:
+    """--guide-ckpt and --guidance-scale come together, and instead of --cfg-scale."""
+    if (args.guide_ckpt is None) != (args.guidance_scale is None):
+        given, missing = (
+            ("--guide-ckpt", "--guidance-scale")
+            if args.guidance_scale is None
+            else ("--guidance-scale", "--guide-ckpt")
+        )
+        raise SystemExit(f"{given} needs {missing} (autoguidance: guide + W * (model - guide))")
+    if args.guide_ckpt is None:
+        return
+    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
+        raise SystemExit(f"--guidance-scale must be a finite number >= 0, got {args.guidance_scale}")
+    if args.cfg_scale != 1:
+        raise SystemExit(f"--cfg-scale {args.cfg_scale} with --guide-ckpt: use one guidance, not both")
+
+
+def load_guide(args: argparse.Namespace, description, device) -> None:
+    """Load --guide-ckpt onto `device` as args.guide, after checking in one line that it can guide the model."""
+    from generation import ExportError, load_export
+    from generation.autoguide import guide_mismatch
+    from generation.generator import load_model
+    from generation.official import OfficialCheckpointError
+
+    try:
+        export = load_export(args.guide_ckpt)
+    except (ExportError, OfficialCheckpointError) as error:
+        raise SystemExit(f"--guide-ckpt: {error}") from None
+    mismatch = guide_mismatch(description, export.description)
+    if mismatch is not None:
+        name, ours, theirs = mismatch
+        raise SystemExit(
+            f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
+            f"model's objective, inputs and classes"
+        )
+    args.guide = load_model(export, device, args.compile)
+    args.guide_description = {"train_step": export.description.train_step, "source": export.description.source}
 
 
 def check_against(description, args: argparse.Namespace) -> None:
@@ -197,8 +244,10 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments of `ImageGenerator.generate` beyond labels and seeds."""
     options = {name: getattr(args, name) for name in SAMPLER_OPTIONS if getattr(args, name) is not None}
     interval = None if args.guidance_interval is None else tuple(args.guidance_interval)
+    autoguided = {"guide": args.guide} if args.guide is not None else {}  # the network load_guide loaded
     return dict(
-        guidance=args.cfg_scale,
+        guidance=args.cfg_scale if args.guide_ckpt is None else args.guidance_scale,
+        **autoguided,
         sampler=args.sampler,
         steps=args.steps,
         guidance_channels=args.guidance_channels,
@@ -225,16 +274,30 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "per_proc_batch_size": args.per_proc_batch_size,
         "shard_size": args.shard_size,
-        **{key: value for key, value in generation_options(args).items() if key != "guidance_interval"},
+        **{key: value for key, value in generation_options(args).items() if key not in ("guidance_interval", "guide")},
+        **autoguidance_settings(args),
         "guidance_interval": args.guidance_interval,
         "precision": args.precision,
         "compile": args.compile,
     }
 
 
-def resolved_export(ckpt: Path) -> Path | None:
-    """The export folder that a run or checkpoint folder --ckpt stands for (a run's newest); None for an export
-    folder itself, a file or a hub id."""
+def autoguidance_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The guide and its scale, when autoguiding (runs from before autoguidance keep matching)."""
+    if args.guide_ckpt is None:
+        return {}
+    guide = Path(args.guide_ckpt)
+    export = resolved_export(guide, "--guide-ckpt")
+    return {
+        "guide_ckpt": str(guide.resolve()) if guide.exists() else args.guide_ckpt,
+        **({"guide_export": str(export)} if export is not None else {}),
+        "guidance_scale": args.guidance_scale,
+    }
+
+
+def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:
+    """The export folder that a run or checkpoint folder `option` (--ckpt, --guide-ckpt) stands for (a run's
+    newest); None for an export folder itself, a file or a hub id."""
     from generation import ExportError
     from generation.export import EXPORT_CONFIG, find_export
 
@@ -243,7 +306,7 @@ def resolved_export(ckpt: Path) -> Path | None:
     try:
         return find_export(ckpt).resolve()
     except ExportError as error:
-        raise SystemExit(f"--ckpt: {error}") from None
+        raise SystemExit(f"{option}: {error}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -258,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     export = load_checkpoint(args)  # nothing is written before the checkpoint has loaded
     check_against(export.description, args)
     accelerator = create_accelerator(args)
+    if args.guide_ckpt is not None:
+        load_guide(args, export.description, accelerator.device)
     if "export" in settings:
         accelerator.print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
@@ -321,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "model": export.description.model,
             "source": export.description.source,
             "train_step": export.description.train_step,
+            **({"guide": args.guide_description} if args.guide_ckpt is not None else {}),
         }
         finish(args, folder, shards, labels, summary, generator)
         print(

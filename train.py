@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         resolve_resume,
     )
     from training.loop import Trainer, TrainerState
+    from training.posthoc_ema import check_resume as check_posthoc_resume
     from training.repa import check_repa_resume
     from training.run import RunDirectory, create_accelerator, load_launch_config
     from training.stop_signals import STOPPED_STATUS
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_checkpoint(resume_from)  # a damaged one,
         check_resume_settings(config, resume_from)  # another model, objective, data or seed,
         check_repa_resume(resume_from / TRAIN_CONFIG, config.train.repa)  # another REPA structure,
+        check_posthoc_resume(resume_from, config.train.posthoc_ema)  # other post-hoc EMA profiles,
     elif args.resume is None and not args.overwrite:
         run.check_new()  # and a run directory already in use,
     check_writable(run.root)  # or one where nothing can be written
@@ -104,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if resume_from is not None:
         saved = load_checkpoint(accelerator, resume_from, parts.ema)  # also restores every process's RNG
         apply_optimizer_settings(parts.optimizer, parts.scheduler, config.train)  # this launch's lr, betas, ...
+        if parts.posthoc_ema is not None:
+            parts.posthoc_ema.load_state(resume_from)
         state = state.resumed(saved)
 
     summary = startup_summary(config, accelerator, parts, state, run.root, resume_from, saved)

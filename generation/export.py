@@ -78,6 +78,7 @@ class ExportDescription:
     latent_scale: float | None = None  # latents only
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
+    posthoc_ema: dict[str, Any] | None = None  # a post-hoc EMA reconstruction's sigma_rel, step and snapshots
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:

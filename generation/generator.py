@@ -1,7 +1,8 @@
 """Turning a trained model into images: `ImageGenerator.generate(labels, seeds, ...) -> uint8 images`.
 
 One home for the path from noise to pixels, used by `sample.py`, the previews and FID during training,
-and the demo: per-sample noise -> x_T -> classifier-free guidance -> the objective's sampler -> decoder
+and the demo: per-sample noise -> x_T -> guidance (classifier-free, or autoguidance by a weaker model) -> the
+objective's sampler -> decoder
 (the VAE for latent models) -> uint8 (DiT's rounding, `generation.images.to_uint8`).
 """
 
@@ -19,7 +20,7 @@ from dit_vca.models import DiT, build_model_from_config
 from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
 from generation.objective import Objective, create_objective
-from samplers import PerSampleNoise, classifier_free_guidance
+from samplers import PerSampleNoise, autoguidance, classifier_free_guidance
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1] (B, 1 or 3, H, W)
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -38,6 +39,15 @@ def set_matmul_precision(precision: str) -> None:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
+
+
+def load_model(export: Export, device: torch.device | str = "cpu", compile: bool = False) -> nn.Module:
+    """The EMA network of an export on `device`, in eval mode without gradients; `compile` wraps it in
+    torch.compile (compiled on the first batch)."""
+    model = build_model_from_config(export.description.model)
+    model.load_state_dict(export.weights, strict=True)
+    model = model.to(device).eval().requires_grad_(False)
+    return torch.compile(model) if compile else model
 
 
 def pixel_decoder(description: ExportDescription, vae: nn.Module | None) -> Decoder:
@@ -100,13 +110,8 @@ class ImageGenerator:
                     f"{decoded} px images, but the export declares {description.image_size} px: use the VAE it "
                     f"was trained with (sample.py --vae)"
                 )
-        model = build_model_from_config(description.model)
-        model.load_state_dict(export.weights, strict=True)
-        model = model.to(device).eval().requires_grad_(False)
-        if compile:
-            model = torch.compile(model)
         return cls(
-            model,
+            load_model(export, device, compile),
             create_objective(description.objective),
             pixel_decoder(description, autoencoder),
             description.num_classes,
@@ -122,6 +127,14 @@ class ImageGenerator:
         """(C, h, w) of what the model generates."""
         return (self.model.in_channels, self.model.input_size, self.model.input_size)
 
+    def check_guide(self, guide: nn.Module) -> None:
+        """A guide must take and predict what the model does (generation.autoguide checks exports in full)."""
+        for name in ("in_channels", "input_size", "num_classes"):
+            if getattr(guide, name) != getattr(self.model, name):
+                raise ValueError(
+                    f"the guide's {name} is {getattr(guide, name)}, the model's {getattr(self.model, name)}"
+                )
+
     @torch.no_grad()
     def generate(
         self,
@@ -133,25 +146,31 @@ class ImageGenerator:
         steps: int | None = None,
         guidance_channels: int | None = None,
         guidance_interval: tuple[float, float] | None = None,
+        guide: nn.Module | None = None,
         progress: bool = False,
         **options: Any,
     ) -> np.ndarray:
         """(B, H, W, 3) uint8 images for class `labels` (B,), sample i drawing all its noise from `seeds[i]`.
 
-        guidance: classifier-free guidance scale (1: none); guidance_channels / guidance_interval as in
-        `samplers.classifier_free_guidance`. sampler / steps: the objective's sampler (None: its default);
-        options: that sampler's options (eta, atol, diffusion_form, ...).
+        guidance: the guidance scale (1: none), of classifier-free guidance, or of autoguidance when `guide` (a
+        network of the same objective, inputs and classes, on this device: `load_model`) is given;
+        guidance_channels / guidance_interval as in `samplers.classifier_free_guidance`. sampler / steps: the
+        objective's sampler (None: its default); options: that sampler's options (eta, atol, diffusion_form, ...).
         """
         device = self.device
         noise = PerSampleNoise(list(seeds), device)
         x_T = noise(self.sample_shape)  # (B, C, h, w): the first draw of every sample's stream
-        guided = classifier_free_guidance(
-            self.model,
-            guidance,
-            null_label=self.num_classes,
-            guided_channels=guidance_channels,
-            interval=guidance_interval,
-        )
+        if guide is None:
+            guided = classifier_free_guidance(
+                self.model,
+                guidance,
+                null_label=self.num_classes,
+                guided_channels=guidance_channels,
+                interval=guidance_interval,
+            )
+        else:
+            self.check_guide(guide)
+            guided = autoguidance(self.model, guide, guidance, guidance_channels, guidance_interval)
 
         def model_fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             self.model_evaluations += 1

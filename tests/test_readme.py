@@ -27,6 +27,7 @@ import tomllib
 
 from generation.export import EXPORT_DIR
 from training.config import load_config
+from training.posthoc_ema import DEFAULT_OUT as POSTHOC_OUT
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -132,12 +133,14 @@ def parse_python(tokens: list[str], where: DocumentedCommand, monkeypatch) -> No
 
 def check_run_paths(tokens: list[str], where: DocumentedCommand) -> None:
     """A path into a run directory that names an export follows the run layout (training.run.RunDirectory):
-    results/<run>/checkpoints/step-XXXXXXX/export or results/<run>/exports/step-XXXXXXX."""
+    results/<run>/checkpoints/step-XXXXXXX/export, results/<run>/exports/step-XXXXXXX, or a post-hoc EMA
+    reconstruction results/<run>/posthoc_exports/sigma_rel-S-step-XXXXXXX."""
     from training.run import RunDirectory
 
     run = RunDirectory(Path("results/RUN"))
     layouts = [run.checkpoints / "step-0000000" / EXPORT_DIR, run.exports / "step-0000000"]
     pattern = "|".join(re.escape(str(layout.relative_to(run.root))).replace("0000000", r"\d{7,}") for layout in layouts)
+    pattern += rf"|{POSTHOC_OUT}/sigma_rel-[\d.e-]+-step-\d{{7,}}"  # python -m training.posthoc_ema's exports
     for token in tokens:
         path = token.partition("=")[2] if "=" in token else token
         if path.startswith("results/") and "export" in path:

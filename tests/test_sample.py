@@ -176,8 +176,9 @@ SAMPLING = ["--sampler", "ddpm", "--steps", "12", "--cfg-scale", "2", "--seed", 
 RUN = ["--num-samples", "16", "--shard-size", "4", "--per-proc-batch-size", "2", "--grid-size", "9", *SAMPLING]
 
 
-def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "DiT") -> Path:
-    """A 1-block DiT-VCA (or SiT-VCA) on 8x8 one-channel pixels with random (not zero-initialised) output layers."""
+def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "DiT", seed: int = 0) -> Path:
+    """A 1-block DiT-VCA (or SiT-VCA) on 8x8 one-channel pixels with random (not zero-initialised) output layers;
+    `seed` draws the perturbation of the weights (another seed, another model of the same shape)."""
     import dit_vca
     import sit_vca
     from generation import ExportDescription, write_export
@@ -193,7 +194,7 @@ def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "Di
         num_classes=NUM_CLASSES,
         class_dropout_prob=class_dropout_prob,
     )
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight

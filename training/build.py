@@ -26,6 +26,7 @@ from generation.vae import latent_downsampling, load_vae
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
+from training.posthoc_ema import PowerEMA, create_posthoc_ema
 from training.repa import RepresentationAlignment, build_projector, check_encoder_name, load_encoder
 from training.run import micro_batch_size
 
@@ -45,6 +46,7 @@ class TrainingParts:
     export: ExportDescription  # written with every checkpoint
     fid_extractor: Any  # Inception features for FID monitoring, or None
     alignment: RepresentationAlignment | None = None  # REPA (train.repa.encoder set); its projector is prepared
+    posthoc_ema: PowerEMA | None = None  # power-function EMA profiles (train.posthoc_ema.sigma_rel set)
 
     @property
     def trained_modules(self) -> list[torch.nn.Module]:
@@ -182,6 +184,9 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     set_seed(config.train.seed)  # identical initial weights on every process ...
     model = build_model(config, in_channels, input_size)
     ema = create_ema(model, config.train).to(accelerator.device)
+    posthoc_ema = create_posthoc_ema(
+        model, config.train.posthoc_ema, config.train.global_batch_size, accelerator.device
+    )
     objective = create_objective(objective_spec(config))
     export = export_description(config, model)
     projector = (
@@ -218,4 +223,5 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         export,
         fid_extractor,
         alignment,
+        posthoc_ema,
     )

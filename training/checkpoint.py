@@ -135,8 +135,10 @@ def save_checkpoint(
     config_yaml: str,
     keep: int,
     needed: int | None = None,
+    write_more: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` under root (called on every process), then keep only the newest `keep`.
+    """Write checkpoint `step` under root (called on every process), then keep only the newest `keep`;
+    `write_more(folder)` adds further state on the main process (the post-hoc EMA profiles).
 
     The processes agree after each phase (prepare, Accelerate's save, export and rename), so a full disk or a
     read-only folder on any of them raises OutputError on all, with the hidden partial folder removed and the
@@ -156,6 +158,8 @@ def save_checkpoint(
         write_export(temporary / EXPORT_DIR, ema_state_dict(ema), replace(export, train_step=step))
         write_text_atomic(temporary / TRAIN_CONFIG, config_yaml)
         write_json_atomic(temporary / TRAINER_STATE, trainer_state)
+        if write_more is not None:
+            write_more(temporary)
         replace_folder(temporary, final, needed)
 
     _agree(accelerator, _attempt(prepare, final, temporary, needed) if main else None, temporary)

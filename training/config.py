@@ -146,6 +146,15 @@ class RepaConfig:
 
 
 @dataclass
+class PosthocEMAConfig:
+    """Power-function EMA profiles tracked for post-hoc EMA (EDM2; training.posthoc_ema, docs/training.md)."""
+
+    sigma_rel: list[float] = field(default_factory=list, metadata={"range": (0.0, 0.2886, True)})  # []: off
+    snapshot_every: int = _range(5000, 1)  # steps between stored snapshots (the last step is stored too)
+    dtype: str = _choice("float32", "float32", "bfloat16", "float16")  # of the stored snapshots
+
+
+@dataclass
 class TrainConfig:
     """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
 
@@ -166,6 +175,7 @@ class TrainConfig:
     compile: bool = False
     cpu: bool = False  # force CPU processes (gloo), e.g. under torchrun for tests
     repa: RepaConfig = field(default_factory=RepaConfig)
+    posthoc_ema: PosthocEMAConfig = field(default_factory=PosthocEMAConfig)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from training.checkpoint import checkpoint_bytes, checkpoint_name, save_checkpoi
 from training.config import Config, config_to_yaml
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
+from training.posthoc_ema import drop_snapshots_after
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
 from training.stop_signals import StopSignals
@@ -83,6 +84,7 @@ class Trainer:
         self.parts = parts
         self.model, self.ema, self.objective = parts.model, parts.ema, parts.objective
         self.optimizer, self.scheduler, self.batches = parts.optimizer, parts.scheduler, parts.batches
+        self.posthoc_ema = parts.posthoc_ema
         self.state = state
         self.last_checkpoint = last_checkpoint
         self.saving_step: int | None = None  # the step of a checkpoint being written
@@ -106,6 +108,7 @@ class Trainer:
         )
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
+            drop_snapshots_after(self.run.root, self.state.step)  # post-hoc EMA snapshots of an abandoned timeline
         progress = tqdm(
             total=max_steps,
             initial=self.state.step,
@@ -124,6 +127,9 @@ class Trainer:
                 line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
                 progress.set_postfix(loss=f"{line['loss']:.4f}", grad_norm=f"{line['grad_norm']:.3f}")
             stopping = not last and stop.agreed()  # every rank, after the same step (the last one ends anyway)
+            if self.posthoc_ema is not None and self.posthoc_ema.snapshot_due(step, last):  # also when stopping:
+                self.stop_if_non_finite(metrics)  # a resume continues after this step
+                self.save_posthoc_snapshot()
             if log.export_every and step % log.export_every == 0:
                 self.stop_if_non_finite(metrics)
                 self.save_milestone()
@@ -153,9 +159,11 @@ class Trainer:
         )
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One optimiser step and the EMA update after it; returns (mean loss, grad norm, skipped files)."""
+        """One optimiser step and the EMA updates after it; returns (mean loss, grad norm, skipped files)."""
         loss, grad_norm, skipped = self.optimizer_step(stream)
         self.ema.update(self.accelerator.unwrap_model(self.model), step=self.state.step)
+        if self.posthoc_ema is not None:
+            self.posthoc_ema.update(self.accelerator.unwrap_model(self.model))
         return loss, grad_norm, skipped
 
     def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -236,7 +244,13 @@ class Trainer:
             "metrics_window": metrics.window(),  # so that the resumed run logs what an uninterrupted one would
             **tracker_state(self.accelerator),  # tracker run ids for resume
         }
-        needed = checkpoint_bytes(self.model.state_dict(), self.optimizer.state_dict(), self.ema.state_dict())
+        posthoc = self.posthoc_ema
+        needed = checkpoint_bytes(
+            self.model.state_dict(),
+            self.optimizer.state_dict(),
+            self.ema.state_dict(),
+            posthoc.state_tensors() if posthoc is not None else {},
+        )
         try:
             path = save_checkpoint(
                 self.accelerator,
@@ -248,11 +262,18 @@ class Trainer:
                 config_to_yaml(self.config),
                 self.config.log.keep_checkpoints,
                 needed,
+                write_more=posthoc.write_state if posthoc is not None else None,
             )
         except OutputError as error:
             raise OutputError(f"{error} (training stopped after step {self.state.step}; {self.kept()})") from None
         self.last_checkpoint, self.saving_step = str(path), None
         self.accelerator.print(f"saved checkpoint {path}")
+
+    def save_posthoc_snapshot(self) -> None:
+        if self.accelerator.is_main_process:
+            path = self.posthoc_ema.save_snapshot(self.run.root, self.state.step, self.parts.export)
+            self.accelerator.print(f"saved post-hoc EMA snapshot {path}")
+        self.accelerator.wait_for_everyone()
 
     def save_milestone(self) -> None:
         if self.accelerator.is_main_process:

@@ -9,6 +9,8 @@
         tensorboard/         TensorBoard events (log.trackers; wandb/ too for wandb, see training.trackers)
         checkpoints/step-XXXXXXX/  see training.checkpoint (the newest log.keep_checkpoints)
         exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
+        posthoc_ema/step-XXXXXXX/  post-hoc EMA snapshots every train.posthoc_ema.snapshot_every steps (never deleted)
+        posthoc_exports/           exports reconstructed from them by `python -m training.posthoc_ema`
 
 A new launch never damages an earlier run: a run directory that already holds one is refused unless the
 launch continues it (--resume) or replaces it (--overwrite). While a launch runs, its main process holds the
@@ -40,6 +42,7 @@ from training.checkpoint import (
     resolve_resume,
 )
 from training.config import Config, ConfigError, load_config
+from training.posthoc_ema import SNAPSHOT_FOLDER
 from training.trackers import TRACKER_FOLDERS, check_trackers
 
 # step-XXXXXXX (a checkpoint or export folder), step-XXXXXXX.png (a grid), and the hidden folders and files of
@@ -114,6 +117,11 @@ class RunDirectory:
     def exports(self) -> Path:
         return self.root / "exports"
 
+    @property
+    def step_folders(self) -> tuple[Path, ...]:
+        """The folders of step-XXXXXXX entries that runs write."""
+        return (self.checkpoints, self.exports, self.samples, self.root / SNAPSHOT_FOLDER)
+
     def earlier_run(self) -> list[Path]:
         """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory). A config.yaml
         alone does not count: a launch that failed before its first log line (an unreadable image, say) leaves
@@ -139,7 +147,7 @@ class RunDirectory:
         """What runs write here: the logs, step-XXXXXXX checkpoints and exports (and hidden ones of killed saves),
         step-XXXXXXX.png grids and the trackers' folders; nothing else a user put into the directory."""
         found = [path for path in (self.config, self.startup, self.metrics, self.fid) if path.exists()]
-        for folder in (self.checkpoints, self.exports, self.samples):
+        for folder in self.step_folders:
             if folder.is_dir():
                 found += [path for path in folder.iterdir() if STEP_FILE.match(path.name)]
         return found + [self.root / name for name in TRACKER_FOLDERS if (self.root / name).exists()]
@@ -147,7 +155,7 @@ class RunDirectory:
     def remove_partial_saves(self) -> None:
         """Delete the hidden folders of checkpoint and export saves that were killed: they may fill the disk
         (a `.old` folder is kept: a save killed between its two renames leaves the earlier checkpoint there)."""
-        for folder in (self.checkpoints, self.exports):
+        for folder in self.step_folders:
             if folder.is_dir():
                 for path in folder.iterdir():
                     if path.name.startswith(".") and path.name.endswith(".tmp") and STEP_FILE.match(path.name):
@@ -162,7 +170,7 @@ class RunDirectory:
             else:
                 path.unlink()
         kept = []
-        for folder in (self.checkpoints, self.exports, self.samples):
+        for folder in self.step_folders:
             if folder.is_dir():
                 kept += sorted(path for path in folder.rglob("*") if not path.is_dir())
                 if not any(folder.iterdir()):

@@ -139,5 +139,7 @@ def startup_summary(
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),
     }
+    if parts.posthoc_ema is not None:
+        rows["post-hoc EMA"] = parts.posthoc_ema.describe(train.max_steps)
     width = max(map(len, rows))
     return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items())
