@@ -77,14 +77,13 @@ def test_one_task_on_each_of_two_slurm_nodes_stopped_and_resumed_equals_one_node
     # train_tasks.sbatch on the test cluster's two nodes (two slurmd on this host), one task each: both tasks have
     # local rank 0. Stopped by the batch script's trap, requeued, resumed.
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
-    env = {**slurm, "MAIN_HOST": "127.0.0.1"}  # the test cluster's node names are not host names
     options = ["--nodes=2", "--ntasks-per-node=1"]
-    job_id = sbatch(env, "train_tasks.sbatch", options, [*RUN, f"run.dir={run_dir}"], log)
+    job_id = sbatch(slurm, "train_tasks.sbatch", options, [*RUN, f"run.dir={run_dir}"], log)
     wait_for_step(run_dir, 3, log)
-    assert job(env, job_id)["NodeList"] == "node[1-2]"
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True, timeout=60)
-    wait_for_requeue(env, job_id, 1, log)
-    state = wait_for_end(env, job_id, log)
+    assert job(slurm, job_id)["NodeList"] == "node[1-2]"
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True, timeout=60)
+    wait_for_requeue(slurm, job_id, 1, log)
+    state = wait_for_end(slurm, job_id, log)
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text(log)[-3000:]
     [(name, step, seconds)] = stops(log)
     assert name == "SIGTERM" and 3 <= step < 60 and seconds < 30 and "srun exited with 75" in text(log)
