@@ -58,6 +58,7 @@ def slurm():
         "SLURM_CONF": SLURM_CONF,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "MAIN_PORT": str(free_port()),
+        "MAIN_HOST": "127.0.0.1",  # the test cluster's node names (node1, node2) are not host names
     }
     if SUBMITTED:  # a failed test leaves no job behind
         subprocess.run(["scancel", *SUBMITTED], env={**os.environ, "SLURM_CONF": SLURM_CONF}, timeout=60)

@@ -163,6 +163,14 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
         "num_processes": 2,
         "micro_batch_size": 16,
         "grad_accum_steps": 2,
+        # the logging window's sums per process (training.metrics): empty, step 20 was a logging step
+        "metrics_window": {
+            "steps": 0,
+            "loss_sum": [0.0, 0.0],
+            "grad_norm_sum": [0.0, 0.0],
+            "skipped_images": [0, 0],
+            "terms": {},
+        },
     }
     assert (run_dir / "samples" / "step-0000010.png").is_file() and (run_dir / "samples" / "step-0000020.png").is_file()
 

@@ -8,8 +8,22 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from test_faults import ROOT, STOPPED_STATUS, subprocess_env
-from test_slurm import RUN, assert_same_as, free_port
+from test_slurm import (  # noqa: F401 (slurm: a fixture)
+    RUN,
+    assert_same_as,
+    free_port,
+    job,
+    sbatch,
+    slurm,
+    stops,
+    text,
+    wait_for_end,
+    wait_for_requeue,
+    wait_for_step,
+)
 
 
 def two_agents(run_dir, *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
@@ -56,6 +70,25 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     resumed = two_agents(run_dir, "--resume", "latest")
     assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
     assert_same_as(run_dir, preemption_reference)
+
+
+@pytest.mark.slurm
+def test_one_task_on_each_of_two_slurm_nodes_stopped_and_resumed_equals_one_node(slurm, preemption_reference, tmp_path):
+    # train_tasks.sbatch on the test cluster's two nodes (two slurmd on this host), one task each: both tasks have
+    # local rank 0. Stopped by the batch script's trap, requeued, resumed.
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    options = ["--nodes=2", "--ntasks-per-node=1"]
+    job_id = sbatch(slurm, "train_tasks.sbatch", options, [*RUN, f"run.dir={run_dir}"], log)
+    wait_for_step(run_dir, 3, log)
+    assert job(slurm, job_id)["NodeList"] == "node[1-2]"
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True, timeout=60)
+    wait_for_requeue(slurm, job_id, 1, log)
+    state = wait_for_end(slurm, job_id, log)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text(log)[-3000:]
+    [(name, step, seconds)] = stops(log)
+    assert name == "SIGTERM" and 3 <= step < 60 and seconds < 30 and "srun exited with 75" in text(log)
+    assert_same_as(run_dir, preemption_reference)
+    print(f"job {job_id}: stopped after step {step}, {seconds} s after the signal")
 
 
 def test_sampling_on_two_nodes_equals_one_process(tmp_path):

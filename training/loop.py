@@ -153,10 +153,16 @@ class Trainer:
         """Say which checkpoint the stop wrote, how long after the signal, and how to continue."""
         seconds = stop.seconds_since_signal()
         after = f" {seconds:.1f} s after the signal" if seconds is not None else ""
-        self.accelerator.print(
+        self.say(
             f"stopped by {stop.name()} after step {self.state.step}: checkpoint "
             f"{self.last_checkpoint} written{after}; continue with --resume latest"
         )
+
+    def say(self, message: str) -> None:
+        """Print on the global main process only (Accelerate's print speaks once per node: a job's log on
+        several nodes would hold each line once per node)."""
+        if self.accelerator.is_main_process:
+            print(message, flush=True)
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimiser step and the EMA updates after it; returns (mean loss, grad norm, skipped files)."""
@@ -267,7 +273,7 @@ class Trainer:
         except OutputError as error:
             raise OutputError(f"{error} (training stopped after step {self.state.step}; {self.kept()})") from None
         self.last_checkpoint, self.saving_step = str(path), None
-        self.accelerator.print(f"saved checkpoint {path}")
+        self.say(f"saved checkpoint {path}")
 
     def save_posthoc_snapshot(self) -> None:
         if self.accelerator.is_main_process:
@@ -278,7 +284,7 @@ class Trainer:
     def save_milestone(self) -> None:
         if self.accelerator.is_main_process:
             path = save_milestone_export(self.run.exports, self.state.step, self.ema, self.parts.export)
-            self.accelerator.print(f"saved export {path}")
+            self.say(f"saved export {path}")
         self.accelerator.wait_for_everyone()
 
     def save_grid(self) -> None:
@@ -303,4 +309,4 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.fid_log.append({"step": self.state.step, "fid": fid, "samples": self.config.log.fid_samples})
             self.accelerator.log({"eval/fid": fid}, step=self.state.step)
-        self.accelerator.print(f"step {self.state.step}: FID of {self.config.log.fid_samples} EMA samples {fid:.3f}")
+        self.say(f"step {self.state.step}: FID of {self.config.log.fid_samples} EMA samples {fid:.3f}")

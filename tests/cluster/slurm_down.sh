@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Stop the Slurm of tests/cluster/slurm_up.sh: cancel every job, then stop slurmd, slurmctld and munged (each by
+# Stop the Slurm of tests/cluster/slurm_up.sh: cancel every job, then stop both slurmd, slurmctld and munged (each by
 # the pid it recorded) and wait until they are gone.
 set -uo pipefail
 root=${VCA_SLURM_DIR:-/tmp/vca-slurm}
 export SLURM_CONF=$root/slurm.conf
 [ -f "$SLURM_CONF" ] && timeout 10 scancel --full --quiet --user "$(id -un)" 2>/dev/null
-for daemon in slurmd slurmctld munge/munged; do
+for daemon in slurmd-node1 slurmd-node2 slurmctld munge/munged; do
     pidfile=$root/$daemon.pid
     [ -f "$pidfile" ] || continue
     pid=$(cat "$pidfile")

@@ -28,8 +28,9 @@ if [ ! -s "$root/munge/munge.key" ]; then
     chmod 400 "$root/munge/munge.key"
 fi
 host=$(hostname -s)
-# The node declares 8 CPUs on whatever the machine has (config_overrides: slurmd takes the declared values), so
-# that two jobs of 2-4 tasks fit on a 2-core CI machine; the tests' tasks are tiny.
+# Two nodes on this one host (two slurmd, each on its own port, both at 127.0.0.1), so that a job can span two
+# "nodes" as on a cluster. Each declares 4 CPUs whatever the machine has (config_overrides: slurmd takes the
+# declared values), so that jobs of 2-4 tasks fit on a 2-core CI machine; the tests' tasks are tiny.
 cat > "$SLURM_CONF" <<CONF
 ClusterName=vca-test
 SlurmctldHost=$host
@@ -54,15 +55,15 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 StateSaveLocation=$root/state
-SlurmdSpoolDir=$root/spool
+SlurmdSpoolDir=$root/spool/%n
 SlurmctldPidFile=$root/slurmctld.pid
-SlurmdPidFile=$root/slurmd.pid
+SlurmdPidFile=$root/slurmd-%n.pid
 SlurmctldLogFile=$root/log/slurmctld.log
-SlurmdLogFile=$root/log/slurmd.log
+SlurmdLogFile=$root/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName=$host CPUs=8 RealMemory=4096 State=UNKNOWN
-PartitionName=test Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=6821-6822 CPUs=4 RealMemory=2048 State=UNKNOWN
+PartitionName=test Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
 
 if [ ! -S "$root/munge/munge.socket" ] || ! munge -n -S "$root/munge/munge.socket" >/dev/null 2>&1; then
@@ -70,10 +71,13 @@ if [ ! -S "$root/munge/munge.socket" ] || ! munge -n -S "$root/munge/munge.socke
         --pid-file "$root/munge/munged.pid" --log-file "$root/log/munged.log" --seed-file "$root/munge/munged.seed"
 fi
 pgrep -F "$root/slurmctld.pid" >/dev/null 2>&1 || slurmctld -f "$SLURM_CONF"
-pgrep -F "$root/slurmd.pid" >/dev/null 2>&1 || slurmd -f "$SLURM_CONF"
+for node in node1 node2; do
+    mkdir -p "$root/spool/$node"
+    pgrep -F "$root/slurmd-$node.pid" >/dev/null 2>&1 || slurmd -f "$SLURM_CONF" -N "$node"
+done
 for _ in $(seq 1 60); do
-    if [ "$(timeout 5 sinfo -h -o %T 2>/dev/null)" = "idle" ]; then
-        echo "slurm_up.sh: Slurm up on $host ($SLURM_CONF)"
+    if [ "$(timeout 5 sinfo -h -o '%T %D' 2>/dev/null)" = "idle 2" ]; then
+        echo "slurm_up.sh: Slurm up, nodes node1 and node2 on $host ($SLURM_CONF)"
         exit 0
     fi
     sleep 0.5
