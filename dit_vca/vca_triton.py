@@ -1,9 +1,10 @@
 """VCA's core as fused Triton kernels: the `kernel="triton"` implementation of dit_vca::vca_core and its backward.
 
-The operators of dit_vca.vca_core call `core_forward` / `core_backward` here when their `triton` argument is set
-(VisualContrastAttention.kernel; by default on CUDA); the ATen implementation there stays the CPU path and the
-reference. The qkv projection, the depthwise 3×3 convolution of v and the GEMMs of the qkv backward stay in
-cuBLAS/cuDNN; everything between them runs in these kernels, one program per (head, block of rows):
+The operators of dit_vca.vca_core call `add_attention` / `attention_backward` here when their `triton` argument
+is set (VisualContrastAttention.kernel; by default on CUDA); the ATen implementation there stays the CPU path
+and the reference. The qkv projection, the depthwise 3×3 convolution of v and the GEMMs of the qkv backward stay
+there (cuBLAS/cuDNN); everything between them runs in these kernels, one program per (image·head, block of
+rows):
 
 - `_streams_kernel`: [T⁺; T⁻] = E± + the r×r average pool of q, per contrast token.
 - `_stage1_kernel`: Stage I, flash-style: the contrast rows of both streams stream over the N keys in tiles with
@@ -11,8 +12,9 @@ cuBLAS/cuDNN; everything between them runs in these kernels, one program per (he
 - `_stage2_kernel`: Stage II: a block of queries against the contrast tokens [T⁺; T⁻] (the 2n ≤ 512 columns
   stream through in tiles, an online softmax joint over both streams or one per stream), (S⁺ − λ₂S⁻)·V̂,
   RMSNorm and scale, added into the convolution's output: the core's result.
-- Backward, FlashAttention-2 style: nothing of size N×n is stored; every kernel recomputes its probabilities
-  from row log-sum-exps, every sum is accumulated in float32:
+- Backward, FlashAttention-2 style: nothing of size N×n is stored (per query only dO, (N, d), and two
+  statistics per stream); every kernel recomputes its probabilities from row log-sum-exps, every sum is
+  accumulated in float32:
   `_stage1_kernel` again (V̂ and, for backward, R± and the log-sum-exps, (n, d) and (n,) per stream),
   `_stage2_rows_kernel` (per query block: Stage II's RMSNorm backward, dq of Stage II, dλ₂, the norm weight),
   `_stage2_columns_kernel` (per block of contrast tokens over all queries: dV̂ and dT± of Stage II),

@@ -48,13 +48,35 @@ def assert_fp32_close(fast: dict, readable: dict) -> None:
         assert error <= tolerance * max(1.0, expected.abs().max().item()), (name, error)
 
 
+def assert_half_close(module: VisualContrastAttention, x, grad, dtype: torch.dtype) -> None:
+    """The Triton path under autocast to `dtype` against the readable path in fp32. Errors are relative to the
+    largest entry of each tensor. 5 %: bf16 has an 8-bit mantissa, 0.4 % per rounding, and about ten roundings
+    lie between x and dx (the scores' operands, P, the output, dO, dS, dq twice, the qkv GEMMs); observed up to
+    3.8 % (dx on 36 tokens; the readable path in bf16: 1.5 %). 20 % for the λ vectors: their gradient is
+    dλ·∂λ/∂vector with dλ a sum of N·n·d products of order 1 that cancel to far less, so the 0.4 % of each
+    product's rounding leaves an absolute error of 0.03–0.19 on gradients of at most 1.3–9.2 (observed over the
+    switches, for the Triton path and the ATen path alike; the readable path in bf16 up to 0.17). A wrong
+    formula is off by O(1)."""
+    fast, _ = triton_and_readable(module, x, grad, dtype)
+    exact = outputs_and_gradients(module, "reference_forward", x.to(DEVICE), grad.to(DEVICE))  # fp32
+    assert fast["output"].dtype == dtype and fast["qkv.weight"].dtype == torch.float32
+    for name, expected in exact.items():
+        tolerance = 0.2 if name.startswith("lambda") else 0.05
+        error = (fast[name].float() - expected).abs().max().item()
+        assert error <= tolerance * expected.abs().max().item(), (name, error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("options", ALL_OPTIONS, ids=switch_ids)
-def test_triton_equals_readable_path_for_every_switch(options):
+def test_triton_equals_readable_path_for_every_switch(options, dtype):
     """6×6 tokens (N = 36: three key and query tiles of 16, the last partial), p = 3 (n = 9: a partial block of
-    contrast tokens, pooling windows of 2×2), d = 16."""
+    contrast tokens, pooling windows of 2×2), d = 16; fp32, and bf16 under autocast."""
     module = perturbed_vca(32, 2, 6, block_index=3, options=options)
     x, grad = torch.randn(1, 36, 32), torch.randn(1, 36, 32)
-    assert_fp32_close(*triton_and_readable(module, x, grad))
+    if dtype == torch.float32:
+        assert_fp32_close(*triton_and_readable(module, x, grad))
+    else:
+        assert_half_close(module, x, grad, dtype)
 
 
 @pytest.mark.parametrize(
@@ -74,29 +96,13 @@ def test_triton_head_dims_and_grids(dim, heads, grid, contrast_grid, batch, reco
 
 @pytest.mark.parametrize(
     "options,dim,dtype",
-    [
-        (VCAOptions(), 32, torch.bfloat16),
-        (VCAOptions(joint_softmax=False), 144, torch.bfloat16),
-        (VCAOptions(pooled_content=False), 80, torch.float16),
-    ],
-    ids=["bf16-d16", "bf16-two-softmaxes-d72", "fp16-embeddings-only-d40"],
+    [(VCAOptions(joint_softmax=False), 144, torch.bfloat16), (VCAOptions(pooled_content=False), 80, torch.float16)],
+    ids=["bf16-two-softmaxes-d72", "fp16-embeddings-only-d40"],
 )
 def test_triton_under_half_precision_autocast_matches_readable_path(options, dim, dtype):
-    """Both paths under autocast against the readable path in fp32. They round at different places (the
-    kernels keep scores, probabilities and sums in fp32 and round only the operands of the products; the
-    readable path rounds every intermediate), so the kernels' error must be within 3 % of the largest entry
-    (bf16: 8-bit mantissa, 0.4 % per rounding, a few in a row; test_attention's bf16 bound) or within 1.5× the
-    readable path's own error in that precision (the λ vectors' gradients are sums of N·n terms that largely
-    cancel, where both paths lose about the same). A wrong formula is off by O(1)."""
+    """Wider heads (d = 72 and 40, padded to 128 and 64) on 8×8 tokens, two images, in bf16 and fp16."""
     module = perturbed_vca(dim, 2, 8, block_index=3, options=options)
-    x, grad = torch.randn(2, 64, dim), torch.randn(2, 64, dim)
-    fast, readable = triton_and_readable(module, x, grad, dtype)
-    exact = outputs_and_gradients(module, "reference_forward", x.to(DEVICE), grad.to(DEVICE))  # fp32
-    assert fast["output"].dtype == dtype and fast["qkv.weight"].dtype == torch.float32
-    for name, expected in exact.items():
-        error = (fast[name].float() - expected).abs().max().item()
-        readable_error = (readable[name].float() - expected).abs().max().item()
-        assert error <= max(0.03 * expected.abs().max().item(), 1.5 * readable_error), (name, error, readable_error)
+    assert_half_close(module, torch.randn(2, 64, dim), torch.randn(2, 64, dim), dtype)
 
 
 def core_arguments(options: VCAOptions, recompute: bool) -> tuple:
