@@ -17,11 +17,11 @@ which a requeue script tests before relaunching with --resume latest. A second s
 
 A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
-continued only with --resume and replaced only with --overwrite;
-while a launch runs, a second train.py into its run.dir is refused. With --resume, the model, objective, data and
-seed stay the checkpoint's (another value is refused, naming it); every other setting, such as train.lr above,
-applies from the resume step on, and config.yaml records this launch's values. A resume without --config
-uses the run's own config.yaml (training.run.load_launch_config).
+continued only with --resume and replaced only with --overwrite; while a launch runs, a second train.py into its
+run.dir is refused. With --resume, the model, objective, data and seed stay the checkpoint's (another value is
+refused, naming it); every other setting, such as train.lr above, applies from the resume step on, and
+config.yaml records this launch's values. A resume without --config uses the run's own config.yaml
+(training.run.load_launch_config).
 """
 
 from __future__ import annotations
