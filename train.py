@@ -113,10 +113,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_text_atomic(run.config, config_to_yaml(config))
         write_text_atomic(run.startup, summary)
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
-    stopped_by = Trainer(
-        accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
-    ).fit()
-    run.unlock()
+    try:
+        stopped_by = Trainer(
+            accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
+        ).fit()
+    finally:
+        run.unlock()  # the launch's, not the process's: a test or notebook may launch again
     if stopped_by is not None:
         raise SystemExit(STOPPED_STATUS)
 
