@@ -51,7 +51,7 @@ from generation.sample_file import (
     save_shard,
     shard_reader,
 )
-from generation.sample_plan import LABEL_MODES, assign_labels, sample_seeds
+from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
 
 SAMPLER_OPTIONS = (
     "eta",
@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
     set_matmul_precision(precision)
-    labels = assign_labels(args.num_samples, export.description.num_classes, args.labels, args.seed)
+    labels = SampleLabels(args.num_samples, export.description.num_classes, args.labels, args.seed)  # lazily
     shards = plan_shards(args.num_samples, args.shard_size)
     try:
         generator = ImageGenerator.from_export(
@@ -406,7 +406,7 @@ def load_checkpoint(args: argparse.Namespace):
         raise SystemExit(f"--ckpt: {error}") from None
 
 
-def try_sampler(generator, labels: np.ndarray, args: argparse.Namespace) -> None:
+def try_sampler(generator, labels: SampleLabels, args: argparse.Namespace) -> None:
     """Draw sample 0 once with every option (sampler, steps, eta, tolerances, guidance, decoder), so that an option
     the sampler rejects fails here, before the shard folder is claimed: the cost of one sample of N."""
     from samplers.interface import SamplerOptionError
@@ -426,7 +426,7 @@ def create_accelerator(args: argparse.Namespace):
     return accelerator
 
 
-def sample_shard(generator, shard: Shard, labels: np.ndarray, args: argparse.Namespace, bar=None) -> np.ndarray:
+def sample_shard(generator, shard: Shard, labels: SampleLabels, args: argparse.Namespace, bar=None) -> np.ndarray:
     """(n, H, W, 3) uint8 images of one shard, batch by batch."""
     batches = []
     for start in range(shard.start, shard.stop, args.per_proc_batch_size):
@@ -447,7 +447,7 @@ def sample_shard(generator, shard: Shard, labels: np.ndarray, args: argparse.Nam
 def sample_shards(
     generator,
     shards: Sequence[Shard],
-    labels: np.ndarray,
+    labels: SampleLabels,
     folder: ShardFolder,
     args: argparse.Namespace,
     show_progress: bool,
@@ -467,7 +467,7 @@ def finish(
     args: argparse.Namespace,
     folder: ShardFolder,
     shards: Sequence[Shard],
-    labels: np.ndarray,
+    labels: SampleLabels,
     summary: dict[str, Any],
     generator,
 ) -> None:
@@ -486,7 +486,7 @@ def finish(
     write_json_atomic(files.summary, summary)
     if args.grid_size:
         save_grid(leading_images(shards, images_of, args.grid_size), files.grid)
-    merge_shards(shards, images_of, labels, files.samples)
+    merge_shards(shards, images_of, labels[:], files.samples)
     shutil.rmtree(folder.folder)
     folder.release()
 

@@ -18,10 +18,11 @@ second SIGINT 2 s or more after the first ends it at once (training.stop_signals
 
 A bad argument, config value or checkpoint file stops the command with one line and exit status 2 before
 anything is built or written (`--debug` shows the traceback). A run directory that already holds a run is
-continued only with --resume and replaced only with --overwrite. With --resume, the model, objective, data and
-seed stay the checkpoint's (another value is refused, naming it); every other setting, such as train.lr above,
-applies from the resume step on, and config.yaml records this launch's values. A resume without --config
-uses the run's own config.yaml (training.run.load_launch_config).
+continued only with --resume and replaced only with --overwrite; while a launch runs, a second train.py into its
+run.dir is refused. With --resume, the model, objective, data and seed stay the checkpoint's (another value is
+refused, naming it); every other setting, such as train.lr above, applies from the resume step on, and
+config.yaml records this launch's values. A resume without --config uses the run's own config.yaml
+(training.run.load_launch_config).
 """
 
 from __future__ import annotations
@@ -124,10 +125,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_text_atomic(run.config, config_to_yaml(config))
         write_text_atomic(run.startup, summary)
     start_trackers(accelerator, config, run.root, state.step, saved)  # a resumed run continues its tracker runs
-    stopped_by = Trainer(
-        accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
-    ).fit()
-    run.unlock()
+    try:
+        stopped_by = Trainer(
+            accelerator, config, run, parts, state, last_checkpoint=None if resume_from is None else str(resume_from)
+        ).fit()
+    finally:
+        run.unlock()  # the launch's, not the process's: a test or notebook may launch again
     if stopped_by is not None:
         raise SystemExit(STOPPED_STATUS)
 
