@@ -15,8 +15,11 @@ autoguided by the same run's classic-EMA export at 25 % of training (step 500: a
 of itself) and, for comparison at matched classifier accuracy, guided by CFG at the same scales. Scores are the
 demo's (bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
 
-Cost: per run, (2 + 2 x sigma_rels + autoguidance scales + CFG scales) scorings of final_samples each, besides
-the training; the reconstruction itself takes seconds. Resumable like bench.quality: runs in
+Cost (estimated, not measured): per run 2 + 2 x 9 sigma_rels + 3 autoguidance + 2 more CFG scales = 25 scorings
+of 1000 samples, 150 for the 6 runs; at the ~13 Inception images/s bench.quality measured on the project's CPU
+that is about 3 h of scoring, besides about 1 h of training (configs/digits.yaml records 3.4 steps/s on 2 cores:
+~10 min a run). Shrink FULL_GRID or FULL.final_samples to fit a smaller budget; the reconstruction itself takes
+seconds. Resumable like bench.quality: runs in
 <out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/, one score JSON per scoring in
 <out>/scores/; a rerun skips what is done. Report: bench/results/posthoc-digits.{json,md,png} (--quick: --out).
 """
