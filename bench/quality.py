@@ -275,33 +275,61 @@ def score_checkpoint(
     run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path, arm: Arm, seed: int
 ) -> dict[str, Any]:
     """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
-    from atomic_files import save_npz_atomic, write_json_atomic
-    from generation import ImageGenerator, read_export
-    from generation.images import save_grid
-    from generation.sample_plan import assign_labels, sample_seeds
     from training.checkpoint import checkpoint_name
 
     export_dir = run_dir / "checkpoints" / checkpoint_name(step) / "export"
+    name = f"{run_name(arm, seed)}/{checkpoint_name(step)}"
+    identity = {"arm": arm.name, "seed": seed, "step": step, "final": final}
+    count = budget.final_samples if final else budget.curve_samples
+    title = f"{run_name(arm, seed)} at step {step}"
+    return score_export(export_dir, name, identity, count, final, budget, scorer, out, title=title)
+
+
+def score_export(
+    export_dir: Path,
+    name: str,
+    identity: dict[str, Any],
+    count: int,
+    final: bool,
+    budget: Budget,
+    scorer: Scorer,
+    out: Path,
+    guidance: float = 1.0,
+    guide_dir: Path | None = None,
+    title: str | None = None,
+) -> dict[str, Any]:
+    """Sample `count` class-balanced images of an export (classifier-free guidance at `guidance`, or autoguidance
+    by the export at `guide_dir`) and score them, recorded as <out>/scores/<name>.json with `identity`; or read
+    that record when a previous invocation wrote it with the same settings. `final`: FID of all the samples too
+    (else of the first curve_samples only) and a grid. `title` names the work in the progress line (default
+    `name`)."""
+    from atomic_files import save_npz_atomic, write_json_atomic
+    from generation import ImageGenerator, read_export
+    from generation.generator import load_model
+    from generation.images import save_grid
+    from generation.sample_plan import assign_labels, sample_seeds
+
     export = read_export(export_dir)
     kind = export.description.objective["kind"]
-    count = budget.final_samples if final else budget.curve_samples
     settings = {
         "num_samples": count,
         "curve_samples": budget.curve_samples,
         "sampler": SAMPLERS[kind],
         "sampler_steps": budget.sampler_steps[kind],
-        "guidance": 1.0,
+        "guidance": guidance,
+        **({"guide": str(guide_dir.relative_to(out))} if guide_dir is not None else {}),
         "sample_seed": SAMPLE_SEED,
         **scorer.settings,
     }
-    record = out / "scores" / run_name(arm, seed) / f"{checkpoint_name(step)}.json"
+    record = out / "scores" / f"{name}.json"
     if record.is_file():
         stored = json.loads(record.read_text())
         if stored.get("settings") == settings:
             return stored
-    print(f"quality: sampling and scoring {run_name(arm, seed)} at step {step} ({count} samples)", flush=True)
+    print(f"quality: sampling and scoring {title or name} ({count} samples)", flush=True)
     started = time.perf_counter()
     generator = ImageGenerator.from_export(export)
+    guide = {"guide": load_model(read_export(guide_dir))} if guide_dir is not None else {}
     labels = assign_labels(count, export.description.num_classes, "balanced", SAMPLE_SEED)  # (N,)
     images = np.concatenate(
         [
@@ -310,24 +338,24 @@ def score_checkpoint(
                 sample_seeds(SAMPLE_SEED, part),
                 sampler=SAMPLERS[kind],
                 steps=budget.sampler_steps[kind],
+                guidance=guidance,
+                **guide,
             )
             for part in batches(range(count), SAMPLE_BATCH)
         ]
-    )  # (N, 16, 16, 3)
+    )  # (N, H, W, 3)
     sampled = time.perf_counter()
-    samples = out / "samples" / run_name(arm, seed) / f"{checkpoint_name(step)}.npz"
+    samples = out / "samples" / f"{name}.npz"
     save_npz_atomic(samples, arr_0=images, arr_1=labels)
     if final:
         save_grid(images[: 12 * export.description.num_classes], samples.with_suffix(".png"))
     features = scorer.features(images)  # (N, 2048)
+    fid_curve = scorer.fid(features[: budget.curve_samples])
     result = {
-        "arm": arm.name,
-        "seed": seed,
-        "step": step,
-        "final": final,
+        **identity,
         "export": str(export_dir.relative_to(out)),
-        "fid_curve": scorer.fid(features[: budget.curve_samples]),
-        "fid": scorer.fid(features) if final else None,
+        "fid_curve": fid_curve,
+        "fid": (fid_curve if count <= budget.curve_samples else scorer.fid(features)) if final else None,
         "accuracy": scorer.classifier.accuracy(images, labels),
         "inception_weights": scorer.extractor.weights.description,
         "classifier_held_out_accuracy": scorer.classifier.held_out_accuracy,

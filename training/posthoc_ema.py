@@ -65,6 +65,11 @@ def snapshot_name(step: int) -> str:
     return f"step-{step:07d}"
 
 
+def export_folder(out: Path, sigma_rel: float, step: int) -> Path:
+    """Where `reconstruct` writes the export of `sigma_rel` at `step` under `out`."""
+    return Path(out) / f"sigma_rel-{sigma_rel:g}-{snapshot_name(step)}"
+
+
 # --------------------------------------------------------------------------------------------------
 #                                       Tracking during training
 # --------------------------------------------------------------------------------------------------
@@ -301,7 +306,7 @@ def reconstruct(
     for sigma_rel in sigma_rels:
         gamma = sigma_rel_to_gamma(sigma_rel)
         solution = reconstruct_profile(times, gammas, target_images, gamma)
-        folder = out / f"sigma_rel-{sigma_rel:g}-{snapshot_name(step)}"
+        folder = export_folder(out, sigma_rel, step)
         _check_replaceable(folder)
         record = {
             "sigma_rel": sigma_rel,

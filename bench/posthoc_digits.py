@@ -1,0 +1,340 @@
+"""Study: the EMA length chosen after training (post-hoc EMA), and autoguidance, on the digits (issue 29).
+
+    python -m bench.posthoc_digits                    # MHSA and VCA, 3 seeds each
+    python -m bench.posthoc_digits --quick --out DIR  # smoke run (tiny model, 8 steps, 1 seed): the machinery only
+
+On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR).
+
+Every run trains configs/digits.yaml (the demo's 1.28M-parameter DiT-S/2, 2000 steps on the 1797 real 8x8 digits)
+with train.py under the identical recipe, storing the power-function EMA profiles 0.05 and 0.10 (EDM2) every
+max_steps / 40 steps beside the recipe's classic EMA (0.999 with warm-up); an arm changes only the attention, a
+run only the seed. After training, `training.posthoc_ema` reconstructs the final weights for each sigma_rel of
+the grid, and each is sampled class-balanced (DDIM 50 steps) without guidance and with classifier-free guidance
+(scale 2), as is the classic EMA. Then each arm's best sigma_rel without guidance (mean FID over seeds) is
+autoguided by the same run's classic-EMA export at 25 % of training (step 500: a short-trained, short-EMA version
+of itself) and, for comparison at matched classifier accuracy, guided by CFG at the same scales. Scores are the
+demo's (bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
+
+Cost (estimated, not measured): per run 2 + 2 x 9 sigma_rels + 3 autoguidance + 2 more CFG scales = 25 scorings
+of 1000 samples, 150 for the 6 runs; at the ~13 Inception images/s bench.quality measured on the project's CPU
+that is about 3 h of scoring, besides about 1 h of training (configs/digits.yaml records 3.4 steps/s on 2 cores:
+~10 min a run). Shrink FULL_GRID or FULL.final_samples to fit a smaller budget; the reconstruction itself takes
+seconds. Resumable like bench.quality: runs in
+<out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/, one score JSON per scoring in
+<out>/scores/; a rerun skips what is done. Report: bench/results/posthoc-digits.{json,md,png} (--quick: --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.quality import (
+    Arm,
+    Budget,
+    format_spread,
+    parse_study_arguments,
+    run_name,
+    score_export,
+    spread,
+    study_parser,
+    train_record,
+    train_run,
+    wall_time,
+)
+from bench.repa_digits import QUICK as REPA_QUICK
+from bench.repa_digits import DigitsScorer
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "digits.yaml"
+STEM = "posthoc-digits"
+STORED = (0.05, 0.10)  # the profiles tracked during training
+SNAPSHOTS = 40  # per profile over the run (docs/training.md: at least 32)
+GUIDE_FRACTION = 0.25  # the guide: the classic-EMA export at this fraction of training
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What is scored after training."""
+
+    sigma_rels: tuple[float, ...]  # reconstructed, each without guidance and with CFG at cfg_scale
+    cfg_scale: float
+    guided_scales: tuple[float, ...]  # autoguidance and CFG, on each arm's best sigma_rel
+
+
+FULL = Budget(
+    max_steps=None,
+    final_samples=1000,
+    curve_samples=1000,
+    real_images=None,
+    sampler_steps={"diffusion": 50, "transport": 25},
+    seeds=(0, 1, 2),
+    model_overrides=(),
+)
+FULL_GRID = Grid((0.01, 0.02, 0.03, 0.05, 0.07, 0.10, 0.15, 0.20, 0.25), 2.0, (1.5, 2.0, 3.0))
+# bench.repa_digits' smoke budget for 8 steps (a snapshot at every step: 8 per profile).
+QUICK = replace(REPA_QUICK, max_steps=8, curve_samples=REPA_QUICK.final_samples)
+QUICK_GRID = Grid((0.03, 0.10), 2.0, (2.0,))
+
+
+def arms(budget: Budget) -> tuple[Arm, ...]:
+    every = max(1, budget.max_steps // SNAPSHOTS)
+    profiles = (
+        f"train.posthoc_ema.sigma_rel=[{','.join(map(str, STORED))}]",
+        f"train.posthoc_ema.snapshot_every={every}",
+    )
+    return (
+        Arm("mhsa", "MHSA", ("model.attention=mhsa", *profiles)),
+        Arm("vca", "VCA", ("model.attention=vca", *profiles)),
+    )
+
+
+def reconstructions(run_dir: Path, sigma_rels: Sequence[float], step: int) -> dict[float, Path]:
+    """The export of each sigma_rel at `step`, reconstructed where it is missing."""
+    from generation.export import EXPORT_CONFIG
+    from training.posthoc_ema import DEFAULT_OUT, export_folder, reconstruct
+
+    folders = {sigma_rel: export_folder(run_dir / DEFAULT_OUT, sigma_rel, step) for sigma_rel in sigma_rels}
+    missing = [sigma_rel for sigma_rel, folder in folders.items() if not (folder / EXPORT_CONFIG).is_file()]
+    if missing:
+        reconstruct(run_dir, missing, step)
+    return folders
+
+
+def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[str, Any]:
+    from bench._harness import save_results
+    from training.checkpoint import checkpoint_name
+
+    scorer = DigitsScorer(out, budget)
+    runs = [(arm, seed) for arm in arms(budget) for seed in budget.seeds]
+    run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, CONFIG) for arm, seed in runs}
+    final, guide_step = budget.max_steps, round(GUIDE_FRACTION * budget.max_steps)
+    rows: list[dict[str, Any]] = []
+
+    def score(arm: Arm, seed: int, export: Path, label: str, guidance: float, guide: Path | None = None, **what):
+        identity = {"arm": arm.name, "seed": seed, "guidance": guidance, **what}
+        name = f"{run_name(arm, seed)}/{label}"
+        rows.append(
+            score_export(export, name, identity, budget.final_samples, True, budget, scorer, out, guidance, guide)
+        )
+
+    for arm, seed in runs:
+        run_dir = run_dirs[(arm.name, seed)]
+        classic = run_dir / "checkpoints" / checkpoint_name(final) / "export"
+        for scale in (1.0, grid.cfg_scale):
+            score(arm, seed, classic, f"classic-cfg{scale:g}", scale, ema="classic", method="cfg")
+        for sigma_rel, folder in reconstructions(run_dir, grid.sigma_rels, final).items():
+            for scale in (1.0, grid.cfg_scale):
+                label = f"sigma_rel-{sigma_rel:g}-cfg{scale:g}"
+                score(arm, seed, folder, label, scale, ema="posthoc", sigma_rel=sigma_rel, method="cfg")
+    best = best_sigma_rels(rows)
+    for arm, seed in runs:
+        run_dir = run_dirs[(arm.name, seed)]
+        main = reconstructions(run_dir, [best[arm.name]], final)[best[arm.name]]
+        guide = run_dir / "checkpoints" / checkpoint_name(guide_step) / "export"
+        what = dict(ema="posthoc", sigma_rel=best[arm.name])
+        for scale in grid.guided_scales:
+            score(arm, seed, main, f"best-auto{scale:g}", scale, guide, **what, method="autoguidance")
+            if scale != grid.cfg_scale:  # else scored with the grid already
+                score(arm, seed, main, f"sigma_rel-{best[arm.name]:g}-cfg{scale:g}", scale, **what, method="cfg")
+    results = summarise(rows, runs, budget, grid, best, guide_step, out)
+    markdown = render_markdown(results)
+    save_results(report_dir, STEM, results, markdown, plot)
+    print(markdown, flush=True)
+    return results
+
+
+def best_sigma_rels(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per arm, the reconstructed sigma_rel with the lowest mean FID over seeds without guidance."""
+    means: dict[str, dict[float, list[float]]] = {}
+    for row in rows:
+        if row["ema"] == "posthoc" and row["guidance"] == 1.0:
+            means.setdefault(row["arm"], {}).setdefault(row["sigma_rel"], []).append(row["fid"])
+    return {arm: min(fids, key=lambda sigma_rel: np.mean(fids[sigma_rel])) for arm, fids in means.items()}
+
+
+def summarise(
+    rows: list[dict[str, Any]],
+    runs: list[tuple[Arm, int]],
+    budget: Budget,
+    grid: Grid,
+    best: dict[str, float],
+    guide_step: int,
+    out: Path,
+) -> dict[str, Any]:
+    """Per arm and setting, FID and accuracy as mean and sd over seeds."""
+    import torch
+
+    from bench._harness import describe_device
+
+    def setting(row: dict[str, Any]) -> str:
+        if row["ema"] == "classic":
+            return f"classic cfg {row['guidance']:g}"
+        return f"sigma_rel {row['sigma_rel']:g} {row['method']} {row['guidance']:g}"
+
+    grouped: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for row in rows:
+        grouped.setdefault(row["arm"], {}).setdefault(setting(row), []).append(row)
+    labels = {arm.name: arm.label for arm, _ in runs}
+    arms_ = {
+        name: {
+            "label": labels[name],
+            "best_sigma_rel": best[name],
+            "settings": {
+                key: {
+                    **{field: group[0][field] for field in ("ema", "method", "guidance") if field in group[0]},
+                    "sigma_rel": group[0].get("sigma_rel"),
+                    "seeds": [row["seed"] for row in group],
+                    "fid": spread([row["fid"] for row in group]),
+                    "accuracy": spread([row["accuracy"] for row in group]),
+                }
+                for key, group in settings.items()
+            },
+        }
+        for name, settings in grouped.items()
+    }
+    trainings = [train_record(out, arm, seed) for arm, seed in runs]
+    some = rows[0]
+    return {
+        "config": str(CONFIG.relative_to(REPO)),
+        "budget": budget.__dict__,
+        "grid": grid.__dict__,
+        "stored_profiles": list(STORED),
+        "snapshot_every": max(1, budget.max_steps // SNAPSHOTS),
+        "guide_step": guide_step,
+        "arms": arms_,
+        "scoring": {
+            "real_images": some["settings"]["real_images"],
+            "inception": some["inception_weights"],
+            "classifier_held_out_accuracy": some["classifier_held_out_accuracy"],
+        },
+        "device": describe_device(torch.device("cpu")),
+        "seconds": {
+            "train": round(sum(json.loads(path.read_text())["seconds"] for path in trainings if path.is_file()), 1),
+            "sample": round(sum(row["seconds"]["sample"] for row in rows), 1),
+            "score": round(sum(row["seconds"]["score"] for row in rows), 1),
+        },
+    }
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """Per arm: the best sigma_rel without and with CFG against the classic EMA, the FID and accuracy against
+    sigma_rel, and autoguidance against CFG on the best sigma_rel; then the settings."""
+    budget, grid, scoring = results["budget"], results["grid"], results["scoring"]
+    cfg = grid["cfg_scale"]
+    lines = []
+    for entry in results["arms"].values():
+        settings = entry["settings"]
+        for scale in (1.0, cfg):
+            fids = {key: value for key, value in settings.items() if key.endswith(f" cfg {scale:g}")}
+            posthoc = {key: value for key, value in fids.items() if key.startswith("sigma_rel")}
+            best = min(posthoc, key=lambda key: posthoc[key]["fid"]["mean"])
+            classic = settings[f"classic cfg {scale:g}"]
+            guidance = "without guidance" if scale == 1.0 else f"with CFG {scale:g}"
+            lines.append(
+                f"- **{entry['label']}, {guidance}: best sigma_rel {posthoc[best]['sigma_rel']:g}, FID "
+                f"{format_spread(posthoc[best]['fid'])}** against {format_spread(classic['fid'])} for the classic "
+                f"EMA (classifier accuracy {format_spread(posthoc[best]['accuracy'], percent=True)} against "
+                f"{format_spread(classic['accuracy'], percent=True)})."
+            )
+    lines += ["", "| arm | sigma_rel | FID | accuracy | FID, CFG " + f"{cfg:g} | accuracy, CFG {cfg:g} |"]
+    lines.append("|---|---|---|---|---|---|")
+    for entry in results["arms"].values():
+        settings = entry["settings"]
+        for sigma_rel in [*grid["sigma_rels"], "classic"]:
+            key = "classic cfg {}" if sigma_rel == "classic" else f"sigma_rel {sigma_rel:g} cfg {{}}"
+            plain, guided = settings[key.format("1")], settings[key.format(f"{cfg:g}")]
+            name = "classic EMA" if sigma_rel == "classic" else f"{sigma_rel:g}"
+            lines.append(
+                f"| {entry['label']} | {name} | {format_spread(plain['fid'])} | "
+                f"{format_spread(plain['accuracy'], percent=True)} | {format_spread(guided['fid'])} | "
+                f"{format_spread(guided['accuracy'], percent=True)} |"
+            )
+    lines += [
+        "",
+        f"Autoguidance by the step-{results['guide_step']} classic-EMA export against CFG, on each arm's best",
+    ]
+    lines += ["sigma_rel without guidance:", "", "| arm | sigma_rel | scale | method | FID | accuracy |"]
+    lines.append("|---|---|---|---|---|---|")
+    for entry in results["arms"].values():
+        sigma_rel = entry["best_sigma_rel"]
+        for scale in grid["guided_scales"]:
+            for method in ("autoguidance", "cfg"):
+                row = entry["settings"][f"sigma_rel {sigma_rel:g} {method} {scale:g}"]
+                lines.append(
+                    f"| {entry['label']} | {sigma_rel:g} | {scale:g} | {method} | {format_spread(row['fid'])} | "
+                    f"{format_spread(row['accuracy'], percent=True)} |"
+                )
+    lines += [
+        "",
+        f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; stored "
+        f"profiles sigma_rel {', '.join(map(str, results['stored_profiles']))} every {results['snapshot_every']} "
+        f"steps. Sampling: DDIM {budget['sampler_steps']['diffusion']} steps, class-balanced, "
+        f"{budget['final_samples']} samples per setting and seed. FID: Inception-v3 pool_3 ({scoring['inception']}) "
+        f"against {scoring['real_images']} real digits. Classifier: the demo's SVC, "
+        f"{100 * scoring['classifier_held_out_accuracy']:.1f} % on held-out real digits. What this scale can show: "
+        f"how the best EMA length of an 8x8, 2000-step model moves with guidance and attention, and whether the "
+        f"reconstruction and the guide work end to end; not ImageNet's best lengths or gains.",
+        f"Device: {results['device']}. {wall_time(results['seconds'])}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any]):
+    """FID against sigma_rel (log scale): per arm, without guidance (solid) and with CFG (dashed); the classic
+    EMA as a horizontal line of the arm's colour."""
+    from bench._harness import subplots
+
+    grid = results["grid"]
+    figure, axis = subplots(figsize=(7, 4.5))
+    for index, entry in enumerate(results["arms"].values()):
+        for scale, style in ((1.0, "-"), (grid["cfg_scale"], "--")):
+            fids = [entry["settings"][f"sigma_rel {s:g} cfg {scale:g}"]["fid"]["mean"] for s in grid["sigma_rels"]]
+            guidance = "no guidance" if scale == 1.0 else f"CFG {scale:g}"
+            axis.plot(
+                grid["sigma_rels"], fids, style, color=f"C{index}", marker="o", label=f"{entry['label']}, {guidance}"
+            )
+            classic = entry["settings"][f"classic cfg {scale:g}"]["fid"]["mean"]
+            axis.axhline(classic, color=f"C{index}", linestyle=style, alpha=0.35, linewidth=1)
+    axis.set_xscale("log")
+    axis.set_xlabel("sigma_rel (post-hoc EMA); faint lines: the classic EMA")
+    axis.set_ylabel(f"FID ({results['budget']['final_samples']} samples)")
+    axis.set_title("bench.posthoc_digits: FID against the EMA length")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = study_parser(
+        "python -m bench.posthoc_digits",
+        __doc__,
+        Path("results/posthoc-digits"),
+        f"{STEM}.{{json,md,png}}",
+        "tiny model, 8 steps, 1 seed, 2 sigma_rels",
+    )
+    return parse_study_arguments(parser, argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_arguments(argv)
+    from training.config import load_config
+
+    if args.quick:
+        budget, grid = QUICK, QUICK_GRID
+    else:
+        budget, grid = replace(FULL, max_steps=load_config(CONFIG).train.max_steps), FULL_GRID
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return run_study(budget, grid, out, args.report_dir)
+
+
+if __name__ == "__main__":
+    main()
