@@ -317,6 +317,7 @@ def convert(
         except VAEUnavailableError as error:
             raise SourceError(f"--vae {vae_name}: {error}") from None
     mhsa_model = load_mhsa_model(source, model, image_size)
+    transformer = to_diffusers(mhsa_model)  # refuses what cannot be converted, before any warning
     if mhsa_model.num_classes != DIFFUSERS_NULL_CLASS:
         print(
             f"warning: {source} has {mhsa_model.num_classes} classes; DiTPipeline takes class "
@@ -325,7 +326,6 @@ def convert(
             f"guided with sample.py",
             file=sys.stderr,
         )
-    transformer = to_diffusers(mhsa_model)
     scheduler = dit_scheduler(solver)
     # Written beside the target and renamed once complete, so out_dir is either whole or absent.
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")

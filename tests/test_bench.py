@@ -25,6 +25,7 @@ SCRIPTS = {
     "fid": ("fid-cpu-quick", "inception", "images_per_s"),
     "solvers": ("solvers-cpu-quick", "rows", "images_per_s"),
     "startup": ("startup-cpu-quick", "rows", "seconds"),
+    "allocator": ("allocator-cpu-quick", "rows", "images_per_s"),
 }
 
 

@@ -212,3 +212,37 @@ print(json.dumps({"commands": commands, "model": config.model.name, "vae": confi
         timeout=300,
     ).stdout
     assert "--num-samples" in help_text
+
+
+# A command process as run_command starts it, then one 64 MiB block: glibc's default serves it by mmap (a block
+# that free hands back to the OS, to be faulted in again next time); with freed memory kept, from the heap.
+MMAPPED_BLOCKS = """
+import ctypes, sys
+from commands import run_command
+sys.argv = ["command"]
+run_command(lambda argv: None)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.mallinfo2.restype = ctypes.c_void_p, MallInfo2
+before = libc.mallinfo2().hblks
+block = libc.malloc(64 << 20)
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator (mallinfo2 reads what it did)")
+@pytest.mark.parametrize("environment, mmapped", [({}, "0"), ({"MALLOC_TRIM_THRESHOLD_": "131072"}, "1")])
+def test_a_command_keeps_freed_memory_unless_the_environment_says(environment, mmapped):
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    done = subprocess.run(
+        [sys.executable, "-c", MMAPPED_BLOCKS],
+        cwd=REPO,
+        env={**clean, "PYTHONPATH": str(REPO), **environment},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.split() == [mmapped]
