@@ -53,6 +53,8 @@ from generation.sample_file import (
 )
 from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
 
+# dit_vca.attention.VCA_KERNEL_SETTINGS, spelled out (tested equal): importing it would import torch for --help
+VCA_KERNEL_CHOICES = ("auto", "aten", "triton")
 SAMPLER_OPTIONS = (
     "eta",
     "clip_denoised",
@@ -115,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: bf16 under `accelerate launch --mixed_precision bf16`, else tf32 on CUDA, fp32 on CPU",
     )
     add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
+    add(
+        "--vca-kernel",
+        choices=VCA_KERNEL_CHOICES,
+        default="auto",
+        help="VCA's core in ATen operations or Triton kernels (default auto: Triton on CUDA, ATen elsewhere)",
+    )
     add("--cpu", action="store_true", help="CPU processes (needed for torchrun on a machine without GPUs)")
     add("--progress", action="store_true", help="also show a progress bar over the sampler's steps")
     add(
@@ -208,7 +216,7 @@ def load_guide(args: argparse.Namespace, description, device) -> None:
             f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
             f"model's objective, inputs and classes"
         )
-    args.guide = load_model(export, device, args.compile)
+    args.guide = load_model(export, device, args.compile, args.vca_kernel)
     args.guide_description = {"train_step": export.description.train_step, "source": export.description.source}
 
 
@@ -279,6 +287,7 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
         "guidance_interval": args.guidance_interval,
         "precision": args.precision,
         "compile": args.compile,
+        **({"vca_kernel": args.vca_kernel} if args.vca_kernel != "auto" else {}),  # runs from before it keep matching
     }
 
 
@@ -338,7 +347,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     shards = plan_shards(args.num_samples, args.shard_size)
     try:
         generator = ImageGenerator.from_export(
-            export, accelerator.device, vae=args.vae, precision=precision, compile=args.compile
+            export,
+            accelerator.device,
+            vae=args.vae,
+            precision=precision,
+            compile=args.compile,
+            vca_kernel=args.vca_kernel,
         )  # model and VAE load before the folder is claimed
     except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
         raise

@@ -7,16 +7,19 @@ VCA follows docs/VCA.md (Pu et al., NeurIPS 2025, "Linear Differential Vision Tr
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from commands import UserError
 from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
 VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
+VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
 NORM_EPS = 1e-5  # of VCA's two RMSNorms
 
@@ -241,6 +244,26 @@ class VisualContrastAttention(nn.Module):
         v_image = v.transpose(1, 2).reshape(B, H, H, C).permute(0, 3, 1, 2)  # (B, C, H, W)
         local = self.value_conv(v_image.contiguous(memory_format=torch.channels_last))  # (B, C, H, W)
         return self.proj(out + local.flatten(2).transpose(1, 2))  # (B, N, C)
+
+
+def set_vca_kernel(model: nn.Module, kernel: str, device: torch.device | str, option: str) -> None:
+    """Set `kernel` ("auto", "aten" or "triton"; see VisualContrastAttention.kernel) on every VCA module of
+    `model`, which runs on `device`; MHSA modules have no such choice. A choice that cannot run there is a user
+    error naming `option` (train.vca_kernel, --vca-kernel) now, not a Triton failure in the first forward."""
+    if kernel not in VCA_KERNEL_SETTINGS:
+        raise UserError(f"{option} is {kernel!r}; valid choices: {', '.join(VCA_KERNEL_SETTINGS)}")
+    if kernel == "triton":
+        device_type = torch.device(device).type
+        if not TRITON_INSTALLED:
+            raise UserError(f"{option} triton needs the triton package, which is not installed; use aten or auto")
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise UserError(
+                f"{option} triton on {device_type} needs a CUDA device or Triton's interpreter (TRITON_INTERPRET=1 in "
+                "the environment); use aten or auto"
+            )
+    for module in model.modules():
+        if isinstance(module, VisualContrastAttention):
+            module.kernel = None if kernel == "auto" else kernel
 
 
 def build_attention(

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dit_vca.attention import set_vca_kernel
 from dit_vca.models import DiT, build_model_from_config
 from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
@@ -41,10 +42,13 @@ def set_matmul_precision(precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
-def load_model(export: Export, device: torch.device | str = "cpu", compile: bool = False) -> nn.Module:
-    """The EMA network of an export on `device`, in eval mode without gradients; `compile` wraps it in
-    torch.compile (compiled on the first batch)."""
+def load_model(
+    export: Export, device: torch.device | str = "cpu", compile: bool = False, vca_kernel: str = "auto"
+) -> nn.Module:
+    """The EMA network of an export on `device`, in eval mode without gradients, its VCA core on `vca_kernel`
+    (dit_vca.attention.set_vca_kernel); `compile` wraps it in torch.compile (compiled on the first batch)."""
     model = build_model_from_config(export.description.model)
+    set_vca_kernel(model, vca_kernel, device, "--vca-kernel")
     model.load_state_dict(export.weights, strict=True)
     model = model.to(device).eval().requires_grad_(False)
     return torch.compile(model) if compile else model
@@ -89,9 +93,11 @@ class ImageGenerator:
         vae: str | None = None,
         precision: str = "fp32",
         compile: bool = False,
+        vca_kernel: str = "auto",
     ) -> ImageGenerator:
         """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
-        `compile` wraps the model in torch.compile (compiled on the first batch)."""
+        `compile` wraps the model in torch.compile (compiled on the first batch); `vca_kernel` ("auto", "aten",
+        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel)."""
         description = export.description
         autoencoder = None
         if not description.in_pixel_space:
@@ -111,7 +117,7 @@ class ImageGenerator:
                     f"was trained with (sample.py --vae)"
                 )
         return cls(
-            load_model(export, device, compile),
+            load_model(export, device, compile, vca_kernel),
             create_objective(description.objective),
             pixel_decoder(description, autoencoder),
             description.num_classes,

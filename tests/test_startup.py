@@ -57,7 +57,8 @@ def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, cap
     assert rows["data"] == "digits (built in): 1,797 images in 10 classes, 8 px"
     assert rows["loader"] == "in the training process (data.num_workers=0)"
     assert rows["batch"] == "1 process(es) x 64 micro-batch x 1 accumulation = 64 global batch"
-    assert rows["precision"] == "fp32, TF32 unused on cpu, compile off"  # train.tf32 is on, but only CUDA has it
+    # train.tf32 is on, but only CUDA has it
+    assert rows["precision"] == "fp32, TF32 unused on cpu, compile off, VCA kernel auto"
     assert rows["devices"] == "1 process on cpu"
     assert rows["run.dir"] == str(run_dir)
     assert rows["resumed from"] == "nothing (a fresh start at step 0)"

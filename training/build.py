@@ -18,6 +18,7 @@ from timm.utils import ModelEmaV3
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
+from dit_vca.attention import set_vca_kernel
 from dit_vca.models import MODEL_FAMILIES, DiT, build_model_from_config, model_family, name_size
 from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
@@ -183,6 +184,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
 
     set_seed(config.train.seed)  # identical initial weights on every process ...
     model = build_model(config, in_channels, input_size)
+    set_vca_kernel(model, config.train.vca_kernel, accelerator.device, "train.vca_kernel")  # the EMA copies it
     ema = create_ema(model, config.train).to(accelerator.device)
     posthoc_ema = create_posthoc_ema(
         model, config.train.posthoc_ema, config.train.global_batch_size, accelerator.device

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from commands import UserError
 from configs import UnknownConfigError, find_config
-from dit_vca.attention import VCAOptions
+from dit_vca.attention import VCA_KERNEL_SETTINGS, VCAOptions
 from generation.vae import vae_source
 
 BASE_KEY = "base"
@@ -173,6 +173,7 @@ class TrainConfig:
     mixed_precision: str | None = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
     tf32: bool = True
     compile: bool = False
+    vca_kernel: str = _choice("auto", *VCA_KERNEL_SETTINGS)  # VCA's core in ATen or Triton; auto: Triton on CUDA
     cpu: bool = False  # force CPU processes (gloo), e.g. under torchrun for tests
     repa: RepaConfig = field(default_factory=RepaConfig)
     posthoc_ema: PosthocEMAConfig = field(default_factory=PosthocEMAConfig)

@@ -134,7 +134,7 @@ def startup_summary(
         "loader": describe_loader(config.data.num_workers, parts.batches.loader.num_workers),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
         "precision": f"{precision}, {describe_tf32(train.tf32, accelerator.device)}, "
-        f"compile {'on' if train.compile else 'off'}",
+        f"compile {'on' if train.compile else 'off'}, VCA kernel {train.vca_kernel}",
         "devices": describe_devices(accelerator),
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),
