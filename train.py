@@ -40,7 +40,7 @@ from training.checkpoint import (
     resolve_resume,
 )
 from training.config import config_to_yaml, load_config
-from training.loop import Trainer, TrainerState
+from training.loop import Trainer, TrainerState, say
 from training.repa import check_repa_resume
 from training.run import RunDirectory, create_accelerator
 from training.stop_signals import STOPPED_STATUS
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         state = state.resumed(saved)
 
     summary = startup_summary(config, accelerator, parts, state, run.root, resume_from, saved)
-    accelerator.print(summary, end="")
+    say(accelerator, summary, end="")  # once per job, not once per node
     accelerator.wait_for_everyone()  # every process has checked the run directory before anything is written
     if accelerator.is_main_process:
         if args.overwrite:

@@ -25,6 +25,8 @@ from test_slurm import (  # noqa: F401 (slurm: a fixture)
     wait_for_step,
 )
 
+ONCE_PER_JOB = "train.py start-up\n"  # the summary's head: printed by the global main process, not once per node
+
 
 def two_agents(run_dir, *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
     """train.py of RUN under two torchrun agents on this host, one per "node"; their results, node 0's first."""
@@ -66,9 +68,11 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     assert f"exitcode  : {STOPPED_STATUS}" in stopped[0].stderr + stopped[1].stderr
     [checkpoint] = [path for path in (run_dir / "checkpoints").iterdir() if path.name != "step-0000020"]
     assert "stopped by a signal to another process after step" in stopped[0].stdout  # node 0 learnt it from node 1
+    assert ONCE_PER_JOB in stopped[0].stdout and ONCE_PER_JOB not in stopped[1].stdout  # global main only
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {path.name for path in checkpoint.iterdir()}
     resumed = two_agents(run_dir, "--resume", "latest")
     assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
+    assert ONCE_PER_JOB in resumed[0].stdout and ONCE_PER_JOB not in resumed[1].stdout
     assert_same_as(run_dir, preemption_reference)
 
 
