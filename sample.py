@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     mine = pending[accelerator.process_index :: accelerator.num_processes]
     started = time.perf_counter()
-    sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_main_process)
+    sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_local_main_process)  # per node
     from accelerate.utils import gather_object
 
     per_process = gather_object([sum(len(shard.indices) for shard in mine)])  # also a barrier

@@ -111,6 +111,7 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
     assert all(agent.returncode == 0 for agent in ran), [agent.stderr[-2000:] for agent in ran]
     summary = json.loads((tmp_path / "two" / "samples.json").read_text())
     assert summary["processes"] == 2 and summary["images_per_process"] == [6, 6]  # both nodes sampled
+    assert all("sampling" in agent.stderr for agent in ran)  # a progress bar on each node's local main process
     with np.load(tmp_path / "one" / "samples.npz") as one, np.load(tmp_path / "two" / "samples.npz") as two:
         assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
     assert sorted(path.name for path in (tmp_path / "two").iterdir()) == ["samples.json", "samples.npz", "samples.png"]
