@@ -246,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     export = load_checkpoint(args)  # nothing is written before the checkpoint has loaded
     check_against(export.description, args)
     accelerator = create_accelerator(args)
-    if "export" in settings:
-        accelerator.print(
+    if "export" in settings and accelerator.is_main_process:  # once per job (Accelerate's print: once per node)
+        print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
         )
     from generation import ImageGenerator

@@ -6,6 +6,7 @@ process's shards.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -109,8 +110,13 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
     (tmp_path / "one").mkdir()
     sample.main([*arguments, "--out", str(tmp_path / "one" / "samples.npz")])
     (tmp_path / "two").mkdir()
+    run_dir = tmp_path / "run"  # the same export as the newest checkpoint of a run: sample.py names the one it uses
+    shutil.copytree(export, run_dir / "checkpoints" / "step-0000001" / "export")
+    arguments[1] = str(run_dir)
     ran = two_nodes([str(ROOT / "sample.py"), *arguments, "--out", str(tmp_path / "two" / "samples.npz")])
     assert all(agent.returncode == 0 for agent in ran), [agent.stderr[-2000:] for agent in ran]
+    using = f"sample.py: --ckpt {run_dir}: using"
+    assert using in ran[0].stdout and using not in ran[1].stdout  # said once per job, by the global main process
     summary = json.loads((tmp_path / "two" / "samples.json").read_text())
     assert summary["processes"] == 2 and summary["images_per_process"] == [6, 6]  # both nodes sampled
     assert all("sampling" in agent.stderr for agent in ran)  # a progress bar on each node's local main process
