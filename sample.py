@@ -332,12 +332,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     accelerator = create_accelerator(args)
     if args.guide_ckpt is not None:
         load_guide(args, export.description, accelerator.device)
-    if "export" in settings:
-        accelerator.print(
+    if "export" in settings and accelerator.is_main_process:  # once per job (Accelerate's print: once per node)
+        print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
         )
-    if args.protocol:
-        accelerator.print(describe_protocol(args))
+    if args.protocol and accelerator.is_main_process:
+        print(describe_protocol(args))
     from generation import ImageGenerator
     from generation.generator import default_precision, set_matmul_precision
 
@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     mine = pending[accelerator.process_index :: accelerator.num_processes]
     started = time.perf_counter()
-    sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_main_process)
+    sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_local_main_process)  # per node
     from accelerate.utils import gather_object
 
     per_process = gather_object([sum(len(shard.indices) for shard in mine)])  # also a barrier

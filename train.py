@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_checkpoint,
         resolve_resume,
     )
-    from training.loop import Trainer, TrainerState
+    from training.loop import Trainer, TrainerState, say
     from training.posthoc_ema import check_resume as check_posthoc_resume
     from training.repa import check_repa_resume
     from training.run import RunDirectory, create_accelerator, load_launch_config
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         state = state.resumed(saved)
 
     summary = startup_summary(config, accelerator, parts, state, run.root, resume_from, saved)
-    accelerator.print(summary, end="")
+    say(accelerator, summary, end="")  # once per job, not once per node
     accelerator.wait_for_everyone()  # every process has checked the run directory before anything is written
     if accelerator.is_main_process:
         if args.overwrite:

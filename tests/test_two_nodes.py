@@ -1,16 +1,19 @@
 """Two nodes on one host: two torchrun agents (`--nnodes 2 --node_rank 0|1 --nproc_per_node 1`), so that on the
 second node the global rank (1) is not the local rank (0), as on a real two-node job. The run equals one node with
 two processes byte for byte (tests/test_slurm.py's reference), also when a stop signal reaches one node's agent
-and the run is resumed; sample.py on two nodes writes one process's .npz.
+and the run is resumed; sample.py on two nodes writes one process's .npz, `python -m training.latents` one
+process's shards.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from test_faults import ROOT, STOPPED_STATUS, subprocess_env
+from test_latents import single_process, vae_folder  # noqa: F401 (fixtures)
 from test_slurm import (  # noqa: F401 (slurm: a fixture)
     RUN,
     assert_same_as,
@@ -24,6 +27,8 @@ from test_slurm import (  # noqa: F401 (slurm: a fixture)
     wait_for_requeue,
     wait_for_step,
 )
+
+ONCE_PER_JOB = "train.py start-up\n"  # the summary's head: printed by the global main process, not once per node
 
 
 def two_agents(run_dir, *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
@@ -66,9 +71,11 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     assert f"exitcode  : {STOPPED_STATUS}" in stopped[0].stderr + stopped[1].stderr
     [checkpoint] = [path for path in (run_dir / "checkpoints").iterdir() if path.name != "step-0000020"]
     assert "stopped by a signal to another process after step" in stopped[0].stdout  # node 0 learnt it from node 1
+    assert ONCE_PER_JOB in stopped[0].stdout and ONCE_PER_JOB not in stopped[1].stdout  # global main only
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {path.name for path in checkpoint.iterdir()}
     resumed = two_agents(run_dir, "--resume", "latest")
     assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
+    assert ONCE_PER_JOB in resumed[0].stdout and ONCE_PER_JOB not in resumed[1].stdout
     assert_same_as(run_dir, preemption_reference)
 
 
@@ -103,13 +110,38 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
     (tmp_path / "one").mkdir()
     sample.main([*arguments, "--out", str(tmp_path / "one" / "samples.npz")])
     (tmp_path / "two").mkdir()
+    run_dir = tmp_path / "run"  # the same export as the newest checkpoint of a run: sample.py names the one it uses
+    shutil.copytree(export, run_dir / "checkpoints" / "step-0000001" / "export")
+    arguments[1] = str(run_dir)
     ran = two_nodes([str(ROOT / "sample.py"), *arguments, "--out", str(tmp_path / "two" / "samples.npz")])
     assert all(agent.returncode == 0 for agent in ran), [agent.stderr[-2000:] for agent in ran]
+    using = f"sample.py: --ckpt {run_dir}: using"
+    assert using in ran[0].stdout and using not in ran[1].stdout  # said once per job, by the global main process
     summary = json.loads((tmp_path / "two" / "samples.json").read_text())
     assert summary["processes"] == 2 and summary["images_per_process"] == [6, 6]  # both nodes sampled
+    assert all("sampling" in agent.stderr for agent in ran)  # a progress bar on each node's local main process
     with np.load(tmp_path / "one" / "samples.npz") as one, np.load(tmp_path / "two" / "samples.npz") as two:
         assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
     assert sorted(path.name for path in (tmp_path / "two").iterdir()) == ["samples.json", "samples.npz", "samples.png"]
+
+
+def test_latent_extraction_on_two_nodes_equals_one_process(tmp_path, vae_folder, single_process):
+    from test_latents import extraction_config, make_images
+    from training.config import load_config
+    from training.latents import extract_latents, shard_name
+
+    images = make_images(tmp_path / "images", per_class=7)  # 14 images: 4 shards, 2 on each node
+    one = extract_latents(
+        load_config(extraction_config(tmp_path, images, tmp_path / "one", vae_folder)), single_process
+    )
+    two = tmp_path / "two"
+    ran = two_nodes(["-m", "training.latents", "--config", str(extraction_config(tmp_path, images, two, vae_folder))])
+    assert all(agent.returncode == 0 for agent in ran), [agent.stderr[-2000:] for agent in ran]
+    written = [{line.split()[1] for line in agent.stdout.splitlines() if line.startswith("wrote ")} for agent in ran]
+    assert written == [{shard_name(0), shard_name(2)}, {shard_name(1), shard_name(3)}]  # by global rank, not local
+    assert sorted(path.name for path in two.iterdir()) == sorted(path.name for path in one.iterdir())
+    for path in one.iterdir():  # the shards, the manifest and the settings record, byte for byte
+        assert (two / path.name).read_bytes() == path.read_bytes(), path.name
 
 
 # Rank 0 builds the stop-flag group; rank 1, as a node that cannot reach it, never comes.

@@ -40,6 +40,13 @@ class NonFiniteLossError(UserError):
 PROGRESS = ("step", "examples_seen", "metrics_window")  # what a resume takes from a saved state
 
 
+def say(accelerator: Accelerator, message: str, end: str = "\n") -> None:
+    """Print on the global main process only (Accelerate's print speaks once per node: a job's log on
+    several nodes would hold each line once per node)."""
+    if accelerator.is_main_process:
+        print(message, end=end, flush=True)
+
+
 @dataclass
 class TrainerState:
     """Where a run stands: optimiser steps done and examples drawn, corrupt files included (the data
@@ -159,10 +166,7 @@ class Trainer:
         )
 
     def say(self, message: str) -> None:
-        """Print on the global main process only (Accelerate's print speaks once per node: a job's log on
-        several nodes would hold each line once per node)."""
-        if self.accelerator.is_main_process:
-            print(message, flush=True)
+        say(self.accelerator, message)
 
     def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimiser step and the EMA updates after it; returns (mean loss, grad norm, skipped files)."""
