@@ -81,6 +81,7 @@ def test_a_training_step_moves_nothing_between_host_and_device(family, objective
         batches=batches,
         encoder=None,
         alignment=None,
+        posthoc_ema=None,
         trained_modules=[model],
     )
     trainer = Trainer(meta_accelerator, config, RunDirectory(tmp_path), parts, TrainerState())

@@ -653,7 +653,9 @@ def test_a_second_launch_into_a_running_run_directory_is_refused(train_script, t
             assert first.poll() is None, first.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the first train.py never took its run directory"
             time.sleep(0.2)
-        monkeypatch.setattr(train_script, "build_training", lambda *_: pytest.fail("a model was built"))
+        import training.build  # train.py imports build_training from it when it gets that far
+
+        monkeypatch.setattr(training.build, "build_training", lambda *_: pytest.fail("a model was built"))
         with pytest.raises(ConfigError) as raised:
             train_script.main(["--config", str(DIGITS), *settings, "train.max_steps=2", f"run.dir={run_dir}", *second])
         assert str(raised.value) == (
