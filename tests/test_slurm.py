@@ -234,7 +234,9 @@ def test_sampling_requeued_by_the_scheduler_keeps_its_shards_and_equals_an_unint
 
     export = tiny_export(tmp_path / "export")
     arguments = ["--ckpt", str(export), "--num-samples", "50", "--shard-size", "5", "--per-proc-batch-size", "5"]
-    arguments += ["--sampler", "ddim", "--steps", "10", "--grid-size", "0", "--cpu"]
+    # 500 DDIM steps: a few seconds in all, so that the test sees shards before the job ends (with 10 steps, 50
+    # samples took 0.1 s on an idle 2-core machine: the job finished before the first poll)
+    arguments += ["--sampler", "ddim", "--steps", "500", "--grid-size", "0", "--cpu"]
     (tmp_path / "reference").mkdir()
     sample.main([*arguments, "--out", str(tmp_path / "reference" / "samples.npz")])
     out, log = tmp_path / "samples" / "samples.npz", tmp_path / "job.log"
