@@ -116,11 +116,11 @@ def two_process_run(tmp_path_factory):
     return run_dir, done
 
 
-def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run):
+def assert_fid_is_that_of_all_samples(run_dir: Path) -> None:
+    """The FID a run of `fid_monitoring` logged at step 20 is the FID of all its samples drawn by one process."""
     from fid import fid_from_batches, load_inception
     from generation.sample_plan import sample_seeds
 
-    run_dir, _ = two_process_run
     [logged] = [json.loads(line) for line in (run_dir / "fid.jsonl").read_text().splitlines()]
     assert logged["step"] == 20 and logged["samples"] == FID_SAMPLES
     # One process, all samples, the same (label, seed) per index and the preview's sampler (digits.yaml: DDIM;
@@ -132,6 +132,10 @@ def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run):
     # Per-sample noise makes the images independent of the split; Inception's float32 kernels round differently
     # per batch size (~1e-6 relative). Half of the samples alone gives a FID several percent away.
     assert logged["fid"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run):
+    assert_fid_is_that_of_all_samples(two_process_run[0])
 
 
 def test_two_processes_train_and_only_the_main_one_writes(two_process_run):

@@ -1,8 +1,8 @@
 """Two nodes on one host: two torchrun agents (`--nnodes 2 --node_rank 0|1 --nproc_per_node 1`), so that on the
 second node the global rank (1) is not the local rank (0), as on a real two-node job. The run equals one node with
 two processes byte for byte (tests/test_slurm.py's reference), also when a stop signal reaches one node's agent
-and the run is resumed; sample.py on two nodes writes one process's .npz, `python -m training.latents` one
-process's shards.
+and the run is resumed; FID during training on two nodes is the FID of all samples; sample.py on two nodes
+writes one process's .npz, `python -m training.latents` one process's shards.
 """
 
 import json
@@ -27,6 +27,7 @@ from test_slurm import (  # noqa: F401 (slurm: a fixture)
     wait_for_requeue,
     wait_for_step,
 )
+from test_train import DIGITS, TWO_PROCESS, assert_fid_is_that_of_all_samples, fid_monitoring
 
 ONCE_PER_JOB = "train.py start-up\n"  # the summary's head: printed by the global main process, not once per node
 
@@ -77,6 +78,15 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
     assert ONCE_PER_JOB in resumed[0].stdout and ONCE_PER_JOB not in resumed[1].stdout
     assert_same_as(run_dir, preemption_reference)
+
+
+def test_fid_during_training_on_two_nodes_is_the_fid_of_all_samples(tmp_path):
+    # Each node's process draws its half of the FID samples; the global main process logs the FID of all of them
+    run_dir = tmp_path / "run"
+    command = ["train.py", "--config", str(DIGITS), *TWO_PROCESS, f"run.dir={run_dir}", *fid_monitoring(tmp_path)]
+    nodes = two_nodes(command)
+    assert all(node.returncode == 0 for node in nodes), [node.stderr[-2000:] for node in nodes]
+    assert_fid_is_that_of_all_samples(run_dir)
 
 
 @pytest.mark.slurm
