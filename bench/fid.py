@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from bench._harness import benchmark_parser, save_results, subplots, synchronize
 from fid import FeatureMoments, Gaussian, frechet_distance, load_inception
-from fid.weights import POOL_DIM
+from fid.inception_spec import POOL_DIM
 
 SETTINGS = {  # full vs --quick sizes
     "full": {

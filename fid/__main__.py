@@ -13,10 +13,11 @@ from commands import CommandParser, run_command
 
 from .cli import one_line_warnings
 from .errors import InputError
-from .evaluation import BINARY_METRICS, DEFAULT_BATCH_SIZE, METRICS, evaluate
+from .inception_spec import BUNDLED, WEIGHTS_FILENAME
+from .inputs import existing_input
 from .reference import RESOLUTIONS, resolve_input
+from .request import BINARY_METRICS, DEFAULT_BATCH_SIZE, METRICS, check_request
 from .statistics import STAT_KEYS
-from .weights import BUNDLED, WEIGHTS_FILENAME
 
 DESCRIPTION = f"""Score SAMPLES against REF with the Inception-v3 network of the ADM / TF evaluators.
 
@@ -90,14 +91,14 @@ def samples_settings(samples: str) -> dict | None:
     return settings
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse an output that is SAMPLES or REF, or an existing file this command did not write (a --json report
-    of it, or a --save-stats file of statistics only, may be replaced), and a folder where nothing can be
-    written: before any feature is computed."""
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse a SAMPLES or REF that is no file or folder, an output that is SAMPLES or REF, or an existing file
+    this command did not write (a --json report of it, or a --save-stats file of statistics only, may be
+    replaced), and a folder where nothing can be written: before torch is imported and any feature computed."""
     inputs = {}
     for name, argument in (("SAMPLES", args.samples), ("REF", args.ref)):
         if argument is not None:
-            inputs[resolve_input(argument).resolve()] = name
+            inputs[existing_input(resolve_input(argument)).resolve()] = name
     outputs = [(flag, path) for flag, path in (("--json", args.json), ("--save-stats", args.save_stats)) if path]
     if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
         raise InputError(f"--json and --save-stats are both {args.json}; give two files")
@@ -129,9 +130,14 @@ def _written_by_fid(flag: str, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    check_outputs(args)
+    metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
+    check_request(metrics, args.ref, args.save_stats, args.batch_size, args.center_crop)
+    check_paths(args)
+    # Imported once the arguments and paths are known to be good, so that their errors answer without torch
+    # (evaluate then checks what the inputs hold, before it loads Inception).
+    from .evaluation import evaluate
+
     with one_line_warnings():
-        metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
         evaluation = evaluate(
             args.samples,
             args.ref,

@@ -14,21 +14,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .class_divergence import IS_SPLIT_SIZE, inception_score
 from .errors import InputError
 from .frechet import frechet_distance
-from .inception import SPATIAL_DIM, InceptionFeatures, load_inception
-from .inception_score import IS_SPLIT_SIZE, inception_score
+from .inception import InceptionFeatures, load_inception
+from .inception_spec import FEATURE_DIMS, POOL_DIM
 from .inputs import IMAGE_KEY, EvaluationInput, FolderImages, ImageSource, open_input
-from .precision_recall import NEIGHBOURS, precision_recall
+from .manifolds import NEIGHBOURS, precision_recall
+from .moments import FeatureMoments
 from .reference import resolve_input
-from .statistics import STAT_KEYS, FeatureMoments, Gaussian, StatisticsFile, load_statistics, save_statistics
-from .weights import POOL_DIM
+from .request import BINARY_METRICS, DEFAULT_BATCH_SIZE, METRIC_NAMES, METRICS, check_request
+from .statistics import STAT_KEYS, Gaussian, StatisticsFile, load_statistics, save_statistics
 
-METRICS = ("fid", "sfid", "is", "prc")
-BINARY_METRICS = ("fid", "sfid", "prc")  # those that need a reference
 STATISTICS_OF = {"fid": "pool", "sfid": "spatial"}  # metric -> the Gaussian it compares
-FEATURE_DIMS = {"pool": POOL_DIM, "spatial": SPATIAL_DIM}
-DEFAULT_BATCH_SIZE = 64
 # Below this many images per set the 2048-d pool_3 covariance is rank-deficient and FID is biased upwards
 # (2 vs 20 images gave FID 149): such numbers compare only with others from the same set sizes.
 FULL_RANK_IMAGES = POOL_DIM
@@ -167,9 +165,6 @@ def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistic
     return plan
 
 
-METRIC_NAMES = {"fid": "FID", "sfid": "sFID", "is": "the Inception Score", "prc": "precision/recall"}
-
-
 def unavailable_metrics(samples: EvaluationInput, ref: EvaluationInput | None) -> dict[str, str]:
     """Metric -> why these inputs cannot give it; a metric not in the dict can be computed from them.
 
@@ -252,19 +247,7 @@ def evaluate(
     `center_crop` and `skip_corrupt` apply to image folders (fid.inputs.FolderImages). Every check of the
     arguments and of the inputs' headers comes before Inception is loaded.
     """
-    if metrics is not None:
-        metrics = set(metrics)
-        if unknown := metrics - set(METRICS):
-            raise InputError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
-        if ref is None and (binary := metrics & set(BINARY_METRICS)):
-            raise InputError(f"{', '.join(sorted(binary))} need a reference (REF)")
-    if not metrics and ref is None and save_stats is None:
-        raise InputError("nothing to do: no metrics asked and no --save-stats")
-    if batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {batch_size}")
-    if center_crop is not None and center_crop < 1:
-        raise InputError(f"--center-crop must be a positive image side in pixels, got {center_crop}")
-
+    metrics = check_request(metrics, ref, save_stats, batch_size, center_crop)
     sample_input = open_input(resolve_input(samples), center_crop, skip_corrupt)
     ref_input = open_input(resolve_input(ref), center_crop, skip_corrupt) if ref is not None else None
     metrics = choose_metrics(metrics, sample_input, ref_input)

@@ -15,11 +15,8 @@ from torch import nn
 
 from .errors import InputError
 from .fp32 import full_fp32_precision
+from .inception_spec import SPATIAL_CHANNELS
 from .weights import InceptionWeights, resolve_weights
-
-SPATIAL_CHANNELS = 7  # ADM's sFID keeps the first 7 channels of mixed_6/conv
-SPATIAL_SIZE = 17  # mixed_6/conv is 17x17 for a 299x299 input
-SPATIAL_DIM = SPATIAL_SIZE * SPATIAL_SIZE * SPATIAL_CHANNELS  # 2023
 
 
 @dataclass

@@ -177,16 +177,23 @@ class EvaluationInput:
         return getattr(self.stats, key)
 
 
+def existing_input(path: str | os.PathLike) -> Path:
+    """`path` when it is a file or a folder, else an InputError naming it: the check of an input that needs no
+    reading (`python -m fid` makes it before it imports torch)."""
+    path = Path(path)
+    if not (path.is_dir() or path.is_file()):
+        raise InputError(f"{path}: no such file or folder")
+    return path
+
+
 def open_input(path: str | os.PathLike, center_crop: int | None = None, skip_corrupt: bool = False) -> EvaluationInput:
     """Open an image folder or an .npz holding images (`arr_0`), statistics (`mu`, `sigma`, ...) or both.
 
     `center_crop` and `skip_corrupt` apply to image folders (see FolderImages).
     """
-    path = Path(path)
+    path = existing_input(path)
     if path.is_dir():
         return EvaluationInput(path, FolderImages(path, center_crop, skip_corrupt), StatisticsFile())
-    if not path.is_file():
-        raise InputError(f"{path}: no such file or folder")
     if not zipfile.is_zipfile(path):
         raise InputError(f"{path}: not an .npz archive nor a folder of images")
     with zipfile.ZipFile(path) as archive:

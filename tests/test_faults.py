@@ -274,7 +274,7 @@ def test_training_into_a_read_only_folder_fails_before_the_model_is_built(train_
 def statistics(path: Path, shift: float) -> Path:
     import numpy as np
 
-    from fid.evaluation import FEATURE_DIMS
+    from fid.inception_spec import FEATURE_DIMS
 
     spatial = FEATURE_DIMS["spatial"]
     np.savez(path, mu=np.full(2048, shift), sigma=np.eye(2048), mu_s=np.zeros(spatial), sigma_s=np.eye(spatial))
@@ -337,9 +337,11 @@ def test_fid_outputs_on_a_failing_disk_keep_the_older_file(fid_inputs, tmp_path,
     (tmp_path / "stats.npz").unlink()
     before = report.read_bytes()
     # a read-only folder is found before any feature is computed; a full disk when the report is written
-    evaluate = fid.evaluation.evaluate
+    evaluate = fid.evaluation.evaluate  # main imports it from fid.evaluation once its arguments are checked
     monkeypatch.setattr(
-        fid_command, "evaluate", lambda *a, **k: pytest.fail("evaluated") if error == errno.EROFS else evaluate(*a, **k)
+        fid.evaluation,
+        "evaluate",
+        lambda *a, **k: pytest.fail("evaluated") if error == errno.EROFS else evaluate(*a, **k),
     )
     failing_writes(monkeypatch, error, after_bytes=10)
     with pytest.raises(OutputError, match=f"cannot write .*: {message}"):

@@ -103,7 +103,7 @@ def test_statistics_only_reference_cannot_give_precision_recall_or_sfid(tmp_path
 
 def all_statistics(seed: int) -> dict[str, np.ndarray]:
     """pool_3 and spatial statistics (what --save-stats writes), random but valid."""
-    from fid.inception import SPATIAL_DIM
+    from fid.inception_spec import SPATIAL_DIM
 
     generator = np.random.default_rng(seed)
     arrays = {}

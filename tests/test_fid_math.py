@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from _fid_reference import numpy_inception_score, self_distance_tolerance
 from fid import FeatureMoments, Gaussian, frechet_distance, inception_score, precision_recall
-from fid.precision_recall import manifold_radii
+from fid.manifolds import manifold_radii
 
 
 def random_gaussian(rng: np.random.Generator, dim: int, samples: int, shift: float = 0.0) -> Gaussian:

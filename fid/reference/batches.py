@@ -15,21 +15,17 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from atomic_files import atomic_output, remove_stale_temporaries, write_text_atomic
 
 from ..errors import InputError
-from ..inception import SPATIAL_DIM
+from ..inception_spec import FEATURE_DIMS
 from ..inputs import IMAGE_KEY, NpzImages
 from ..statistics import STAT_KEYS, load_statistics
-from ..weights import POOL_DIM
 
 BASE_URL = "https://openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet"
 RESOLUTIONS = (64, 128, 256, 512)
 SHORT_NAME = re.compile(r"(?:adm:)?imagenet(\d+)")  # "imagenet256" or "adm:imagenet256"
 CACHE_FOLDER = "adm_reference_batches"
-STAT_DIMS = {"pool": POOL_DIM, "spatial": SPATIAL_DIM}
 HASH_CHUNK = 1 << 24
 
 
@@ -61,6 +57,10 @@ class ReferenceBatch:
 
 
 def cache_dir() -> Path:
+    """The cache folder of the batches, under torch.hub's folder (torch is imported here, when a short name needs
+    it, so that `python -m fid` and `python -m fid.reference` answer --help and bad names without it)."""
+    import torch
+
     return Path(torch.hub.get_dir()) / CACHE_FOLDER
 
 
@@ -110,7 +110,7 @@ def check_structure(path: Path, batch: ReferenceBatch) -> None:
             f"{path}: '{IMAGE_KEY}' has shape {images.shape}; expected (N, {batch.resolution}, "
             f"{batch.resolution}, 3) for {batch.name}"
         )
-    for name, dim in STAT_DIMS.items():
+    for name, dim in FEATURE_DIMS.items():
         gaussian, (mean_key, cov_key) = getattr(stats, name), STAT_KEYS[name]
         if gaussian is None or gaussian.mean.shape != (dim,):
             found = "missing" if gaussian is None else f"of shape {gaussian.mean.shape}"
@@ -127,6 +127,8 @@ def sha256_of(path: Path) -> str:
 
 def download_file(url: str, destination: Path) -> None:
     """Fetch `url` into `destination` (torch.hub's downloader, with a progress bar)."""
+    import torch
+
     torch.hub.download_url_to_file(url, str(destination), progress=True)
 
 

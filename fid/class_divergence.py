@@ -1,4 +1,8 @@
-"""Inception Score as the ADM evaluator computes it."""
+"""Inception Score as the ADM evaluator computes it: how far each sample's class distribution p(y|x) lies from
+the marginal p(y) of its split, exp(E_x KL(p(y|x) || p(y))), averaged over the splits.
+
+Named for what it computes, not `inception_score`: the `fid` package hands its function `inception_score` on
+lazily, and a submodule of that name would take its place there once imported."""
 
 import numpy as np
 import torch

@@ -4,6 +4,9 @@ Each set's manifold is the union of balls around its points whose radius is the 
 the point's k-th nearest neighbour in the same set (k = 3). Precision: the fraction of samples
 inside the reference manifold; recall: the fraction of references inside the sample manifold.
 A point on a ball's boundary counts as inside, as in ADM.
+
+Named for the manifolds, not `precision_recall`: the `fid` package hands its function `precision_recall` on
+lazily, and a submodule of that name would take its place there once imported.
 """
 
 import torch
