@@ -59,33 +59,27 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
     # Libraries are imported once the checks before them have passed: --help and a bad argument answer before
-    # torch is imported, an unknown key or a bad value of --config's file before accelerate, diffusers and timm
-    # (seconds each); load_launch_config then resolves what a resume means (the run's own config.yaml).
-    from training.config import config_to_yaml, load_config
+    # torch is imported; the launch's config (--config's file, or a resume's own config.yaml), its unknown keys
+    # and bad values, and a missing checkpoint to resume from before accelerate, diffusers and timm (seconds each).
+    from training.checkpoint_folders import TRAIN_CONFIG, resolve_resume
+    from training.config import config_to_yaml
+    from training.run import RunDirectory, load_launch_config
 
-    if args.config is not None:
-        load_config(args.config, args.overrides)  # unknown keys and bad values stop here
+    config, resume = load_launch_config(args.config, args.resume, args.overrides)  # a bad config stops here,
+    run = RunDirectory(Path(config.run.dir))
+    resume_from = resolve_resume(resume, run.checkpoints)  # a missing checkpoint,
+
     from atomic_files import check_writable, write_text_atomic
+    from training.accelerator import create_accelerator
     from training.build import build_training
-    from training.checkpoint import (
-        TRAIN_CONFIG,
-        apply_optimizer_settings,
-        check_checkpoint,
-        check_resume_settings,
-        load_checkpoint,
-        resolve_resume,
-    )
+    from training.checkpoint import apply_optimizer_settings, check_checkpoint, check_resume_settings, load_checkpoint
     from training.loop import Trainer, TrainerState, say
     from training.posthoc_ema import check_resume as check_posthoc_resume
     from training.repa import check_repa_resume
-    from training.run import RunDirectory, create_accelerator, load_launch_config
     from training.stop_signals import STOPPED_STATUS
     from training.summary import startup_summary
     from training.trackers import start_trackers
 
-    config, resume = load_launch_config(args.config, args.resume, args.overrides)  # so does a resume's,
-    run = RunDirectory(Path(config.run.dir))
-    resume_from = resolve_resume(resume, run.checkpoints)  # a missing checkpoint,
     if resume_from is not None:
         check_checkpoint(resume_from)  # a damaged one,
         check_resume_settings(config, resume_from)  # another model, objective, data or seed,

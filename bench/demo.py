@@ -75,10 +75,11 @@ def bf16_probe() -> dict[str, float]:
 def train_rows(threads: list[int], steps: int) -> list[dict]:
     import torch
 
+    from training.accelerator import create_accelerator
     from training.build import build_training
     from training.config import load_config
     from training.loop import Trainer, TrainerState
-    from training.run import RunDirectory, create_accelerator
+    from training.run import RunDirectory
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:

@@ -157,7 +157,7 @@ def checkpoint_steps(budget: Budget) -> list[int]:
 
 def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path = CONFIG) -> Path:
     """Train (or resume, or skip when finished) one run of `config` with train.py; returns its run directory."""
-    from training.checkpoint import checkpoint_name
+    from training.checkpoint_folders import checkpoint_name
 
     run_dir = out / "runs" / run_name(arm, seed)
     if (run_dir / "checkpoints" / checkpoint_name(budget.max_steps)).is_dir():
@@ -275,7 +275,7 @@ def score_checkpoint(
     run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path, arm: Arm, seed: int
 ) -> dict[str, Any]:
     """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
-    from training.checkpoint import checkpoint_name
+    from training.checkpoint_folders import checkpoint_name
 
     export_dir = run_dir / "checkpoints" / checkpoint_name(step) / "export"
     name = f"{run_name(arm, seed)}/{checkpoint_name(step)}"

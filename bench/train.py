@@ -46,12 +46,13 @@ from bench._harness import (
 )
 from generation.objective import create_objective
 from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling
+from training.accelerator import create_accelerator
 from training.build import TrainingParts, build_model, create_optimizer, objective_spec
 from training.config import Config, load_config
 from training.data import ShardedBatches
 from training.ema import create_ema
 from training.loop import Trainer, TrainerState
-from training.run import RunDirectory, create_accelerator
+from training.run import RunDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
 LATENT_CHANNELS = SD_VAE_ARCHITECTURE["latent_channels"]

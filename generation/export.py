@@ -12,7 +12,6 @@ Nothing here unpickles: weights are safetensors, the description is JSON.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,11 @@ from safetensors.torch import load_file, save_file
 from atomic_files import atomic_output, write_json_atomic
 from commands import UserError
 from dit_vca.models import current_model_config
+from generation.run_layout import CHECKPOINT_PATTERN, CHECKPOINTS_FOLDER
 
 EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
-CHECKPOINT_PATTERN = re.compile(r"^step-(\d{7,})$")  # the checkpoint folders of a run (see training.checkpoint)
 FORMAT_VERSION = 3  # 3: vae_path; 2 is read as 3 without it
 SPACES = ("pixels", "latents")
 
@@ -209,7 +208,7 @@ def find_export(path: str | Path) -> Path:
     """The export folder of an export folder, a checkpoint folder, or a run directory (its newest checkpoint)."""
     path = Path(path)
     candidates = [path, path / EXPORT_DIR]
-    checkpoints = path / "checkpoints"
+    checkpoints = path / CHECKPOINTS_FOLDER
     if checkpoints.is_dir():
         steps = sorted(
             (int(match.group(1)), child)

@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,14 @@ def test_fid_user_errors_seen_without_images_come_before_torch(tmp_path, argumen
     assert imported == set(), f"{' '.join(arguments)} imported {sorted(imported)}"
 
 
+@pytest.fixture
+def run_folder(tmp_path) -> Path:
+    """A run folder as a launch leaves it before its first checkpoint: its config.yaml alone."""
+    shutil.copy(ROOT / "configs" / "digits.yaml", tmp_path / "config.yaml")
+    return tmp_path
+
+
+@pytest.mark.parametrize("launch", ["--config digits", "--resume {run}"])
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -93,8 +102,9 @@ def test_fid_user_errors_seen_without_images_come_before_torch(tmp_path, argumen
         (("model.depth=0",), "'model.depth' is 0"),
     ],
 )
-def test_config_errors_come_before_diffusers_timm_and_accelerate(overrides, named):
-    status, imported, stderr = imported_by("train.py", "--config", "digits", *overrides)
+def test_config_errors_come_before_diffusers_timm_and_accelerate(run_folder, launch, overrides, named):
+    """Also a resume's: without --config it reads the run's own config.yaml, with the overrides on top."""
+    status, imported, stderr = imported_by("train.py", *launch.format(run=run_folder).split(), *overrides)
     assert status == 2 and named in stderr, stderr
     assert imported <= {"torch"}, f"a config error imported {sorted(imported)}"
 

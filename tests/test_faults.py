@@ -693,7 +693,7 @@ def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path,
 def test_checkpoint_files_of_another_model_are_one_line(train_script, uninterrupted, tmp_path):
     from safetensors.torch import save_file
 
-    from training.checkpoint import CheckpointError
+    from training.checkpoint_folders import CheckpointError
 
     run_dir = copy_run(uninterrupted, tmp_path / "run")
     weights = load_file(run_dir / "checkpoints" / "step-0000004" / "model.safetensors")

@@ -24,7 +24,7 @@ from faults import run_train, signal_at_step
 from generation import ImageGenerator, read_export
 from generation.diffusers_interop import load_mhsa_model, to_diffusers
 from training.config import ConfigError, PosthocEMAConfig
-from training.posthoc_ema import CHECKPOINT_STATE, SNAPSHOT_FOLDER, PosthocEMAError, PowerEMA, reconstruct
+from training.posthoc_ema import CHECKPOINT_STATE, PosthocEMAError, PowerEMA, reconstruct
 from training.posthoc_ema import main as posthoc_main
 from training.power_profiles import (
     SIGMA_REL_MAX,
@@ -33,7 +33,7 @@ from training.power_profiles import (
     reconstruct_profile,
     sigma_rel_to_gamma,
 )
-from training.run import RunDirectory
+from training.run import SNAPSHOT_FOLDER, RunDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
 

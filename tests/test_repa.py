@@ -27,7 +27,7 @@ from dit_vca.models import create_model
 from generation import ImageGenerator, read_export
 from sit_vca import create_transport
 from test_train import train_script  # noqa: F401 (a fixture: train.py as a module, Accelerate's state reset)
-from training.checkpoint import CheckpointError
+from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, RepaConfig, load_config
 from training.repa import (
     EncoderUnavailableError,
@@ -413,10 +413,11 @@ def test_bad_repa_values_are_config_errors():
 DDP_CHECK = """
 import sys, torch
 from pathlib import Path
+from training.accelerator import create_accelerator
 from training.build import build_training
 from training.config import load_config
 from training.loop import Trainer, TrainerState
-from training.run import RunDirectory, create_accelerator
+from training.run import RunDirectory
 
 config = load_config(sys.argv[1], sys.argv[2:])
 accelerator = create_accelerator(config, RunDirectory(Path(config.run.dir)))

@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from _launch import TORCHRUN_TWO_PROCESSES
 from generation import ImageGenerator, read_export
 from generation.vae import VAEUnavailableError
-from training.checkpoint import CheckpointError
+from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError
 from training.loop import NonFiniteLossError
 

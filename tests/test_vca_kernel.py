@@ -29,9 +29,10 @@ import sys
 from pathlib import Path
 from commands import UserError
 from dit_vca.attention import VisualContrastAttention
+from training.accelerator import create_accelerator
 from training.build import build_training
 from training.config import load_config
-from training.run import RunDirectory, create_accelerator
+from training.run import RunDirectory
 
 def built(kernel):
     config = load_config(sys.argv[1], [*sys.argv[3:], f"train.vca_kernel={kernel}", f"run.dir={sys.argv[2]}"])

@@ -24,12 +24,12 @@ from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
+from training.accelerator import micro_batch_size
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.posthoc_ema import PowerEMA, create_posthoc_ema
 from training.repa import RepresentationAlignment, build_projector, check_encoder_name, load_encoder
-from training.run import micro_batch_size
 
 
 @dataclass

@@ -9,6 +9,7 @@
         config.yaml                  the resolved training config
         export/                      EMA weights and their description (generation.export): what sampling needs
 
+The folders' names, and which one a resume means, are training.checkpoint_folders's.
 Nothing here unpickles arbitrary objects: weights are safetensors and Accelerate reads its .bin/.pkl files
 with torch.load(weights_only=True) (tensors, numbers and NumPy RNG arrays only). Accelerate's
 `register_for_checkpointing` would pickle with weights_only=False, so the EMA is stored as safetensors instead.
@@ -51,60 +52,22 @@ from atomic_files import (
     write_text_atomic,
 )
 from commands import UserError
-from generation.export import (
-    CHECKPOINT_PATTERN,
-    EXPORT_DIR,
-    EXPORT_WEIGHTS,
-    ExportDescription,
-    read_weights,
-    write_export,
+from generation.export import EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, read_weights, write_export
+from generation.run_layout import CHECKPOINT_PATTERN
+from training.checkpoint_folders import (
+    TRAIN_CONFIG,
+    TRAINER_STATE,
+    CheckpointError,
+    checkpoint_name,
+    checkpoint_step,
+    list_checkpoints,
 )
 from training.ema import ema_state_dict, load_ema_state_dict
 
-TRAINER_STATE = "trainer_state.json"
-TRAIN_CONFIG = "config.yaml"
 MODEL_WEIGHTS = "model.safetensors"  # Accelerate's file name for the first prepared model
 OPTIMIZER_STATE, SCHEDULER_STATE = "optimizer.bin", "scheduler.bin"  # Accelerate's names (one of each)
 RANDOM_STATES = "random_states_{}.pkl"  # Accelerate's name, one per process
 RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
-RESUME_LATEST = "latest"
-
-
-class CheckpointError(UserError):
-    """A checkpoint to resume from that is missing or damaged (the message names the file)."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (temporary folders of interrupted saves are ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        path for path in root.iterdir() if CHECKPOINT_PATTERN.match(path.name) and (path / TRAINER_STATE).is_file()
-    ]
-    return sorted(found, key=_step)
-
-
-def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
-    """The checkpoint to resume from: None (fresh run), "latest" (newest under root; None if there is none
-    yet, so a preempted job can always be relaunched with --resume latest) or a checkpoint folder."""
-    if spec is None:
-        return None
-    if spec == RESUME_LATEST:
-        checkpoints = list_checkpoints(root)
-        return checkpoints[-1] if checkpoints else None
-    path = Path(spec)
-    if not (path / TRAINER_STATE).is_file():
-        reason = "does not exist" if not path.exists() else f"is not a checkpoint folder (no {TRAINER_STATE})"
-        raise CheckpointError(
-            f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as "
-            f"{Path(root) / checkpoint_name(0)}"
-        )
-    return path
 
 
 def keep_plain_model_keys(accelerator: Accelerator) -> None:
@@ -220,9 +183,9 @@ def checkpoint_bytes(*parts: Any) -> int:
 def rotated_away(checkpoints: list[Path], newest: Path, keep: int) -> list[Path]:
     """The checkpoints to delete once `newest` is written: all but the `keep - 1` latest before it, and every
     later one (left by an abandoned timeline, e.g. a resume from an older checkpoint)."""
-    step = _step(newest)
-    earlier = [path for path in checkpoints if _step(path) < step]
-    later = [path for path in checkpoints if _step(path) > step]
+    step = checkpoint_step(newest)
+    earlier = [path for path in checkpoints if checkpoint_step(path) < step]
+    later = [path for path in checkpoints if checkpoint_step(path) > step]
     return earlier[: max(len(earlier) - (keep - 1), 0)] + later
 
 
@@ -345,13 +308,13 @@ def _check_random_states(file: Path) -> None:
 
 def _damaged(path: Path, problem: str) -> str:
     earlier = (
-        [checkpoint for checkpoint in list_checkpoints(path.parent) if _step(checkpoint) < _step(path)]
+        [
+            checkpoint
+            for checkpoint in list_checkpoints(path.parent)
+            if checkpoint_step(checkpoint) < checkpoint_step(path)
+        ]
         if CHECKPOINT_PATTERN.match(path.name)
         else []
     )
     instead = f"--resume {earlier[-1]}" if earlier else "a fresh run"
     return f"cannot resume from {path}: {problem}; use {instead}, or delete the damaged checkpoint"
-
-
-def _step(checkpoint: Path) -> int:
-    return int(CHECKPOINT_PATTERN.match(checkpoint.name).group(1))

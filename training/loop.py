@@ -22,7 +22,8 @@ from atomic_files import OutputError
 from commands import UserError
 from generation.vae import sample_latents
 from training.build import TrainingParts
-from training.checkpoint import checkpoint_bytes, checkpoint_name, save_checkpoint, save_milestone_export
+from training.checkpoint import checkpoint_bytes, save_checkpoint, save_milestone_export
+from training.checkpoint_folders import checkpoint_name
 from training.config import Config, config_to_yaml
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics

@@ -41,11 +41,11 @@ from torch import nn
 from atomic_files import atomic_folder, atomic_output, write_json_atomic
 from commands import CommandParser, UserError, run_command
 from generation.export import EXPORT_CONFIG, ExportDescription, read_description, write_export
-from training.checkpoint import CheckpointError
+from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, PosthocEMAConfig
 from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma, step_decay
+from training.run import SNAPSHOT_FOLDER
 
-SNAPSHOT_FOLDER = "posthoc_ema"  # in the run directory
 CHECKPOINT_STATE = "posthoc_ema.safetensors"  # in each checkpoint folder: the running averages
 SNAPSHOT_DESCRIPTION = "description.json"
 DEFAULT_OUT = "posthoc_exports"  # in the run directory

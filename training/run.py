@@ -1,4 +1,4 @@
-"""The run directory and the Accelerate setup of one training run.
+"""The run directory of one training run, and the config and checkpoint a launch into it continues with.
 
     results/<run>/
         config.yaml          resolved config of the latest launch
@@ -16,6 +16,9 @@ A new launch never damages an earlier run: a run directory that already holds on
 launch continues it (--resume) or replaces it (--overwrite). While a launch runs, its main process holds the
 run directory's lock (atomic_files.folder_lock): a second train.py into the same run.dir is refused, naming the
 process that holds it, before any model is built.
+
+Nothing here imports torch's companions (Accelerate, timm, diffusers; training.accelerator sets up Accelerate):
+train.py reads and checks the launch's config, and resolves its resume, before it imports them.
 """
 
 from __future__ import annotations
@@ -26,24 +29,19 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from typing import TYPE_CHECKING
 
 from atomic_files.folder_lock import lock_folder, lock_holder, locked_by_another, release_folder
-from commands import check_launched_processes
-from training.checkpoint import (
-    RESUME_LATEST,
-    TRAIN_CONFIG,
-    TRAINER_STATE,
-    keep_plain_model_keys,
-    list_checkpoints,
-    resolve_resume,
-)
+from generation.run_layout import CHECKPOINTS_FOLDER
+from training.checkpoint_folders import RESUME_LATEST, TRAIN_CONFIG, TRAINER_STATE, list_checkpoints, resolve_resume
 from training.config import Config, ConfigError, load_config
-from training.posthoc_ema import SNAPSHOT_FOLDER
-from training.trackers import TRACKER_FOLDERS, check_trackers
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+SNAPSHOT_FOLDER = "posthoc_ema"  # post-hoc EMA snapshots (training.posthoc_ema)
+TENSORBOARD_FOLDER = "tensorboard"
+TRACKER_FOLDERS = (TENSORBOARD_FOLDER, "wandb")  # what trackers write here (train.py --overwrite clears them)
 
 # step-XXXXXXX (a checkpoint or export folder), step-XXXXXXX.png (a grid), and the hidden folders and files of
 # saves that were killed or failed (.step-XXXXXXX.tmp, .old, .step-XXXXXXX.png.tmp-<pid>)
@@ -111,7 +109,7 @@ class RunDirectory:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS_FOLDER
 
     @property
     def exports(self) -> Path:
@@ -226,35 +224,3 @@ def load_launch_config(
     if run_dir is None and checkpoint.parent.name == RunDirectory(checkpoint.parent.parent).checkpoints.name:
         config.run.dir = str(checkpoint.parent.parent)
     return config, resume
-
-
-def create_accelerator(config: Config, run: RunDirectory) -> Accelerator:
-    """An Accelerator for `config`: mixed precision as configured (None: as `accelerate launch` says),
-    accumulation over `grad_accum_steps` micro-batches; trackers are checked here and started by
-    training.trackers.start_trackers once the resume step is known."""
-    train = config.train
-    check_trackers(config.log)
-    accelerator = Accelerator(
-        mixed_precision="no" if train.mixed_precision == "fp32" else train.mixed_precision,
-        gradient_accumulation_steps=train.grad_accum_steps,
-        cpu=train.cpu,
-        project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.root)),
-        step_scheduler_with_optimizer=False,  # the schedule counts optimiser steps, whatever the process count
-    )
-    check_launched_processes(accelerator.num_processes, "train.py", "train.cpu=true")
-    keep_plain_model_keys(accelerator)
-    torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
-    torch.backends.cudnn.allow_tf32 = train.tf32
-    return accelerator
-
-
-def micro_batch_size(config: Config, num_processes: int) -> int:
-    """Examples per process per forward pass; the global batch must split evenly."""
-    train = config.train
-    parts = num_processes * train.grad_accum_steps
-    if train.global_batch_size % parts:
-        raise ConfigError(
-            f"train.global_batch_size={train.global_batch_size} does not split over {num_processes} "
-            f"processes x {train.grad_accum_steps} accumulation steps"
-        )
-    return train.global_batch_size // parts

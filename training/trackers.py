@@ -21,10 +21,9 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 from accelerate.utils import LoggerType
 
 from training.config import Config, ConfigError, LogConfig, config_to_dict
+from training.run import TENSORBOARD_FOLDER
 
 TRACKER_NAMES = tuple(kind.value for kind in LoggerType if kind is not LoggerType.ALL)  # each also its module name
-TENSORBOARD_FOLDER = "tensorboard"
-TRACKER_FOLDERS = (TENSORBOARD_FOLDER, "wandb")  # what trackers write under <run> (train.py --overwrite clears them)
 STATE_KEY = "trackers"  # trainer_state.json: {"trackers": {"wandb": "<run id>"}}
 RESUMABLE = ("wandb",)  # trackers whose run continues on resume (by the id above)
 GRID_KEY = "samples/ema"

@@ -1,0 +1,60 @@
+"""A run's checkpoint folders by name: `step-XXXXXXX`, complete once its trainer_state.json is written, and the
+one that `--resume latest|CHECKPOINT` means.
+
+They live apart from training.checkpoint, which writes and reads what is inside the folders with torch,
+Accelerate and timm, so that train.py resolves a resume (training.run.load_launch_config) before it imports
+those.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from commands import UserError
+from generation.run_layout import CHECKPOINT_PATTERN
+
+TRAINER_STATE = "trainer_state.json"
+TRAIN_CONFIG = "config.yaml"
+RESUME_LATEST = "latest"
+
+
+class CheckpointError(UserError):
+    """A checkpoint to resume from that is missing or damaged (the message names the file)."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The optimiser step of a checkpoint folder, from its name."""
+    return int(CHECKPOINT_PATTERN.match(checkpoint.name).group(1))
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (temporary folders of interrupted saves are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        path for path in root.iterdir() if CHECKPOINT_PATTERN.match(path.name) and (path / TRAINER_STATE).is_file()
+    ]
+    return sorted(found, key=checkpoint_step)
+
+
+def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
+    """The checkpoint to resume from: None (fresh run), "latest" (newest under root; None if there is none
+    yet, so a preempted job can always be relaunched with --resume latest) or a checkpoint folder."""
+    if spec is None:
+        return None
+    if spec == RESUME_LATEST:
+        checkpoints = list_checkpoints(root)
+        return checkpoints[-1] if checkpoints else None
+    path = Path(spec)
+    if not (path / TRAINER_STATE).is_file():
+        reason = "does not exist" if not path.exists() else f"is not a checkpoint folder (no {TRAINER_STATE})"
+        raise CheckpointError(
+            f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as "
+            f"{Path(root) / checkpoint_name(0)}"
+        )
+    return path
