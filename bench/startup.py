@@ -1,20 +1,25 @@
-"""How long a command takes to answer what needs no model: `--help`, an unknown config key, a bad value.
+"""How long a command takes to answer what needs no model: `--help`, an unknown config key, a bad value (also of a
+resume's own config), a bad argument to `python -m fid`.
 
     python -m bench.startup --before /work/main      # this tree against another checkout, in one run
     python -m bench.startup --quick                  # one timing of each command, this tree only
 
 Each command runs as a user runs it (`python train.py ...` from the tree's root, a fresh interpreter each time);
 the wall time of the whole process is timed, `--repeats` times per tree, interleaved between the trees so that a
-change in the machine's load falls on both alike, and the median is kept. Writes bench/results/startup-cpu.json,
-a Markdown table (.md) and a plot (.png); the CPU and its load are recorded with them.
+change in the machine's load falls on both alike, and the median is kept. `{run}` in a command is a run folder
+made for the measurement (configs/digits.yaml as its config.yaml, as a launch leaves it before its first
+checkpoint). Writes bench/results/startup-cpu.json, a Markdown table (.md) and a plot (.png); the CPU and its
+load are recorded with them.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +35,9 @@ COMMANDS = {  # what a user types, after `python`
     "python -m fid --help": ["-m", "fid", "--help"],
     "train.py: unknown config key": ["train.py", "--config", "digits", "no_such_section.key=1"],
     "train.py: bad model.num_heads": ["train.py", "--config", "digits", "model.num_heads=5"],
+    "train.py --resume RUN: bad model.depth": ["train.py", "--resume", "{run}", "model.depth=0"],
+    "python -m fid: unknown metric": ["-m", "fid", "samples.npz", "--metrics", "kid"],
+    "python -m fid.reference --help": ["-m", "fid.reference", "--help"],
 }
 
 
@@ -47,10 +55,12 @@ def time_command(tree: Path, arguments: list[str]) -> float:
 def measure(trees: dict[str, Path], repeats: int) -> list[dict]:
     """One row per command and tree: the median and every run's seconds, the trees' runs interleaved."""
     runs: dict[tuple[str, str], list[float]] = {(name, label): [] for name in COMMANDS for label in trees}
-    for _ in range(repeats):
-        for name, arguments in COMMANDS.items():
-            for label, tree in trees.items():
-                runs[name, label].append(time_command(tree, arguments))
+    with tempfile.TemporaryDirectory() as run:
+        shutil.copy(ROOT / "configs" / "digits.yaml", Path(run) / "config.yaml")
+        for _ in range(repeats):
+            for name, arguments in COMMANDS.items():
+                for label, tree in trees.items():
+                    runs[name, label].append(time_command(tree, [argument.format(run=run) for argument in arguments]))
     return [
         {"command": name, "tree": label, "seconds": statistics.median(values), "runs": values}
         for (name, label), values in runs.items()
@@ -88,7 +98,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict) -> Figure:
-    figure, axes = subplots(figsize=(7, 3.2))
+    figure, axes = subplots(figsize=(7, 4.4))
     table = seconds_by_command(results)
     names = list(table)
     height = 0.8 / len(results["trees"])
