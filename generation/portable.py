@@ -1,6 +1,7 @@
-"""Names of models that travel between working directories and machines (the VAE: generation.vae).
+"""Names of models that travel between working directories and machines: the VAE (generation.vae) and REPA's
+encoder (training.encoder_source).
 
-A model given as a local folder is named by the id its own files record (such as a hub id), where they record
+A model given as a local folder is named by the id its own files record (a hub id, a timm name), where they record
 one, else by the folder's absolute path; the absolute path is kept beside the name as a hint, loaded first wherever
 it exists and holds the model the name names. A config or export that records both works from any folder, and
 two names compare equal when they name the same model, however the folder was spelled.
