@@ -64,7 +64,7 @@ class ExportDescription:
     `space` says where the model works: "pixels" (its outputs are images in [-1, 1]) or "latents" (its
     outputs, divided by `latent_scale`, are decoded by the autoencoder `vae`: its hub id where one is known, else
     the absolute path of its folder, with `vae_path`, the absolute local folder training loaded it from, as a hint
-    tried first where it exists (generation.vae.VAESource).
+    tried first where it exists (generation.portable).
     """
 
     model: dict[str, Any]  # model.config: rebuilds the network (dit_vca.build_model_from_config)

@@ -3,8 +3,8 @@
 Latents seen by the model are `scale * z` with z drawn from the encoder's posterior; `scale` comes from the
 config (0.18215 for the SD VAEs), never from a constant here.
 
-A VAE is named so that the name travels between folders and machines (`VAESource`): by its hub id where one is
-known, also for a local folder (diffusers' `save_pretrained` keeps the id it was loaded from in the folder's
+A VAE is named so that the name travels between folders and machines (generation.portable): by its hub id where
+one is known, also for a local folder (diffusers' `save_pretrained` keeps the id it was loaded from in the folder's
 config.json), with the folder's absolute path as a hint that is tried first where it exists. diffusers is imported
 only when a VAE is loaded: a command that checks its arguments or config never pays for it.
 """
@@ -16,13 +16,13 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from commands import UserError
+from generation.portable import PortableSource, local_copy, portable_source
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
@@ -48,29 +48,13 @@ class VAEUnavailableError(UserError):
     """The requested autoencoder cannot be loaded (missing folder, or offline without a cached copy)."""
 
 
-@dataclass(frozen=True)
-class VAESource:
-    """A VAE named so that the name travels: `name` is its hub id where one is known, else the absolute path of
-    its folder; `path` is the absolute local folder it was loaded from, tried first where it exists (None for a
-    VAE taken from the hub)."""
-
-    name: str
-    path: str | None = None
-
-
-def vae_source(spec: str, hint: str | None = None) -> VAESource:
+def vae_source(spec: str, hint: str | None = None) -> PortableSource:
     """The portable name of what `spec` (a hub id or a local folder, relative to the working directory) names.
 
     A local folder is named by the hub id in its config.json (`_name_or_path`, which diffusers' save_pretrained
     writes as the id the VAE was loaded from), else by its absolute path; its absolute path becomes the hint. For a
     hub id, a recorded `hint` is kept unless it is a folder here that names another VAE."""
-    folder = Path(spec).expanduser()
-    if folder.is_dir():
-        folder = folder.resolve()
-        return VAESource(_recorded_hub_id(folder) or str(folder), str(folder))
-    if hint is not None and Path(hint).is_dir() and vae_source(hint).name != spec:
-        hint = None
-    return VAESource(spec, hint)
+    return portable_source(spec, hint, _recorded_hub_id)
 
 
 def load_vae(
@@ -78,13 +62,12 @@ def load_vae(
 ) -> AutoencoderKL:
     """A frozen AutoencoderKL from a local folder (written by `save_pretrained`) or a hub id.
 
-    `hint` (a `VAESource.path`) is loaded first when it exists and is the VAE `spec` names. A hub id is looked up in
-    the local Hugging Face cache next; the network is only tried when the hub is not marked offline
+    `hint` (a `PortableSource.path`) is loaded first when it exists and is the VAE `spec` names. A hub id is looked
+    up in the local Hugging Face cache next; the network is only tried when the hub is not marked offline
     (HF_HUB_OFFLINE=1), and only once one request to the hub has answered, so offline runs fail at once, naming
     the cause and `option`, the setting that chooses another VAE (vae.name for training, --vae for sampling).
     """
-    if hint is not None and Path(hint).is_dir() and vae_source(hint).name == spec:
-        spec = hint
+    spec = local_copy(spec, hint, _recorded_hub_id)
     folder = Path(spec).expanduser()
     if folder.is_dir():
         vae = _load_folder(folder)

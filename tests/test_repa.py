@@ -516,7 +516,6 @@ def test_the_offline_recipe_of_the_training_page_runs(train_script, tmp_path, mo
     exec(compile(snippet, "docs/training.md", "exec"), {})
     train_script.main([*command[2:], "train.max_steps=2", "log.sample_every=0", "log.trackers=[]"])
     rows = summary_rows(capsys.readouterr().out)
-    assert rows["REPA"].startswith(
-        "encoder encoders/tiny-rgb, block 2, input 32 px, encoder grid 8x8 -> model grid 4x4"
-    )
+    folder = tmp_path.resolve() / "encoders" / "tiny-rgb"  # named by its absolute path (training.encoder_source)
+    assert rows["REPA"].startswith(f"encoder {folder}, block 2, input 32 px, encoder grid 8x8 -> model grid 4x4")
     assert summary_rows((tmp_path / "results" / "digits-repa" / "startup.txt").read_text()) == rows

@@ -29,7 +29,7 @@ from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.posthoc_ema import PowerEMA, create_posthoc_ema
-from training.repa import RepresentationAlignment, build_projector, check_encoder_name, load_encoder
+from training.repa import RepresentationAlignment, build_projector, check_encoder, load_encoder
 
 
 @dataclass
@@ -160,7 +160,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     from training.preview import load_fid_extractor
 
     if config.train.repa.enabled:
-        check_encoder_name(config.train.repa.encoder)  # before the data is read
+        check_encoder(config.train.repa)  # before the data is read
     dataset = build_dataset(config)
     vae = load_vae(config.vae.name, accelerator.device, hint=config.vae.path) if needs_vae(config) else None
     fid_extractor = load_fid_extractor(config.log, accelerator.device)

@@ -28,6 +28,7 @@ from commands import UserError
 from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCA_KERNEL_SETTINGS, VCAOptions
 from generation.vae import vae_source
+from training.encoder_source import encoder_source
 
 BASE_KEY = "base"
 DEFAULT_RESULTS_DIR = "results"
@@ -131,7 +132,9 @@ class RepaConfig:
     MLP and are pulled towards the patch features of a frozen encoder (training.repa; docs/training.md,
     "Representation alignment")."""
 
-    encoder: str | None = None  # timm name, or a folder written by timm's save_for_hf; None: off
+    encoder: str | None = None  # timm name, or a folder written by timm's save_for_hf (recorded by the timm name it
+    # is a copy of, else its absolute path: training.encoder_source); None: off
+    path: str | None = None  # the folder's absolute path, tried first where it exists; set from encoder
     depth: int = _range(8, 1)  # align the output of this block (1-based; 8 of SiT-XL/2's 28)
     coefficient: float = _range(0.5, 0.0, above=True)  # weight of the alignment loss added to the objective's
     projector_dim: int = _range(2048, 1)  # hidden width of the 3-layer SiLU projector
@@ -260,6 +263,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         config.vae.name, config.vae.path = source.name, source.path
     if config.train.repa.enabled:
         _check_repa(config)
+        repa = config.train.repa  # named so that config.yaml works from another folder (training.encoder_source)
+        source = encoder_source(repa.encoder, repa.path)
+        repa.encoder, repa.path = source.name, source.path
     if config.run.dir is None:
         config.run.dir = str(Path(DEFAULT_RESULTS_DIR) / path.stem)
     return config

@@ -9,9 +9,10 @@ own clean image (the same flip), computed online under no_grad with the encoder 
 
 The encoder is a timm Vision Transformer: a timm model name (weights from the Hugging Face cache, or the hub
 when online) or a folder written by timm's `save_for_hf(..., safe_serialization=True)` (config.json +
-model.safetensors, loaded without unpickling). Images in [-1, 1] are mapped to [0, 1], resized (bicubic) to
-`input_size` (unset: the size the encoder was built for) and normalised with the encoder's mean and std (unset:
-its own), as REPA does for DINOv2 (256 px -> 224).
+model.safetensors, loaded without unpickling), named in configs so that the name travels (training.encoder_source:
+the timm name it is a copy of, or its absolute path, with the folder as a hint tried first). Images in [-1, 1] are
+mapped to [0, 1], resized (bicubic) to `input_size` (unset: the size the encoder was built for) and normalised with
+the encoder's mean and std (unset: its own), as REPA does for DINOv2 (256 px -> 224).
 
 Grid rule: the encoder's patch grid (Ge x Ge) and the model's token grid (Gm x Gm) must divide one another.
 Each model token is matched with the area-weighted mean of the encoder features over the same image region:
@@ -34,8 +35,8 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from training.config import ConfigError, RepaConfig
+from training.encoder_source import ENCODER_CONFIG, ENCODER_WEIGHTS, encoder_copy, encoder_source, folder_spec
 
-ENCODER_CONFIG, ENCODER_WEIGHTS = "config.json", "model.safetensors"  # timm's save_for_hf layout
 PROJECTOR_WEIGHTS = "model_1.safetensors"  # Accelerate's name for the second prepared model (training.build)
 STRUCTURAL_KEYS = ("encoder", "depth", "projector_dim")  # what the projector's weights and optimiser state depend on
 
@@ -49,9 +50,10 @@ class EncoderUnavailableError(ConfigError):
 # --------------------------------------------------------------------------------------------------
 
 
-def check_encoder_name(spec: str) -> None:
-    """`train.repa.encoder` is a timm model name or a folder in timm's save_for_hf layout (no weights read)."""
-    _encoder_source(spec)
+def check_encoder(repa: RepaConfig) -> None:
+    """What `repa` loads (its folder hint where that holds the encoder, else `train.repa.encoder`) is a timm model
+    name or a folder in timm's save_for_hf layout (no weights read)."""
+    _encoder_folder(encoder_copy(repa.encoder, repa.path))
 
 
 def check_grids(encoder_grid: int, model_grid: int) -> None:
@@ -66,13 +68,20 @@ def check_grids(encoder_grid: int, model_grid: int) -> None:
 
 def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
     """Refuse, in one line, a resume whose REPA settings change what the checkpoint holds (the projector and
-    its optimiser state); the coefficient and the encoder's input settings may change and apply at once."""
+    its optimiser state); the coefficient and the encoder's input settings may change and apply at once.
+
+    Encoders are compared by their portable names (`repa` comes from load_config, which names its encoder so): the
+    same encoder given by another path, from another folder or through the recorded hint is the same. A run
+    written before names travelled recorded the folder as it was given; it is named from the working directory.
+    A folder named by its absolute path (one that copies no timm model) is that path: moved, it is another name."""
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_config)).get("train", {}).get("repa") or {}
     except (OSError, ValueError, yaml.YAMLError) as error:
         raise ConfigError(f"cannot read {saved_config} to compare REPA settings ({type(error).__name__})") from None
     current = {key: getattr(repa, key) for key in STRUCTURAL_KEYS}
     before = {key: saved.get(key) for key in STRUCTURAL_KEYS}
+    if before["encoder"] is not None:
+        before["encoder"] = encoder_source(before["encoder"], saved.get("path")).name
     if before["encoder"] is None and current["encoder"] is None:
         return
     changed = [key for key in STRUCTURAL_KEYS if before[key] != current[key]]
@@ -81,10 +90,18 @@ def check_repa_resume(saved_config: Path, repa: RepaConfig) -> None:
         raise ConfigError(
             f"{saved_config.parent} was trained with train.repa.{key}={before[key]!r}, this launch "
             f"has {current[key]!r}: REPA's encoder, depth and projector_dim cannot change on resume "
-            f"(start a new run.dir)"
+            f"({_how_to_resume(key, before[key])})"
         )
     if not (saved_config.parent / PROJECTOR_WEIGHTS).is_file():
         raise ConfigError(f"cannot resume from {saved_config.parent}: REPA's projector {PROJECTOR_WEIGHTS} is missing")
+
+
+def _how_to_resume(key: str, before: object) -> str:
+    """What continues a run refused by check_repa_resume: its encoder folder back where it was, when that is what
+    changed (an encoder named by a path that is not here), else a new run."""
+    if key == "encoder" and isinstance(before, str) and Path(before).is_absolute() and not Path(before).exists():
+        return f"its encoder folder {before} is not on this machine: put it back there, or a link to it, to resume"
+    return "start a new run.dir"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,9 +152,11 @@ class AlignmentEncoder(nn.Module):
 def load_encoder(
     repa: RepaConfig, image_channels: int, model_grid: int, device: torch.device | str | None = None
 ) -> AlignmentEncoder:
-    """The encoder of `repa`, checked against the images it will see and the model's token grid."""
-    folder = _encoder_source(repa.encoder)
-    vit = _load_local(folder) if folder is not None else _load_named(repa.encoder)
+    """The encoder of `repa` (its folder hint where that holds the encoder, else `train.repa.encoder`: a folder or a
+    timm name), checked against the images it will see and the model's token grid."""
+    spec = encoder_copy(repa.encoder, repa.path)
+    folder = _encoder_folder(spec)
+    vit = _load_local(folder) if folder is not None else _load_named(spec, repa.path)
     if not all(hasattr(vit, name) for name in ("patch_embed", "num_prefix_tokens", "set_input_size")):
         raise EncoderUnavailableError(
             f"train.repa.encoder={repa.encoder} is a {type(vit).__name__}, not a timm "
@@ -173,12 +192,11 @@ def _channels(values, channels: int, name: str) -> list[float]:
     return values * channels if len(values) == 1 else values
 
 
-def _encoder_source(spec: str) -> Path | None:
+def _encoder_folder(spec: str) -> Path | None:
     """The local folder `spec` names (a folder, or the model.safetensors in it), or None for a timm name."""
     import timm
 
-    path = Path(spec).expanduser()
-    folder = path.parent if path.suffix == ".safetensors" else path
+    path, folder = Path(spec).expanduser(), Path(folder_spec(spec)).expanduser()
     if folder.is_dir():
         for name in (ENCODER_CONFIG, ENCODER_WEIGHTS):
             if not (folder / name).is_file():
@@ -188,7 +206,10 @@ def _encoder_source(spec: str) -> Path | None:
                 )
         return folder
     if spec.startswith((".", "/", "~")) or "/" in spec or path.suffix == ".safetensors":
-        raise EncoderUnavailableError(f"train.repa.encoder={spec}: no such folder or file")
+        raise EncoderUnavailableError(
+            f"train.repa.encoder={spec}: no such folder or file (set train.repa.encoder=FOLDER to where the "
+            f"encoder is on this machine)"
+        )
     if not timm.is_model(spec):
         raise EncoderUnavailableError(
             f"train.repa.encoder={spec} is neither a folder nor a timm model name "
@@ -213,7 +234,9 @@ def _load_local(folder: Path) -> nn.Module:
     return vit
 
 
-def _load_named(name: str) -> nn.Module:
+def _load_named(name: str, hint: str | None) -> nn.Module:
+    """The timm model `name` with its pretrained weights (the Hugging Face cache, else the hub); `hint`, a recorded
+    local copy that is not here, is named in the error."""
     import timm
 
     folder = f"encoders/{name}"
@@ -226,7 +249,10 @@ def _load_named(name: str) -> nn.Module:
         return timm.create_model(name, pretrained=True)
     except (OSError, RuntimeError, ValueError) as error:  # offline without a cached copy: LocalEntryNotFoundError
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise EncoderUnavailableError(f"encoder '{name}' is not available ({reason[:200]}). {how_to}") from None
+        missing_copy = f" (its local copy {hint} is not on this machine)" if hint is not None else ""
+        raise EncoderUnavailableError(
+            f"encoder '{name}'{missing_copy} is not available ({reason[:200]}). {how_to}"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------------
