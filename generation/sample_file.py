@@ -123,7 +123,7 @@ class SampleFiles:
 @dataclass(frozen=True)
 class ShardPlan(Sequence[Shard]):
     """The indices 0..N-1 cut into consecutive shards of `shard_size` (the last one may be smaller), shard k computed
-    when asked for: a plan of any size is two numbers (an eager list of 10**9 samples' shards held 737 MiB)."""
+    when asked for: a plan of any size is two numbers (a list of the 3.9 M shards of 10**9 samples held 733 MiB)."""
 
     num_samples: int
     shard_size: int
