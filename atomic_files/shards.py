@@ -146,7 +146,7 @@ class ShardFolder:
         creates the folder, removes temporary files of killed writers, checks (or writes) the settings record
         and lists the shards still to write before any process writes one; the list is then broadcast.
         """
-        message: list[Any] = [None, None]  # (pending shards, error): a few numbers, whatever the shard count
+        message: list[Any] = [None, None]  # (pending shards, error): the finished shards pickled, not all shards
         if state is None or state.is_main_process:
             try:
                 message[0] = self._claim_on_main_process()
