@@ -19,7 +19,9 @@ instead of the null class (autoguidance, D = D_guide + W (D_main - D_guide)) on 
 Sample i gets label i % num_classes ("balanced") or a seeded draw ("uniform") and draws all its noise from its
 own stream seeded by (--seed, i), so the file depends neither on the number of processes nor (up to float
 rounding, and except for adaptive ODE solvers) on the batch size. Indices are cut into shards of --shard-size,
-written atomically to `<out>.shards/`; rerunning the same command after a crash keeps the finished shards.
+written atomically to `<out>.shards/`; rerunning the same command after a crash keeps the finished shards. The
+shards and the merged .npz are all on the disk until the merge ends (about twice N x H x W x 3 bytes): a run that
+cannot fit there is refused once the checkpoint's description is read, before the model is built.
 Pixels: uint8 = floor(clamp(127.5 x + 128, 0, 255)) (DiT's rounding); one-channel images are repeated to RGB.
 A bad argument or a damaged checkpoint stops the command with one line and exit status 2 before anything is
 written (`--debug` shows the traceback).
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from atomic_files import check_writable, write_json_atomic
+from atomic_files import check_writable, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, UserError, check_launched_processes, run_command
 from generation.protocols import PROTOCOLS
@@ -45,9 +47,11 @@ from generation.sample_file import (
     DamagedShardError,
     SampleFiles,
     Shard,
+    ShardPlan,
     leading_images,
     merge_shards,
     plan_shards,
+    run_bytes,
     save_shard,
     shard_reader,
 )
@@ -329,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     export = load_checkpoint(args)  # nothing is written before the checkpoint has loaded
     check_against(export.description, args)
+    check_disk_space(args, export.description.image_size, files)
     accelerator = create_accelerator(args)
     if args.guide_ckpt is not None:
         load_guide(args, export.description, accelerator.device)
@@ -344,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
     set_matmul_precision(precision)
     labels = SampleLabels(args.num_samples, export.description.num_classes, args.labels, args.seed)  # lazily
-    shards = plan_shards(args.num_samples, args.shard_size)
+    shards = plan_shards(args.num_samples, args.shard_size)  # lazily, as the labels
     try:
         generator = ImageGenerator.from_export(
             export,
@@ -366,11 +371,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"sample.py: --overwrite: removed {', '.join(path.name for path in removed)} of a run with other "
                 f"settings"
             )
-    folder = ShardFolder(
-        files.shards, [shard.file_name for shard in shards], settings, replace_other_run=args.overwrite
-    )
+    folder = ShardFolder(files.shards, shards.names, settings, replace_other_run=args.overwrite)
     try:
-        pending = [shards[index] for index in folder.claim(accelerator)]
+        pending = folder.claim(accelerator)  # shard numbers, ascending
     except ShardFolderError as error:
         raise SystemExit(f"--out {args.out}: {error}") from None
     if accelerator.is_main_process and len(pending) < len(shards):
@@ -378,10 +381,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     mine = pending[accelerator.process_index :: accelerator.num_processes]
     started = time.perf_counter()
-    sample_shards(generator, mine, labels, folder, args, show_progress=accelerator.is_local_main_process)  # per node
+    sample_shards(generator, shards, mine, labels, folder, args, show_progress=accelerator.is_local_main_process)
     from accelerate.utils import gather_object
 
-    per_process = gather_object([sum(len(shard.indices) for shard in mine)])  # also a barrier
+    per_process = gather_object([shards.samples_in(mine)])  # also a barrier
     seconds = time.perf_counter() - started
     # The process group ends on every process before the main one merges: a merge of 50K samples (9.8 GB at 256 px)
     # takes minutes, and processes waiting for it in a collective would be ended by its watchdog (NCCL: 10 min).
@@ -406,6 +409,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
             f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)"
+        )
+
+
+def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFiles) -> None:
+    """Refuse a run whose samples cannot fit on the disk of --out, before the model is built or the shard folder
+    claimed: the shards and the merged .npz (`run_bytes`, about twice the images) are all on it until the merge
+    ends, less what a resumed run's finished shards (or a run --overwrite replaces) hold already."""
+    needed = run_bytes(args.num_samples, image_size, args.shard_size) - files.bytes_on_disk()
+    free = free_bytes(args.out.parent)
+    if needed > free:
+        raise SystemExit(
+            f"--num-samples {args.num_samples}: {image_size}x{image_size} images need {needed:,} bytes on the disk "
+            f"of {args.out.parent} (the shards and the merged .npz, both kept until the merge ends), but "
+            f"{free:,} are free; free some space, choose another --out, or sample fewer"
         )
 
 
@@ -460,19 +477,20 @@ def sample_shard(generator, shard: Shard, labels: SampleLabels, args: argparse.N
 
 def sample_shards(
     generator,
-    shards: Sequence[Shard],
+    shards: ShardPlan,
+    numbers: Sequence[int],
     labels: SampleLabels,
     folder: ShardFolder,
     args: argparse.Namespace,
     show_progress: bool,
 ) -> None:
-    """Sample `shards` and write each one atomically as soon as it is finished."""
+    """Sample the shards `numbers` (ascending) of the plan and write each one atomically as soon as it is finished;
+    the progress bar (per node: `show_progress` on each local main process) counts their samples."""
     from tqdm import tqdm
 
-    with tqdm(
-        total=sum(len(shard.indices) for shard in shards), unit="img", disable=not show_progress, desc="sampling"
-    ) as bar:
-        for shard in shards:
+    with tqdm(total=shards.samples_in(numbers), unit="img", disable=not show_progress, desc="sampling") as bar:
+        for number in numbers:
+            shard = shards[number]
             images = sample_shard(generator, shard, labels, args, bar)
             folder.write(shard.number, lambda path, shard=shard, images=images: save_shard(path, shard, images, labels))
 
@@ -480,7 +498,7 @@ def sample_shards(
 def finish(
     args: argparse.Namespace,
     folder: ShardFolder,
-    shards: Sequence[Shard],
+    shards: ShardPlan,
     labels: SampleLabels,
     summary: dict[str, Any],
     generator,

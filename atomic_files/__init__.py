@@ -34,11 +34,14 @@ __all__ = [
     "atomic_output",
     "check_room",
     "check_writable",
+    "free_bytes",
     "output_error",
+    "remove_if_stale",
     "remove_stale_temporaries",
     "replace_folder",
     "staging_folder",
     "save_npz_atomic",
+    "temporary_target",
     "write_json_atomic",
     "write_text_atomic",
 ]
@@ -237,14 +240,25 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     A temporary file whose writer (the pid in its name) still runs on this machine is kept.
     """
     path = Path(path)
-    removed = []
-    for candidate in path.parent.glob(f".{path.name}{TEMPORARY_MARK}*"):
-        pid = candidate.name.rpartition(TEMPORARY_MARK)[2]
-        if pid.isdigit() and int(pid) != os.getpid() and _process_alive(int(pid)):
-            continue
-        candidate.unlink(missing_ok=True)
-        removed.append(candidate)
-    return removed
+    return [candidate for candidate in path.parent.glob(f".{path.name}{TEMPORARY_MARK}*") if remove_if_stale(candidate)]
+
+
+def remove_if_stale(temporary: Path) -> bool:
+    """Delete the temporary file `temporary` unless its writer (the pid in its name) still runs on this machine;
+    True when it was deleted."""
+    pid = temporary.name.rpartition(TEMPORARY_MARK)[2]
+    if pid.isdigit() and int(pid) != os.getpid() and _process_alive(int(pid)):
+        return False
+    temporary.unlink(missing_ok=True)
+    return True
+
+
+def temporary_target(name: str) -> str | None:
+    """The name of the file that a temporary file named `name` (`.<target>.tmp-<pid>`) was written for; None for
+    a name that is not a temporary file's. Lets a folder's temporaries be found in one listing of it."""
+    if not name.startswith(".") or TEMPORARY_MARK not in name:
+        return None
+    return name[1:].rpartition(TEMPORARY_MARK)[0]
 
 
 def _process_alive(pid: int) -> bool:

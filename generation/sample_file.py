@@ -2,14 +2,17 @@
 
 The sample indices 0..N-1 are cut into consecutive shards of a fixed size (independent of the number of
 processes); each finished shard is an .npz with its images, labels and indices. `merge_shards` streams them, in
-index order, into the final .npz without holding all images in memory (50 000 images at 512 px are 39 GB).
+index order, into the final .npz without holding all images in memory (50 000 images at 512 px are 39 GB). The plan
+computes each shard when asked for (10**9 samples are 3.9 M shards of 256), and `run_bytes` says how much disk a
+run needs: the shards and the merged .npz, both on it until the merge ends.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,12 @@ from typing import Any
 import numpy as np
 
 from atomic_files import atomic_output, remove_stale_temporaries, save_npz_atomic
-from atomic_files.shards import first_difference
+from atomic_files.shards import ShardNames, first_difference
 from commands import UserError
+
+SHARD_NAME = "shard-{:06d}.npz"  # shard k's file in <out>.shards/
+LABEL_BYTES = np.dtype(np.int64).itemsize  # a label, or a sample index, in a sample file
+NPZ_OVERHEAD_BYTES = 1024  # headers and zip records of an .npz of up to three arrays, at most (a shard: 748)
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class Shard:
 
     @property
     def file_name(self) -> str:
-        return f"shard-{self.number:06d}.npz"
+        return SHARD_NAME.format(self.number)
 
     @property
     def indices(self) -> range:
@@ -91,6 +98,13 @@ class SampleFiles:
             remove_stale_temporaries(path)
         return self.samples.exists() and key is None
 
+    def bytes_on_disk(self) -> int:
+        """Bytes that the shard folder and the .npz hold now, which a run needs no free space for: a resumed run
+        keeps its finished shards, and once `claim` found the samples incomplete, an .npz is another run's that
+        --overwrite deletes (without it, `claim` refused)."""
+        shards = [entry.stat().st_size for entry in os.scandir(self.shards)] if self.shards.is_dir() else []
+        return sum(shards) + (self.samples.stat().st_size if self.samples.exists() else 0)
+
     def remove_other_run(self, settings: dict[str, Any]) -> list[Path]:
         """`sample.py --overwrite`: delete the .npz, grid and summary of a sample.py run with other settings
         (`claim` made sure the summary is sample.py's), the samples first, so that a kill midway never leaves a
@@ -106,12 +120,49 @@ class SampleFiles:
         return removed
 
 
-def plan_shards(num_samples: int, shard_size: int) -> list[Shard]:
+@dataclass(frozen=True)
+class ShardPlan(Sequence[Shard]):
+    """The indices 0..N-1 cut into consecutive shards of `shard_size` (the last one may be smaller), shard k computed
+    when asked for: a plan of any size is two numbers (a list of the 3.9 M shards of 10**9 samples held 733 MiB)."""
+
+    num_samples: int
+    shard_size: int
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.shard_size)
+
+    def __getitem__(self, item: int | slice) -> Shard | list[Shard]:
+        if isinstance(item, slice):
+            return [self[number] for number in range(len(self))[item]]
+        number = range(len(self))[item]
+        start = number * self.shard_size
+        return Shard(number, start, min(start + self.shard_size, self.num_samples))
+
+    @property
+    def names(self) -> ShardNames:
+        """The shards' file names (Shard.file_name), for the shard folder."""
+        return ShardNames(len(self), SHARD_NAME)
+
+    def samples_in(self, numbers: Sequence[int]) -> int:
+        """How many samples the shards `numbers` (ascending) hold, without visiting them: all are full but the last
+        shard of the plan."""
+        if not numbers:
+            return 0
+        short = len(self) * self.shard_size - self.num_samples  # samples the last shard lacks
+        return len(numbers) * self.shard_size - (short if numbers[-1] == len(self) - 1 else 0)
+
+
+def plan_shards(num_samples: int, shard_size: int) -> ShardPlan:
     """Cut the indices 0..N-1 into consecutive shards of `shard_size` (the last one may be smaller)."""
-    return [
-        Shard(number, start, min(start + shard_size, num_samples))
-        for number, start in enumerate(range(0, num_samples, shard_size))
-    ]
+    return ShardPlan(num_samples, shard_size)
+
+
+def run_bytes(num_samples: int, image_size: int, shard_size: int) -> int:
+    """Disk bytes a sample run fills at its peak, the end of the merge: every shard (images, labels and indices)
+    and the merged .npz (images and labels), since the shards are removed only once the merge is complete."""
+    images = num_samples * image_size * image_size * 3  # (N, H, W, 3) uint8
+    shards = images + 2 * LABEL_BYTES * num_samples + len(plan_shards(num_samples, shard_size)) * NPZ_OVERHEAD_BYTES
+    return shards + images + LABEL_BYTES * num_samples + NPZ_OVERHEAD_BYTES
 
 
 def save_shard(path: Path, shard: Shard, images: np.ndarray, labels: np.ndarray) -> None:
@@ -156,17 +207,18 @@ def shard_reader(
 
 
 def merge_shards(
-    shards: Sequence[Shard], images_of: Callable[[Shard], np.ndarray], labels: np.ndarray, out: Path
+    shards: Iterable[Shard], images_of: Callable[[Shard], np.ndarray], labels: np.ndarray, out: Path
 ) -> None:
     """Stream all shards, in index order, into `out` (arr_0 images, arr_1 labels), atomically."""
-    first = images_of(shards[0])
+    shards = iter(shards)  # one pass: a plan of millions of shards is never listed
+    first = images_of(next(shards))
     shape = (len(labels), *first.shape[1:])
     with atomic_output(out) as temporary, zipfile.ZipFile(temporary, "w", allowZip64=True) as archive:
         with archive.open("arr_0.npy", "w", force_zip64=True) as member:
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": shape}
             np.lib.format.write_array_header_1_0(member, header)
             member.write(first.tobytes())
-            for shard in shards[1:]:
+            for shard in shards:
                 images = images_of(shard)
                 if images.shape[1:] != shape[1:]:
                     raise DamagedShardError(
@@ -177,7 +229,7 @@ def merge_shards(
             np.lib.format.write_array(member, labels)
 
 
-def leading_images(shards: Sequence[Shard], images_of: Callable[[Shard], np.ndarray], count: int) -> np.ndarray:
+def leading_images(shards: Iterable[Shard], images_of: Callable[[Shard], np.ndarray], count: int) -> np.ndarray:
     """The first `count` samples, (count, H, W, 3) uint8, read from the leading shards (for the preview grid)."""
     images, total = [], 0
     for shard in shards:
