@@ -23,7 +23,10 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 USER_ERROR_STATUS = 2  # as argparse exits on a bad argument
 DEBUG_FLAG = "--debug"
@@ -87,6 +90,29 @@ def accelerate_launch_processes() -> int:
     except SystemExit:  # a command line that is not accelerate's after all
         return 1
     return options.num_processes or 1
+
+
+def end_processes(accelerator: Accelerator) -> None:
+    """End this process's part of a launch: Accelerate's `end_training` (trackers, then every process group), with
+    the groups freed here and their gloo worker threads joined here.
+
+    `destroy_process_group` unregisters a group; its C++ object, and the worker threads it joins, go with the last
+    reference. A group still held outlives the script, and a worker that drops the tensors of the last collective
+    once the interpreter has begun to shut down cannot take the GIL: Python ends the thread inside a noexcept frame
+    and std::terminate aborts the finished process ("terminate called without an active exception", exit 134).
+    torch.distributed.nn.functional holds the default group when imported after it began (its `group=group.WORLD`
+    defaults are evaluated at import; torchvision imports it through torch._dynamo): they become None, the default
+    group, as when it is imported first. A DistributedDataParallel model holds its group too: callers drop theirs
+    before the interpreter exits (a function's locals go when it returns)."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is not None:
+        from torch.distributed import ProcessGroup
+
+        for function in vars(functional).values():  # group=<the group at import time> -> None, the default group
+            defaults = getattr(function, "__defaults__", None)
+            if defaults and any(isinstance(value, ProcessGroup) for value in defaults):
+                function.__defaults__ = tuple(None if isinstance(value, ProcessGroup) else value for value in defaults)
+    accelerator.end_training()
 
 
 # glibc's malloc serves blocks of 128 KiB or more by mmap and unmaps them on free, so every Inception batch (and any

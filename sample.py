@@ -41,7 +41,7 @@ import numpy as np
 
 from atomic_files import check_writable, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, UserError, check_launched_processes, run_command
+from commands import CommandParser, UserError, check_launched_processes, end_processes, run_command
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     seconds = time.perf_counter() - started
     # The process group ends on every process before the main one merges: a merge of 50K samples (9.8 GB at 256 px)
     # takes minutes, and processes waiting for it in a collective would be ended by its watchdog (NCCL: 10 min).
-    accelerator.end_training()
+    end_processes(accelerator)  # and frees the group, which a module imported since would keep (its docstring)
     if accelerator.is_main_process:
         new_images = sum(per_process)
         summary = {

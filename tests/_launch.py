@@ -5,6 +5,30 @@ exactly as under `torchrun --nproc_per_node 2` on a cluster node; `accelerate la
 """
 
 import sys
+from pathlib import Path
 
 # The launcher's argv up to the script: a free port on this host (--standalone), two workers.
 TORCHRUN_TWO_PROCESSES = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+# The head of a launched script: when the interpreter is about to shut down (the last atexit handler, registered
+# first) it prints the gloo threads still running (Linux thread names: pt_gloo_runloop, gloo_tcp_loop). A test
+# expects none: a gloo worker running then may abort the finished process (commands.end_processes says how).
+GLOO_THREADS_AT_EXIT = """
+import atexit as _atexit, os as _os
+
+def _gloo_threads_at_exit():
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in _os.listdir("/proc/self/task")]
+    line = f"gloo threads at exit: {sorted(name for name in names if 'gloo' in name)}\\n"
+    _os.write(1, line.encode())  # one write: the lines of two processes sharing a pipe do not interleave
+
+_atexit.register(_gloo_threads_at_exit)
+"""
+NO_GLOO_THREAD_AT_EXIT = "gloo threads at exit: []"  # the line each process of a clean launch prints
+
+
+def with_gloo_probe(script: Path, folder: Path) -> Path:
+    """A script in `folder` that runs `script` as __main__ (same arguments) after GLOO_THREADS_AT_EXIT."""
+    probed = folder / f"probed_{script.name}"
+    run = f"import runpy, sys\nsys.path.insert(0, {str(script.parent)!r})\n"  # as `python script` would have it
+    probed.write_text(f"{GLOO_THREADS_AT_EXIT}{run}runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    return probed

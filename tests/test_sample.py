@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sample
-from _launch import TORCHRUN_TWO_PROCESSES
+from _launch import NO_GLOO_THREAD_AT_EXIT, TORCHRUN_TWO_PROCESSES, with_gloo_probe
 from atomic_files import save_npz_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from generation import ImageGenerator, load_export
@@ -269,7 +269,10 @@ def test_samples_do_not_depend_on_the_batch_split(export):
 
 def test_two_processes_give_the_same_file(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
-    run([*TORCHRUN_TWO_PROCESSES, *sample_command(export, out, "--cpu")[1:]])
+    (tmp_path / "probe").mkdir()
+    probed = with_gloo_probe(REPO / "sample.py", tmp_path / "probe")  # sample.py, telling the threads left at exit
+    done = run([*TORCHRUN_TWO_PROCESSES, str(probed), *sample_command(export, out, "--cpu")[2:]])
+    assert done.stdout.count(NO_GLOO_THREAD_AT_EXIT) == 2, done.stdout  # the process group was freed before exit
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["images_per_process"] == [8, 8]  # 4 shards of 4, taken in turn: the work was split
     with np.load(out) as data:

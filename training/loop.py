@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from tqdm import tqdm
 
 from atomic_files import OutputError
-from commands import UserError
+from commands import UserError, end_processes
 from generation.vae import sample_latents
 from training.build import TrainingParts
 from training.checkpoint import checkpoint_bytes, save_checkpoint, save_milestone_export
@@ -147,14 +147,14 @@ class Trainer:
             if stopping:  # a grid or FID due at this step is left out: the scheduler's grace time is short
                 self.say_stopped(stop)
                 progress.close()
-                accelerator.end_training()
+                end_processes(accelerator)
                 return stop.name()
             if log.sample_every and (step % log.sample_every == 0 or last):
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
                 self.measure_fid()
         progress.close()
-        accelerator.end_training()
+        end_processes(accelerator)
         return None
 
     def say_stopped(self, stop: StopSignals) -> None:

@@ -98,9 +98,12 @@ class StopSignals:
         return signal.Signals(self.received).name if self.received is not None else "a signal to another process"
 
     def restore(self) -> None:
-        """Put back the handlers that were there before (tests run several trainings in one process)."""
+        """Put back the handlers that were there before (tests run several trainings in one process), and let the
+        stop-flag group go: `destroy_process_group` has shut it down, and its gloo threads are joined when the last
+        reference goes, here rather than at interpreter shutdown (commands.end_processes says why that matters)."""
         for number, previous in self._previous.items():
             signal.signal(number, previous)
+        self._group = None
 
 
 def stop_flag_group():
