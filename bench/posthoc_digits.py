@@ -12,16 +12,16 @@ run only the seed. After training, `training.posthoc_ema` reconstructs the final
 the grid, and each is sampled class-balanced (DDIM 50 steps) without guidance and with classifier-free guidance
 (scale 2), as is the classic EMA. Then each arm's best sigma_rel without guidance (mean FID over seeds) is
 autoguided by the same run's classic-EMA export at 25 % of training (step 500: a short-trained, short-EMA version
-of itself) and, for comparison at matched classifier accuracy, guided by CFG at the same scales. Scores are the
-demo's (bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
+of itself) and guided by CFG at one more scale, so that autoguidance can be compared with CFG at the same
+classifier accuracy (per seed, CFG's FID interpolated along its accuracy curve). Scores are the demo's
+(bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
 
-Cost (estimated, not measured): per run 2 + 2 x 9 sigma_rels + 3 autoguidance + 2 more CFG scales = 25 scorings
-of 1000 samples, 150 for the 6 runs; at the ~13 Inception images/s bench.quality measured on the project's CPU
-that is about 3 h of scoring, besides about 1 h of training (configs/digits.yaml records 3.4 steps/s on 2 cores:
-~10 min a run). Shrink FULL_GRID or FULL.final_samples to fit a smaller budget; the reconstruction itself takes
-seconds. Resumable like bench.quality: runs in
-<out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/, one score JSON per scoring in
-<out>/scores/; a rerun skips what is done. Report: bench/results/posthoc-digits.{json,md,png} (--quick: --out).
+Cost: Inception sets it (about 17 images/s on the 2-core CPU this was run on, so about a minute per scoring of
+1000 samples): per run 2 classic + 2 x 5 sigma_rels + 3 autoguidance + 1 more CFG scale = 16 scorings, 96 for
+the 6 runs, besides about 25 min of training; the reconstruction itself takes seconds. Resumable like
+bench.quality: runs in <out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/, one score JSON
+per scoring in <out>/scores/; a rerun skips what is done. Report: bench/results/posthoc-digits.{json,md,png}
+(--quick: --out).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class Grid:
 
     sigma_rels: tuple[float, ...]  # reconstructed, each without guidance and with CFG at cfg_scale
     cfg_scale: float
-    guided_scales: tuple[float, ...]  # autoguidance and CFG, on each arm's best sigma_rel
+    autoguidance_scales: tuple[float, ...]  # on each arm's best sigma_rel, guided by the run's early export
+    more_cfg_scales: tuple[float, ...]  # CFG on the best sigma_rel besides 1 and cfg_scale: the curve to match
 
 
 FULL = Budget(
@@ -77,10 +78,10 @@ FULL = Budget(
     seeds=(0, 1, 2),
     model_overrides=(),
 )
-FULL_GRID = Grid((0.01, 0.02, 0.03, 0.05, 0.07, 0.10, 0.15, 0.20, 0.25), 2.0, (1.5, 2.0, 3.0))
+FULL_GRID = Grid((0.01, 0.03, 0.06, 0.12, 0.25), 2.0, (1.5, 2.0, 3.0), (1.5,))
 # bench.repa_digits' smoke budget for 8 steps (a snapshot at every step: 8 per profile).
 QUICK = replace(REPA_QUICK, max_steps=8, curve_samples=REPA_QUICK.final_samples)
-QUICK_GRID = Grid((0.03, 0.10), 2.0, (2.0,))
+QUICK_GRID = Grid((0.03, 0.10), 2.0, (2.0,), (1.5,))
 
 
 def arms(budget: Budget) -> tuple[Arm, ...]:
@@ -109,7 +110,7 @@ def reconstructions(run_dir: Path, sigma_rels: Sequence[float], step: int) -> di
 
 def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[str, Any]:
     from bench._harness import save_results
-    from training.checkpoint import checkpoint_name
+    from training.checkpoint_folders import checkpoint_name
 
     scorer = DigitsScorer(out, budget)
     runs = [(arm, seed) for arm in arms(budget) for seed in budget.seeds]
@@ -139,11 +140,12 @@ def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[s
         main = reconstructions(run_dir, [best[arm.name]], final)[best[arm.name]]
         guide = run_dir / "checkpoints" / checkpoint_name(guide_step) / "export"
         what = dict(ema="posthoc", sigma_rel=best[arm.name])
-        for scale in grid.guided_scales:
+        for scale in grid.autoguidance_scales:
             score(arm, seed, main, f"best-auto{scale:g}", scale, guide, **what, method="autoguidance")
-            if scale != grid.cfg_scale:  # else scored with the grid already
-                score(arm, seed, main, f"sigma_rel-{best[arm.name]:g}-cfg{scale:g}", scale, **what, method="cfg")
-    results = summarise(rows, runs, budget, grid, best, guide_step, out)
+        for scale in grid.more_cfg_scales:
+            score(arm, seed, main, f"sigma_rel-{best[arm.name]:g}-cfg{scale:g}", scale, **what, method="cfg")
+    fits = {key: fit_records(run_dir, grid.sigma_rels, final) for key, run_dir in run_dirs.items()}
+    results = summarise(rows, runs, budget, grid, best, guide_step, fits, out)
     markdown = render_markdown(results)
     save_results(report_dir, STEM, results, markdown, plot)
     print(markdown, flush=True)
@@ -159,6 +161,45 @@ def best_sigma_rels(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {arm: min(fids, key=lambda sigma_rel: np.mean(fids[sigma_rel])) for arm, fids in means.items()}
 
 
+def fit_records(run_dir: Path, sigma_rels: Sequence[float], step: int) -> dict[float, dict[str, float]]:
+    """Per sigma_rel, how well the stored profiles reconstruct it (the export description's `posthoc_ema`)."""
+    from generation import read_export
+
+    records = {
+        sigma_rel: read_export(folder).description.posthoc_ema
+        for sigma_rel, folder in reconstructions(run_dir, sigma_rels, step).items()
+    }
+    return {s: {"relative_error": r["relative_error"], "condition": r["condition"]} for s, r in records.items()}
+
+
+def matched_accuracy(rows: list[dict[str, Any]], grid: Grid, sigma_rel: float) -> dict[str, Any]:
+    """Autoguidance against CFG at the same classifier accuracy, per seed: CFG's FID at the accuracy each
+    autoguidance scale reached, interpolated linearly along the seed's CFG points (scales 1, more_cfg_scales and
+    cfg_scale on the same sigma_rel, ordered by accuracy); None where that accuracy lies outside them."""
+    cfg_scales = sorted({1.0, grid.cfg_scale, *grid.more_cfg_scales})
+    on_best = [row for row in rows if row["ema"] == "posthoc" and row["sigma_rel"] == sigma_rel]
+    matched: dict[str, Any] = {}
+    for scale in grid.autoguidance_scales:
+        pairs = []
+        for auto in (r for r in on_best if r["method"] == "autoguidance" and r["guidance"] == scale):
+            curve = sorted(
+                (r["accuracy"], r["fid"])
+                for r in on_best
+                if r["method"] == "cfg" and r["seed"] == auto["seed"] and r["guidance"] in cfg_scales
+            )
+            accuracies, fids = np.array(curve).T  # (points,), (points,)
+            inside = accuracies[0] <= auto["accuracy"] <= accuracies[-1]
+            cfg_fid = float(np.interp(auto["accuracy"], accuracies, fids)) if inside else None
+            pairs.append({"seed": auto["seed"], "accuracy": auto["accuracy"], "fid": auto["fid"], "cfg_fid": cfg_fid})
+        inside = [pair for pair in pairs if pair["cfg_fid"] is not None]
+        matched[f"{scale:g}"] = {
+            "per_seed": pairs,
+            "cfg_fid": spread([pair["cfg_fid"] for pair in inside]) if inside else None,
+            "difference": spread([pair["fid"] - pair["cfg_fid"] for pair in inside]) if inside else None,
+        }
+    return matched
+
+
 def summarise(
     rows: list[dict[str, Any]],
     runs: list[tuple[Arm, int]],
@@ -166,9 +207,11 @@ def summarise(
     grid: Grid,
     best: dict[str, float],
     guide_step: int,
+    fits: dict[tuple[str, int], dict[float, dict[str, float]]],
     out: Path,
 ) -> dict[str, Any]:
-    """Per arm and setting, FID and accuracy as mean and sd over seeds."""
+    """Per arm and setting, FID and accuracy as mean and sd over seeds; autoguidance matched with CFG; the
+    reconstructions' fit errors."""
     import torch
 
     from bench._harness import describe_device
@@ -182,10 +225,19 @@ def summarise(
     for row in rows:
         grouped.setdefault(row["arm"], {}).setdefault(setting(row), []).append(row)
     labels = {arm.name: arm.label for arm, _ in runs}
+    seeds = budget.seeds
     arms_ = {
         name: {
             "label": labels[name],
             "best_sigma_rel": best[name],
+            "matched_accuracy": matched_accuracy([r for r in rows if r["arm"] == name], grid, best[name]),
+            "reconstruction": {
+                f"{sigma_rel:g}": {
+                    "relative_error": spread([fits[(name, seed)][sigma_rel]["relative_error"] for seed in seeds]),
+                    "condition": max(fits[(name, seed)][sigma_rel]["condition"] for seed in seeds),
+                }
+                for sigma_rel in grid.sigma_rels
+            },
             "settings": {
                 key: {
                     **{field: group[0][field] for field in ("ema", "method", "guidance") if field in group[0]},
@@ -256,21 +308,17 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{format_spread(plain['accuracy'], percent=True)} | {format_spread(guided['fid'])} | "
                 f"{format_spread(guided['accuracy'], percent=True)} |"
             )
+    lines += ["", *guidance_lines(results)]
+    fits = ", ".join(
+        f"{sigma_rel} {100 * fit['relative_error']['mean']:.2f} %"
+        for sigma_rel, fit in next(iter(results["arms"].values()))["reconstruction"].items()
+    )
+    worst = max(fit["condition"] for entry in results["arms"].values() for fit in entry["reconstruction"].values())
     lines += [
         "",
-        f"Autoguidance by the step-{results['guide_step']} classic-EMA export against CFG, on each arm's best",
+        f"Reconstruction from the stored profiles (first arm, mean over seeds): profile fit error by sigma_rel "
+        f"{fits}; largest Gram condition number {worst:.1e}.",
     ]
-    lines += ["sigma_rel without guidance:", "", "| arm | sigma_rel | scale | method | FID | accuracy |"]
-    lines.append("|---|---|---|---|---|---|")
-    for entry in results["arms"].values():
-        sigma_rel = entry["best_sigma_rel"]
-        for scale in grid["guided_scales"]:
-            for method in ("autoguidance", "cfg"):
-                row = entry["settings"][f"sigma_rel {sigma_rel:g} {method} {scale:g}"]
-                lines.append(
-                    f"| {entry['label']} | {sigma_rel:g} | {scale:g} | {method} | {format_spread(row['fid'])} | "
-                    f"{format_spread(row['accuracy'], percent=True)} |"
-                )
     lines += [
         "",
         f"Config {results['config']} with {', '.join(budget['model_overrides']) or 'no size overrides'}; stored "
@@ -286,28 +334,86 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def guidance_lines(results: dict[str, Any]) -> list[str]:
+    """Autoguidance against CFG on each arm's best sigma_rel: the table, then each autoguidance scale against CFG
+    at the same classifier accuracy."""
+    grid = results["grid"]
+    lines = [
+        f"Autoguidance by the step-{results['guide_step']} classic-EMA export against CFG, on each arm's best "
+        "sigma_rel without guidance:",
+        "",
+        "| arm | sigma_rel | method | scale | FID | accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    cfg_scales = sorted({1.0, grid["cfg_scale"], *grid["more_cfg_scales"]})
+    for entry in results["arms"].values():
+        sigma_rel = entry["best_sigma_rel"]
+        methods = [("cfg", cfg_scales), ("autoguidance", grid["autoguidance_scales"])]
+        for method, scales in methods:
+            for scale in scales:
+                row = entry["settings"][f"sigma_rel {sigma_rel:g} {method} {scale:g}"]
+                lines.append(
+                    f"| {entry['label']} | {sigma_rel:g} | {method} | {scale:g} | {format_spread(row['fid'])} | "
+                    f"{format_spread(row['accuracy'], percent=True)} |"
+                )
+    lines.append("")
+    for entry in results["arms"].values():
+        for scale, match in entry["matched_accuracy"].items():
+            seeds = len(match["per_seed"])
+            if match["difference"] is None:
+                lines.append(
+                    f"- {entry['label']}, autoguidance {scale}: its accuracy lies outside CFG's scales "
+                    f"{', '.join(f'{s:g}' for s in cfg_scales)} for every seed (no match)."
+                )
+                continue
+            inside = len(match["difference"]["values"])
+            auto = entry["settings"][f"sigma_rel {entry['best_sigma_rel']:g} autoguidance {scale}"]
+            lines.append(
+                f"- {entry['label']}, autoguidance {scale} (accuracy {format_spread(auto['accuracy'], percent=True)}):"
+                f" FID minus CFG's at the same accuracy {format_spread(match['difference'])} "
+                f"(CFG {format_spread(match['cfg_fid'])}; {inside} of {seeds} seeds within CFG's accuracy range)."
+            )
+    return lines
+
+
 def plot(results: dict[str, Any]):
-    """FID against sigma_rel (log scale): per arm, without guidance (solid) and with CFG (dashed); the classic
-    EMA as a horizontal line of the arm's colour."""
+    """Left: FID against sigma_rel (log scale), per arm without guidance (solid) and with CFG (dashed), the classic
+    EMA as a faint horizontal line of the arm's colour. Right: FID against classifier accuracy on each arm's best
+    sigma_rel, CFG's scales joined by a line, autoguidance's as squares (means over seeds)."""
     from bench._harness import subplots
 
     grid = results["grid"]
-    figure, axis = subplots(figsize=(7, 4.5))
+    figure, (sweep, trade) = subplots(1, 2, figsize=(12, 4.5))
+    cfg_scales = sorted({1.0, grid["cfg_scale"], *grid["more_cfg_scales"]})
     for index, entry in enumerate(results["arms"].values()):
+        colour, settings = f"C{index}", entry["settings"]
         for scale, style in ((1.0, "-"), (grid["cfg_scale"], "--")):
-            fids = [entry["settings"][f"sigma_rel {s:g} cfg {scale:g}"]["fid"]["mean"] for s in grid["sigma_rels"]]
+            fids = [settings[f"sigma_rel {s:g} cfg {scale:g}"]["fid"]["mean"] for s in grid["sigma_rels"]]
             guidance = "no guidance" if scale == 1.0 else f"CFG {scale:g}"
-            axis.plot(
-                grid["sigma_rels"], fids, style, color=f"C{index}", marker="o", label=f"{entry['label']}, {guidance}"
+            sweep.plot(grid["sigma_rels"], fids, style, color=colour, marker="o", label=f"{entry['label']}, {guidance}")
+            classic = settings[f"classic cfg {scale:g}"]["fid"]["mean"]
+            sweep.axhline(classic, color=colour, linestyle=style, alpha=0.35, linewidth=1)
+        best = f"sigma_rel {entry['best_sigma_rel']:g}"
+        for method, scales, style in (("cfg", cfg_scales, "-o"), ("autoguidance", grid["autoguidance_scales"], "s")):
+            points = [settings[f"{best} {method} {scale:g}"] for scale in scales]
+            accuracies = [100 * point["accuracy"]["mean"] for point in points]
+            trade.plot(
+                accuracies,
+                [point["fid"]["mean"] for point in points],
+                style,
+                color=colour,
+                label=f"{entry['label']}, {method} ({', '.join(f'{s:g}' for s in scales)})",
             )
-            classic = entry["settings"][f"classic cfg {scale:g}"]["fid"]["mean"]
-            axis.axhline(classic, color=f"C{index}", linestyle=style, alpha=0.35, linewidth=1)
-    axis.set_xscale("log")
-    axis.set_xlabel("sigma_rel (post-hoc EMA); faint lines: the classic EMA")
-    axis.set_ylabel(f"FID ({results['budget']['final_samples']} samples)")
-    axis.set_title("bench.posthoc_digits: FID against the EMA length")
-    axis.legend()
-    axis.grid(alpha=0.3)
+    sweep.set_xscale("log")
+    sweep.set_xlabel("sigma_rel (post-hoc EMA); faint lines: the classic EMA")
+    sweep.set_ylabel(f"FID ({results['budget']['final_samples']} samples)")
+    sweep.set_title("FID against the EMA length")
+    trade.set_xlabel("classifier accuracy (%)")
+    trade.set_ylabel("FID")
+    trade.set_title("best sigma_rel: CFG against autoguidance")
+    for axis in (sweep, trade):
+        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
     figure.tight_layout()
     return figure
 

@@ -4,9 +4,10 @@ stored profiles, reconstructs, scores every setting, reports and resumes."""
 import json
 
 import numpy as np
+import pytest
 
 from _study import run_quick
-from bench.posthoc_digits import QUICK, QUICK_GRID, STEM, arms
+from bench.posthoc_digits import QUICK, QUICK_GRID, STEM, Grid, arms, matched_accuracy
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -25,8 +26,14 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
         assert entry["best_sigma_rel"] in QUICK_GRID.sigma_rels
         expected = {f"classic cfg {scale:g}" for scale in (1, QUICK_GRID.cfg_scale)}
         expected |= {f"sigma_rel {s:g} cfg {scale:g}" for s in QUICK_GRID.sigma_rels for scale in (1, 2)}
-        expected |= {f"sigma_rel {entry['best_sigma_rel']:g} autoguidance {s:g}" for s in QUICK_GRID.guided_scales}
+        best = f"sigma_rel {entry['best_sigma_rel']:g}"
+        expected |= {f"{best} autoguidance {s:g}" for s in QUICK_GRID.autoguidance_scales}
+        expected |= {f"{best} cfg {s:g}" for s in QUICK_GRID.more_cfg_scales}
         assert set(entry["settings"]) == expected
+        assert set(entry["matched_accuracy"]) == {f"{s:g}" for s in QUICK_GRID.autoguidance_scales}
+        for sigma_rel in QUICK_GRID.sigma_rels:  # every reconstruction's fit is recorded
+            fit = entry["reconstruction"][f"{sigma_rel:g}"]
+            assert 0 <= fit["relative_error"]["mean"] < 1 and fit["condition"] >= 1
         for setting in entry["settings"].values():
             assert setting["seeds"] == [0] and np.isfinite(setting["fid"]["mean"]) and setting["fid"]["mean"] > 0
             assert 0 <= setting["accuracy"]["mean"] <= 1
@@ -40,3 +47,26 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
     assert "quality: training" not in second and "sampling and scoring" not in second
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
     assert (out / f"{STEM}.md").read_text() == markdown
+
+
+def test_autoguidance_is_matched_with_cfg_by_interpolating_cfg_along_its_accuracy():
+    grid = Grid((0.1,), 2.0, (2.0, 3.0), (1.5,))
+
+    def row(seed, method, scale, accuracy, fid):
+        return dict(seed=seed, ema="posthoc", sigma_rel=0.1, method=method, guidance=scale, accuracy=accuracy, fid=fid)
+
+    rows = [
+        *(row(0, "cfg", s, a, f) for s, a, f in ((1.0, 0.90, 10.0), (1.5, 0.96, 12.0), (2.0, 1.00, 16.0))),
+        *(row(1, "cfg", s, a, f) for s, a, f in ((1.0, 0.80, 9.0), (1.5, 0.90, 11.0), (2.0, 0.99, 14.0))),
+        row(0, "autoguidance", 2.0, 0.93, 9.5),  # halfway from 0.90 to 0.96: CFG 11.0
+        row(1, "autoguidance", 2.0, 0.95, 10.0),  # 5/9 of the way from 0.90 to 0.99: CFG 11 + 3 * 5/9
+        row(0, "autoguidance", 3.0, 1.00, 12.0),  # at CFG's last point: 16.0
+        row(1, "autoguidance", 3.0, 1.00, 12.0),  # above every CFG point of seed 1: no match
+        row(0, "cfg", 1.5, 0.5, 99.0) | {"sigma_rel": 0.2},  # another sigma_rel: ignored
+    ]
+    matched = matched_accuracy(rows, grid, 0.1)
+    two, three = matched["2"], matched["3"]
+    assert [pair["cfg_fid"] for pair in two["per_seed"]] == pytest.approx([11.0, 11.0 + 3 * 5 / 9])
+    assert two["difference"]["values"] == pytest.approx([9.5 - 11.0, 10.0 - 11.0 - 3 * 5 / 9])
+    assert [pair["cfg_fid"] for pair in three["per_seed"]] == [16.0, None]
+    assert three["difference"]["values"] == [-4.0] and three["difference"]["sd"] is None
