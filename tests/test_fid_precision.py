@@ -10,7 +10,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-from fid import Gaussian, StatisticsFile, load_inception, save_statistics
+from fid import Gaussian, StatisticsFile, save_statistics
 from fid.__main__ import main as fid_main
 from generation import ImageGenerator, read_export
 from generation.images import to_uint8
@@ -22,16 +22,11 @@ DIGITS = ROOT / "configs" / "digits.yaml"
 FID_SAMPLES = 8
 
 
-@pytest.fixture(scope="module")
-def bundled():
-    return load_inception("bundled", "cpu")
-
-
-def test_inception_features_under_bf16_autocast_equal_fp32(bundled):
+def test_inception_features_under_bf16_autocast_equal_fp32(bundled_inception):
     images = np.random.default_rng(0).integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
-    expected = bundled(images)
+    expected = bundled_inception(images)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        features = bundled(images)
+        features = bundled_inception(images)
     for name in ("pool", "spatial"):
         got, want = getattr(features, name), getattr(expected, name)
         assert got.dtype == torch.float32
@@ -39,12 +34,12 @@ def test_inception_features_under_bf16_autocast_equal_fp32(bundled):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
 
 
-def test_fid_logged_by_a_bf16_training_run_equals_python_m_fid(bundled, tmp_path):
+def test_fid_logged_by_a_bf16_training_run_equals_python_m_fid(bundled_inception, tmp_path):
     """train.py with mixed_precision=bf16 logs FID of its EMA samples; the same samples (regenerated from the
     export under the same bf16 autocast, the same (label, seed) pairs, sampler and batch) written to an .npz
     and scored by `python -m fid` against the same reference give the same FID."""
     real = to_uint8(DigitsDataset().images[:FID_SAMPLES])
-    reference_features = bundled(real).pool.double().numpy()
+    reference_features = bundled_inception(real).pool.double().numpy()
     reference = tmp_path / "reference.npz"
     save_statistics(
         reference, StatisticsFile(pool=Gaussian(reference_features.mean(0), np.cov(reference_features, rowvar=False)))

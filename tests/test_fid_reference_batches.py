@@ -18,7 +18,7 @@ from torchvision import transforms
 import fid.reference.batches
 from _fid_reference import no_inception, uint8_images  # noqa: F401 (no_inception is a fixture)
 from commands import run_command
-from fid import evaluate, extract_features, load_inception, load_statistics
+from fid import evaluate, extract_features, load_statistics
 from fid.__main__ import main as fid_main
 from fid.errors import InputError
 from fid.inputs import FolderImages
@@ -188,7 +188,7 @@ def test_mixed_size_folder_needs_center_crop_and_then_yields_cropped_images(tmp_
 
 
 @pytest.mark.slow
-def test_save_stats_of_a_raw_mixed_size_folder(tmp_path):
+def test_save_stats_of_a_raw_mixed_size_folder(bundled_inception, tmp_path):
     sizes = [(300, 200), (90, 120), (64, 64), (200, 150)]
     for i, (height, width) in enumerate(sizes):
         noise_image(height, width, seed=i).convert("RGB").save(tmp_path / f"{i}.jpg", quality=95)
@@ -208,7 +208,7 @@ def test_save_stats_of_a_raw_mixed_size_folder(tmp_path):
         ]
     )
     crops = np.stack([center_crop_adm(Image.open(tmp_path / f"{i}.jpg").convert("RGB"), 64) for i in range(4)])
-    expected = extract_features([crops], load_inception("bundled", "cpu"), gaussians=("pool",)).gaussians["pool"]
+    expected = extract_features([crops], bundled_inception, gaussians=("pool",)).gaussians["pool"]
     saved = load_statistics(tmp_path / "stats.npz").pool
     # The same features in batches of 3 + 1 vs one batch of 4: fp32 summation order only.
     np.testing.assert_allclose(saved.mean, expected.mean, rtol=0, atol=1e-5)

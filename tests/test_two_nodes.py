@@ -80,13 +80,13 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     assert_same_as(run_dir, preemption_reference)
 
 
-def test_fid_during_training_on_two_nodes_is_the_fid_of_all_samples(tmp_path):
+def test_fid_during_training_on_two_nodes_is_the_fid_of_all_samples(bundled_inception, tmp_path):
     # Each node's process draws its half of the FID samples; the global main process logs the FID of all of them
     run_dir = tmp_path / "run"
     command = ["train.py", "--config", str(DIGITS), *TWO_PROCESS, f"run.dir={run_dir}", *fid_monitoring(tmp_path)]
     nodes = two_nodes(command)
     assert all(node.returncode == 0 for node in nodes), [node.stderr[-2000:] for node in nodes]
-    assert_fid_is_that_of_all_samples(run_dir)
+    assert_fid_is_that_of_all_samples(run_dir, bundled_inception)
 
 
 @pytest.mark.slurm

@@ -8,12 +8,11 @@ of `dit_vca`, SiT models ("SiT-...") with the transport objective of `sit_vca` (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from diffusers import AutoencoderKL
 from timm.utils import ModelEmaV3
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
@@ -30,6 +29,9 @@ from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
 from training.posthoc_ema import PowerEMA, create_posthoc_ema
 from training.repa import RepresentationAlignment, build_projector, check_encoder, load_encoder
+
+if TYPE_CHECKING:  # diffusers is imported only where a VAE is loaded (generation.vae): pixel-space runs never need it
+    from diffusers import AutoencoderKL
 
 
 @dataclass
