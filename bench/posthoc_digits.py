@@ -1,6 +1,6 @@
 """Study: the EMA length chosen after training (post-hoc EMA), and autoguidance, on the digits (issue 29).
 
-    python -m bench.posthoc_digits                    # MHSA and VCA, 2 seeds each
+    python -m bench.posthoc_digits                    # MHSA and VCA, 3 seeds each
     python -m bench.posthoc_digits --quick --out DIR  # smoke run (tiny model, 8 steps, 1 seed): the machinery only
 
 On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR).
@@ -17,11 +17,11 @@ classifier accuracy (per seed, CFG's FID interpolated along its accuracy curve).
 (bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
 
 Cost: Inception sets it (about 17 images/s on the 2-core CPU this was run on, so about a minute per scoring of
-1000 samples): per run 2 classic + 2 x 5 sigma_rels + 3 autoguidance + 1 more CFG scale = 16 scorings, 64 for
-the 4 runs (about 80 min), besides 6-10 min of training per run; the reconstruction itself takes seconds.
+1000 samples): per run 2 classic + 2 x 5 sigma_rels + 3 autoguidance + 1 more CFG scale = 16 scorings, 96 for
+the 6 runs (about 1.7 h), besides 6-10 min of training per run; the reconstruction itself takes seconds.
 Resumable like bench.quality: runs in <out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/,
-one score JSON per scoring in <out>/scores/; a rerun skips what is done. Report:
-bench/results/posthoc-digits.{json,md,png} (--quick: --out).
+one score JSON per scoring in <out>/scores/; a rerun skips what it scored before (same export, settings and
+identity). Report: bench/results/posthoc-digits.{json,md,png} (--quick: --out).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ FULL = Budget(
     curve_samples=1000,
     real_images=None,
     sampler_steps={"diffusion": 50, "transport": 25},
-    seeds=(0, 1),  # 16 scorings per run of ~76 s each on 2 CPU cores: two seeds is what the study could afford
+    seeds=(0, 1, 2),
     model_overrides=(),
 )
 FULL_GRID = Grid((0.01, 0.03, 0.06, 0.12, 0.25), 2.0, (1.5, 2.0, 3.0), (1.5,))
@@ -140,10 +140,11 @@ def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[s
         main = reconstructions(run_dir, [best[arm.name]], final)[best[arm.name]]
         guide = run_dir / "checkpoints" / checkpoint_name(guide_step) / "export"
         what = dict(ema="posthoc", sigma_rel=best[arm.name])
+        label = f"sigma_rel-{best[arm.name]:g}"  # not "best": a rerun with another seed can move the best
         for scale in grid.autoguidance_scales:
-            score(arm, seed, main, f"best-auto{scale:g}", scale, guide, **what, method="autoguidance")
+            score(arm, seed, main, f"{label}-auto{scale:g}", scale, guide, **what, method="autoguidance")
         for scale in grid.more_cfg_scales:
-            score(arm, seed, main, f"sigma_rel-{best[arm.name]:g}-cfg{scale:g}", scale, **what, method="cfg")
+            score(arm, seed, main, f"{label}-cfg{scale:g}", scale, **what, method="cfg")
     fits = {key: fit_records(run_dir, grid.sigma_rels, final) for key, run_dir in run_dirs.items()}
     results = summarise(rows, runs, budget, grid, best, guide_step, fits, out)
     markdown = render_markdown(results)

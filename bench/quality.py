@@ -285,6 +285,15 @@ def score_checkpoint(
     return score_export(export_dir, name, identity, count, final, budget, scorer, out, title=title)
 
 
+def reusable_record(record: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+    """The score record at `record` when a previous invocation wrote it for the same work: every field of
+    `expected` (what is scored, the export, the sampling and scoring settings) as stored; else None (score again)."""
+    if not record.is_file():
+        return None
+    stored = json.loads(record.read_text())
+    return stored if all(stored.get(key) == value for key, value in expected.items()) else None
+
+
 def score_export(
     export_dir: Path,
     name: str,
@@ -322,10 +331,9 @@ def score_export(
         **scorer.settings,
     }
     record = out / "scores" / f"{name}.json"
-    if record.is_file():
-        stored = json.loads(record.read_text())
-        if stored.get("settings") == settings:
-            return stored
+    stored = reusable_record(record, {**identity, "export": str(export_dir.relative_to(out)), "settings": settings})
+    if stored is not None:
+        return stored
     print(f"quality: sampling and scoring {title or name} ({count} samples)", flush=True)
     started = time.perf_counter()
     generator = ImageGenerator.from_export(export)

@@ -41,7 +41,8 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
         for setting in entry["settings"].values():
             assert setting["seeds"] == [0] and np.isfinite(setting["fid"]["mean"]) and setting["fid"]["mean"] > 0
             assert 0 <= setting["accuracy"]["mean"] <= 1
-        guide = json.loads((out / "scores" / f"{name}-seed0" / "best-auto2.json").read_text())["settings"]["guide"]
+        auto = out / "scores" / f"{name}-seed0" / f"sigma_rel-{entry['best_sigma_rel']:g}-auto2.json"
+        guide = json.loads(auto.read_text())["settings"]["guide"]
         assert guide == f"runs/{name}-seed0/checkpoints/step-0000002/export"  # the run's own step-2 export
     assert "best sigma_rel" in markdown and "| autoguidance |" in markdown and "classic EMA" in markdown
 

@@ -21,6 +21,7 @@ from bench.quality import (
     checkpoint_steps,
     parse_arguments,
     reading,
+    reusable_record,
     run_name,
     spread,
     stage_runs,
@@ -137,3 +138,15 @@ def test_the_full_study_meets_the_issue_minimums():
     assert load_config(CONFIG).log.checkpoint_every == 750  # what a plain train.py run of the config saves
     assert budget.final_samples >= 1000 and len(budget.seeds) >= 3 and budget.real_images is None
     assert budget.model_overrides == ()  # the config's model, unchanged
+
+
+def test_a_score_record_is_reused_only_for_the_same_export_and_settings(tmp_path):
+    """A rerun reads a scoring's record back only when it scored the same thing: bench.posthoc_digits scores "the
+    best sigma_rel", which a new seed can move, so a record of another export or identity must be scored again."""
+    expected = {"arm": "vca", "sigma_rel": 0.03, "export": "runs/a/sigma_rel-0.03", "settings": {"guidance": 2.0}}
+    record = tmp_path / "score.json"
+    assert reusable_record(record, expected) is None  # nothing stored yet
+    record.write_text(json.dumps({**expected, "fid": 9.0}))
+    assert reusable_record(record, expected)["fid"] == 9.0
+    for key, other in (("sigma_rel", 0.06), ("export", "runs/a/sigma_rel-0.06"), ("settings", {"guidance": 1.5})):
+        assert reusable_record(record, {**expected, key: other}) is None, key
