@@ -38,6 +38,7 @@ import numpy as np
 from bench.quality import (
     Arm,
     Budget,
+    checkpoint_export,
     format_spread,
     parse_study_arguments,
     run_name,
@@ -110,7 +111,6 @@ def reconstructions(run_dir: Path, sigma_rels: Sequence[float], step: int) -> di
 
 def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[str, Any]:
     from bench._harness import save_results
-    from training.checkpoint_folders import checkpoint_name
 
     scorer = DigitsScorer(out, budget)
     runs = [(arm, seed) for arm in arms(budget) for seed in budget.seeds]
@@ -127,7 +127,7 @@ def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[s
 
     for arm, seed in runs:
         run_dir = run_dirs[(arm.name, seed)]
-        classic = run_dir / "checkpoints" / checkpoint_name(final) / "export"
+        classic = checkpoint_export(run_dir, final)
         for scale in (1.0, grid.cfg_scale):
             score(arm, seed, classic, f"classic-cfg{scale:g}", scale, ema="classic", method="cfg")
         for sigma_rel, folder in reconstructions(run_dir, grid.sigma_rels, final).items():
@@ -138,7 +138,7 @@ def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[s
     for arm, seed in runs:
         run_dir = run_dirs[(arm.name, seed)]
         main = reconstructions(run_dir, [best[arm.name]], final)[best[arm.name]]
-        guide = run_dir / "checkpoints" / checkpoint_name(guide_step) / "export"
+        guide = checkpoint_export(run_dir, guide_step)
         what = dict(ema="posthoc", sigma_rel=best[arm.name])
         label = f"sigma_rel-{best[arm.name]:g}"  # not "best": a rerun with another seed can move the best
         for scale in grid.autoguidance_scales:

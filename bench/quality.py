@@ -271,17 +271,26 @@ def batches(items: np.ndarray | range, size: int) -> Iterator:
         yield items[start : start + size]
 
 
+def checkpoint_export(run_dir: Path, step: int) -> Path:
+    """The export folder that train.py writes into the run's checkpoint of `step`."""
+    from generation.export import EXPORT_DIR
+    from generation.run_layout import CHECKPOINTS_FOLDER
+    from training.checkpoint_folders import checkpoint_name
+
+    return run_dir / CHECKPOINTS_FOLDER / checkpoint_name(step) / EXPORT_DIR
+
+
 def score_checkpoint(
     run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path, arm: Arm, seed: int
 ) -> dict[str, Any]:
     """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
     from training.checkpoint_folders import checkpoint_name
 
-    export_dir = run_dir / "checkpoints" / checkpoint_name(step) / "export"
     name = f"{run_name(arm, seed)}/{checkpoint_name(step)}"
     identity = {"arm": arm.name, "seed": seed, "step": step, "final": final}
     count = budget.final_samples if final else budget.curve_samples
     title = f"{run_name(arm, seed)} at step {step}"
+    export_dir = checkpoint_export(run_dir, step)
     return score_export(export_dir, name, identity, count, final, budget, scorer, out, title=title)
 
 
