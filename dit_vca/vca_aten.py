@@ -217,8 +217,8 @@ def attention_backward(
     grad_local: Tensor,
     layout: KernelLayout,
 ) -> tuple[Tensor | None, ...]:
-    """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result (`saved`,
-    what add_attention returned, is empty): the gradient of the qkv projection's output (B·N, 3C), the
+    """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result (`saved`
+    is unused: add_attention saves nothing): the gradient of the qkv projection's output (B·N, 3C), the
     convolution's share `grad_local` of dv included, then those of E±, λ₁, λ₂ and the norm weights (None where a
     switch is off)."""
     _, B, h, N, d = heads.shape

@@ -211,7 +211,12 @@ def _core_backward_op(
     qkv_weight: Tensor,
     qkv_bias: Tensor,
     heads: Tensor | None,
-    saved: list[Tensor],
+    saved_streams: Tensor | None,
+    saved_v_hat: Tensor | None,
+    saved_reads: Tensor | None,
+    saved_stage1_lse: Tensor | None,
+    saved_outs: Tensor | None,
+    saved_stage2_lse: Tensor | None,
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -232,7 +237,13 @@ def _core_backward_op(
     triton: bool,
 ) -> list[Tensor]:
     """Gradients of x, qkv weight and bias, E±, λ₁, λ₂, both norm weights, conv weight and bias, in that order
-    (an empty tensor for an absent optional input), each in its input's dtype."""
+    (an empty tensor for an absent optional input), each in its input's dtype. The `saved_*` tensors are what
+    the Triton forward saved (vca_triton.saved_like), None on the ATen path, which saves nothing."""
+    saved = [
+        t
+        for t in (saved_streams, saved_v_hat, saved_reads, saved_stage1_lse, saved_outs, saved_stage2_lse)
+        if t is not None
+    ]
     layout = KernelLayout(
         num_heads,
         grid_size,
@@ -268,9 +279,8 @@ def _like(grad: Tensor, tensor: Tensor) -> Tensor:
 
 
 @_core_backward_op.register_fake
-def _core_backward_op_fake(
-    grad, x, qkv_weight, qkv_bias, heads, saved, embed, lambda1, lambda2, norm1, norm2, conv_weight, *layout
-):
+def _core_backward_op_fake(grad, x, qkv_weight, qkv_bias, heads, *args):
+    embed, lambda1, lambda2, norm1, norm2, conv_weight = args[6:12]
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight)
     return [x.new_empty(0) if t is None else torch.empty_like(t) for t in inputs] + [
         conv_weight.new_empty(conv_weight.shape[0])
@@ -291,7 +301,19 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
 def _backward(ctx, grad: Tensor, _grad_heads: Tensor | None, _grad_saved: list[Tensor] | None):
     x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *saved = ctx.saved_tensors
     grads = _core_backward_op(
-        grad, x, qkv_weight, qkv_bias, heads, saved, embed, lambda1, lambda2, norm1, norm2, conv_weight, *ctx.layout
+        grad,
+        x,
+        qkv_weight,
+        qkv_bias,
+        heads,
+        *(saved or [None] * 6),
+        embed,
+        lambda1,
+        lambda2,
+        norm1,
+        norm2,
+        conv_weight,
+        *ctx.layout,
     )
     present = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
     return (*(g if t is not None else None for g, t in zip(grads, present)), *(None for _ in ctx.layout))
@@ -416,7 +438,7 @@ def _core_backward_flops(grad_shape, x_shape, *args, out_shape=None, **kwargs) -
     II: scores, dq and dT per stream, dW and dV̂; Stage I: scores, dP, dk, dv and dT, see
     vca_triton.tile_products); then the convolution's and the qkv projection's gradients (and the qkv GEMM
     again with recompute_qkv)."""
-    layout = KernelLayout(*args[10:])
+    layout = KernelLayout(*args[15:])
     B, N, C = x_shape
     n, m1, m2 = layout.contrast_grid**2, layout.stage1_rows, layout.stage2_cols
     if layout.triton:

@@ -62,18 +62,20 @@ def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) 
 
 
 # One declaration per kernel. Block sizes ≥ 16 (tl.dot's smallest): BLOCK_M contrast rows, BLOCK_N keys or
-# queries, BLOCK_C contrast columns. Registers and shared memory of each, compiled for sm_90: docs/benchmarks.md.
+# queries, BLOCK_C contrast columns. Chosen by registers and spills compiled for sm_90 at d = 72 in bf16 (the
+# first of each list spills none; docs/benchmarks.md); the last, unpipelined, is the one for fp32 where the others
+# need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
 _STAGE1_FORWARD_BLOCKS = _configs(
-    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 1)]
+    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
 )
 _STAGE2_FORWARD_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (32, 64, 4, 1)]
+    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
 )
 _STAGE2_BACKWARD_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 1)]
+    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)]
 )
 _STAGE1_BACKWARD_BLOCKS = _configs(
-    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 8, 1)]
+    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 1)]
 )
 _AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_products)
     "_stage1_forward_kernel": _STAGE1_FORWARD_BLOCKS,
@@ -82,6 +84,7 @@ _AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_product
     "_stage1_backward_kernel": _STAGE1_BACKWARD_BLOCKS,
 }
 _TOKEN_BLOCK = 32  # contrast tokens per program of the element-wise kernels (streams, Stage I's norm)
+_TOKEN_WARPS = 8  # their warps: 4 spill registers in the streams' backward at d = 72 (sm_90)
 
 
 def _head_pieces(d: int) -> tuple[int, int]:
@@ -775,8 +778,9 @@ def _with_dummy(t: Tensor | None, fallback: Tensor) -> Tensor:
 
 def saved_like(heads: Tensor, layout) -> list[Tensor]:
     """Empty tensors of the shapes and dtypes of what `add_attention` saves for the backward (the operator's fake
-    kernel returns these): T± (G, S·n, d), V̂ (G, n, d) and O± (2, G, N, d) in q's dtype (O⁻ only for two
-    softmaxes, else (0,)); R± (G, m1, d), Stage I's log-sum-exps (G, m1) and Stage II's (2, G, N) in float32."""
+    kernel returns these): T± (G, S·n, d), V̂ (G, n, d), R± (G, m1, d) and Stage I's log-sum-exps (G, m1) in
+    float32, O (O⁺ and O⁻ for two softmaxes, flat (K·G·N·d)) in q's dtype and its log-sum-exps (K·G·N) in float32,
+    K = 1 or 2 softmaxes."""
     s = _Shape(heads, layout)
     two = layout.stage2_differential and not layout.joint_softmax  # Stage II's softmaxes
     floats = {"dtype": torch.float32}
@@ -880,6 +884,7 @@ def attention_backward(
     _launch(_contrast_streams_backward_kernel, (h, triton.cdiv(n, _TOKEN_BLOCK)))(
         grad_stage1, grad_stage2, grad_embed, grad_qkv, B, h, s.H, s.p, d,
         S=s.S, M1=s.m1 // n, M2=s.m2 // n, POOLED=layout.pooled_content, D0=s.D0, D1=s.D1, BLOCK_J=_TOKEN_BLOCK,
+        num_warps=_TOKEN_WARPS,
     )  # fmt: skip
 
     return (
