@@ -62,9 +62,9 @@ def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) 
 
 
 # One declaration per kernel. Block sizes ≥ 16 (tl.dot's smallest): BLOCK_M contrast rows, BLOCK_N keys or
-# queries, BLOCK_C contrast columns. Chosen by registers and spills compiled for sm_90 at d = 72 in bf16 (the
-# first of each list spills none; docs/benchmarks.md); the last, unpipelined, is the one for fp32 where the others
-# need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
+# queries, BLOCK_C contrast columns. Chosen by registers and spills compiled for sm_90 at d = 72 in bf16 (each
+# first spills at most 40 bytes; docs/benchmarks.md); the last, unpipelined, is the one for fp32, where the
+# others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
 _STAGE1_FORWARD_BLOCKS = _configs(
     ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
 )
@@ -74,9 +74,7 @@ _STAGE2_FORWARD_BLOCKS = _configs(
 _STAGE2_BACKWARD_BLOCKS = _configs(
     ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)]
 )
-_STAGE1_BACKWARD_BLOCKS = _configs(
-    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 1)]
-)
+_STAGE1_BACKWARD_BLOCKS = _configs(("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)])
 _AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_products)
     "_stage1_forward_kernel": _STAGE1_FORWARD_BLOCKS,
     "_stage2_forward_kernel": _STAGE2_FORWARD_BLOCKS,
