@@ -2,7 +2,9 @@
 
 With attention="mhsa" the parameter layout is the official one (key for key, shape for shape), so official
 DiT checkpoints load with `load_state_dict`, and official SiT checkpoints into a SiT built with learn_sigma=True
-(they carry the unused variance half). The method and the conventions: docs/VCA.md.
+(they carry the unused variance half). The method and the conventions: docs/VCA.md. LightningDiT's block options
+(RMSNorm, SwiGLU, QK-norm, 2-D RoPE; `RECIPES`) are off by default; with them the layout is LightningDiT's, up to
+the names of the SwiGLU matrices (generation.lightning).
 """
 
 import math
@@ -146,7 +148,7 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """The last adaLN-modulated LayerNorm and the linear map from tokens to patches."""
+    """The last adaLN-modulated norm (the blocks' kind) and the linear map from tokens to patches."""
 
     def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
         super().__init__()

@@ -30,8 +30,8 @@ import torch
 from commands import CommandParser, run_command
 from dit_vca.models import build_model_from_config, model_family, name_size
 from dit_vca.rope import RotaryEmbedding2d
-from generation.export import Export, ExportDescription, write_export
-from generation.official import OfficialCheckpointError, check_fits, load_state_dict
+from generation.export import Export, ExportDescription
+from generation.official import OfficialCheckpointError, check_fits, load_state_dict, write_converted
 
 RENAMES = {".mlp.w12.": ".mlp.fc1.", ".mlp.w3.": ".mlp.fc2."}  # LightningDiT's SwiGLU -> timm's GluMlp
 ROPE_TABLES = ("feat_rope.freqs_cos", "feat_rope.freqs_sin")
@@ -196,11 +196,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--num-heads", type=int, help="attention heads, where the width is not the name's")
     parser.add_argument("--out", type=Path, required=True, help="export folder to write (must not exist yet)")
     args = parser.parse_args(argv)
-    if args.out.exists():
-        raise SystemExit(f"--out {args.out} exists; choose a new folder")
-    export = lightning_export(args.ckpt, args.model, args.vae, args.latent_stats, args.latent_scale, args.num_heads)
-    write_export(args.out, export.weights, export.description)
-    print(f"wrote {args.out} ({export.description.model['name']}, {export.description.image_size} px)")
+    write_converted(
+        args.out,
+        lambda: lightning_export(args.ckpt, args.model, args.vae, args.latent_stats, args.latent_scale, args.num_heads),
+    )
 
 
 def command() -> None:

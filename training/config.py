@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from commands import UserError
 from configs import UnknownConfigError, find_config
 from dit_vca.attention import VCA_KERNEL_SETTINGS, VCA_PENDING_OPTIONS, VCAOptions
-from dit_vca.models import MLPS, NORMS, RECIPES, recipe_options
+from dit_vca.models import MLPS, NORMS, RECIPES, name_size, recipe_options
 from generation.vae import vae_source
 from sit_vca.transport import TIME_DISTRIBUTIONS
 from training.encoder_source import encoder_source
@@ -511,8 +511,6 @@ def _check_model_heads(model: ModelConfig) -> None:
 def _check_block_options(model: ModelConfig) -> None:
     """VCA refuses the attention options its fused core does not apply yet (dit_vca.attention), whether set or
     switched on by the recipe; RoPE needs a head dimension that splits into two axes of channel pairs."""
-    from dit_vca.models import name_size
-
     options = model.block_options
     if model.attention == "vca":
         for key in VCA_PENDING_OPTIONS:
