@@ -160,6 +160,16 @@ def test_the_lightning_recipe_builds_its_layout_rebuilds_from_its_config_and_tra
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
 
 
+def test_the_startup_summary_names_the_block_options_that_are_not_dits():
+    from training.summary import describe_model
+
+    with torch.device("meta"):
+        lightning = dit_vca.create_model("DiT-XL/2", attention="mhsa", **recipe_options("lightning"))
+        dit = dit_vca.create_model("DiT-XL/2", attention="mhsa")
+    assert describe_model(lightning.config) == "DiT-XL/2 with rmsnorm, swiglu, rope"
+    assert describe_model(dit.config) == "DiT-XL/2"
+
+
 def test_vca_refuses_qk_norm_and_rope_until_its_core_applies_them():
     for option in ("qk_norm", "rope"):
         with pytest.raises(ValueError, match=f"attention='vca' does not take {option} yet"):
