@@ -62,7 +62,8 @@ def pixel_decoder(description: ExportDescription, vae: nn.Module | None) -> Deco
         raise ValueError("a model in latent space needs its VAE to be decoded")
     from generation.vae import decode_latents
 
-    return lambda z: decode_latents(vae, z, description.latent_scale)
+    normalization = description.latent_normalization
+    return lambda z: decode_latents(vae, z, normalization)
 
 
 class ImageGenerator:

@@ -111,6 +111,7 @@ def test_an_export_samples_from_another_folder_and_the_error_names_vae(tmp_path)
         "name": HUB_ID,
         "path": hint,
         "scale": 0.5,
+        "normalize": "scale",
     }
 
     elsewhere = tmp_path / "elsewhere"

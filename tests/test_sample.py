@@ -447,7 +447,7 @@ def test_official_checkpoint_needs_a_valid_model_name(tmp_path):
     out = tmp_path / "s.npz"
     with pytest.raises(SystemExit, match="my-model.pt: name its architecture with --model"):
         sample.main(["--ckpt", str(checkpoint), "--out", str(out), "--num-samples", "4"])
-    with pytest.raises(SystemExit, match="--model 'DiT-XXL/2': expected one of DiT-S/2, "):
+    with pytest.raises(SystemExit, match="--model 'DiT-XXL/2': expected one of DiT-S/1, DiT-S/2, "):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-XXL/2", "--out", str(out), "--num-samples", "4"])
     with pytest.raises(SystemExit, match="my-model.pt has no final_layer.linear.weight"):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-S/2", "--out", str(out), "--num-samples", "4"])

@@ -90,6 +90,7 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
         class_dropout_prob=model.class_dropout_prob,
         learn_sigma=config.diffusion.learn_sigma if MODEL_FAMILIES[family].objective == "diffusion" else False,
         gradient_checkpointing=model.gradient_checkpointing,
+        **model.block_options,
     )
     if model.attention == "vca":
         arguments["vca"] = model.vca
@@ -117,12 +118,19 @@ def objective_spec(config: Config) -> dict[str, Any]:
         "loss_weight": transport.loss_weight,
         "train_eps": transport.train_eps,
         "sample_eps": transport.sample_eps,
+        "time_distribution": transport.time_distribution,
+        "logit_normal_location": transport.logit_normal_location,
+        "logit_normal_scale": transport.logit_normal_scale,
+        "cosine_loss_weight": transport.cosine_loss_weight,
     }
 
 
-def export_description(config: Config, model: DiT) -> ExportDescription:
-    """What sampling needs to rebuild the model and turn its outputs into images."""
+def export_description(config: Config, model: DiT, dataset: Dataset | None = None) -> ExportDescription:
+    """What sampling needs to rebuild the model and turn its outputs into images; the latents' per-channel
+    statistics come from `dataset` (a LatentShardDataset) where vae.normalize=channels."""
     pixels = config.data.in_pixel_space
+    normalization = dataset.normalization if isinstance(dataset, LatentShardDataset) else None
+    mean, std = (normalization.mean, normalization.std) if normalization is not None else (None, None)
     return ExportDescription(
         model=dict(model.config),
         objective=objective_spec(config),
@@ -132,6 +140,8 @@ def export_description(config: Config, model: DiT) -> ExportDescription:
         vae=None if pixels else config.vae.name,
         vae_path=None if pixels else config.vae.path,
         latent_scale=None if pixels else config.vae.scale,
+        latent_mean=None if mean is None else list(mean),
+        latent_std=None if std is None else list(std),
     )
 
 
@@ -192,7 +202,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         model, config.train.posthoc_ema, config.train.global_batch_size, accelerator.device
     )
     objective = create_objective(objective_spec(config))
-    export = export_description(config, model)
+    export = export_description(config, model, dataset)
     projector = (
         build_projector(model.config["hidden_size"], config.train.repa.projector_dim, encoder.width)
         if encoder is not None

@@ -192,7 +192,7 @@ class Trainer:
             images = paired[0].to(accelerator.device, non_blocking=True) if paired else x  # before VAE encoding
             if self.parts.encoder is not None:
                 with accelerator.autocast():
-                    x = sample_latents(self.parts.encoder, x, self.config.vae.scale)  # (B, 4, h, w)
+                    x = sample_latents(self.parts.encoder, x, self.parts.export.latent_normalization)  # (B, C, h, w)
             with accelerator.accumulate(*self.parts.trained_modules):
                 loss, alignment = self.losses(x, y, images)
                 accelerator.backward(loss)

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from dit_vca.models import name_size
+from dit_vca.models import RECIPES, name_size
 from training.build import TrainingParts
 from training.config import Config
 from training.loop import TrainerState
@@ -35,14 +35,18 @@ def attention_parameters(model: nn.Module) -> int:
 
 def describe_model(built: dict[str, Any]) -> str:
     """The model's name, with the sizes that were built where they are not the name's own (tiny test and demo
-    models override depth, width, heads or the MLP ratio): `built` is the model's `config`."""
+    models override depth, width, heads or the MLP ratio) and the block options that are not DiT's (RMSNorm,
+    SwiGLU, QK-norm, RoPE): `built` is the model's `config`."""
     (depth, width, heads), _ = name_size(built["name"])
     sizes = (built["depth"], built["hidden_size"], built["num_heads"], built["mlp_ratio"])
+    dit = RECIPES["dit"]  # config keys of the block options and DiT's values
+    changed = [value if isinstance(value, str) else key for key, value in built.items() if dit.get(key, value) != value]
+    options = f" with {', '.join(changed)}" if changed else ""
     if sizes == (depth, width, heads, 4.0):
-        return built["name"]
+        return built["name"] + options
     return (
-        f"{built['name']} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, MLP ratio {sizes[3]:g} "
-        f"(the name's: {depth}, {width}, {heads}, 4)"
+        f"{built['name']}{options} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, MLP ratio "
+        f"{sizes[3]:g} (the name's: {depth}, {width}, {heads}, 4)"
     )
 
 
