@@ -4,7 +4,8 @@ One optimiser step consumes `grad_accum_steps` micro-batches on every process. A
 updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
 measured. A non-finite loss stops the run before anything is saved after it. A stop signal (SIGTERM, SIGUSR1,
 SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its metrics line and a
-checkpoint of it.
+checkpoint of it. A process of the run that dies ends the others with one line (PeerLostError) naming it and the
+checkpoint that stands.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from training.metrics import JsonLines, TrainingMetrics
 from training.posthoc_ema import drop_snapshots_after
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
-from training.stop_signals import StopSignals
+from training.stop_signals import PeerLostError, StopSignals, peer_lost
 from training.trackers import log_grid, tracker_state
 
 
@@ -102,12 +103,28 @@ class Trainer:
     def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
         stop = StopSignals(standing=self.standing)
+        progress = tqdm(
+            total=self.config.train.max_steps,
+            initial=self.state.step,
+            desc="training",
+            dynamic_ncols=True,
+            disable=not self.accelerator.is_main_process,
+        )
         try:
-            return self._fit(stop)
+            return self._fit(stop, progress)
+        except RuntimeError as error:  # a collective (gradients, the stop flag, a barrier) that lost its peer
+            peer = peer_lost(error)
+            if peer is None:
+                raise
+            raise PeerLostError(
+                f"lost the connection to the process of this run at {peer} after step {self.state.step}: that "
+                f"process or its node has ended (its own log says why); {self.kept()}: continue with --resume latest"
+            ) from None
         finally:
+            progress.close()  # before an error's line, which then starts a line of its own
             stop.restore()
 
-    def _fit(self, stop: StopSignals) -> str | None:
+    def _fit(self, stop: StopSignals, progress: tqdm) -> str | None:
         config, accelerator = self.config, self.accelerator
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
@@ -117,13 +134,6 @@ class Trainer:
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
             drop_snapshots_after(self.run.root, self.state.step)  # post-hoc EMA snapshots of an abandoned timeline
-        progress = tqdm(
-            total=max_steps,
-            initial=self.state.step,
-            desc="training",
-            dynamic_ncols=True,
-            disable=not accelerator.is_main_process,
-        )
         while self.state.step < max_steps:
             loss, grad_norm, skipped = self.train_step(stream)
             step = self.state.step
@@ -145,15 +155,14 @@ class Trainer:
                 self.stop_if_non_finite(metrics)
                 self.save_checkpoint(metrics)
             if stopping:  # a grid or FID due at this step is left out: the scheduler's grace time is short
+                stop.hold_until_exit()  # the status is 75 from here, whatever signals come
                 self.say_stopped(stop)
-                progress.close()
                 end_processes(accelerator)
                 return stop.name()
             if log.sample_every and (step % log.sample_every == 0 or last):
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
                 self.measure_fid()
-        progress.close()
         end_processes(accelerator)
         return None
 
