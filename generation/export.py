@@ -29,7 +29,7 @@ from generation.run_layout import CHECKPOINT_PATTERN, CHECKPOINTS_FOLDER
 EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
-FORMAT_VERSION = 3  # 3: vae_path; 2 is read as 3 without it
+FORMAT_VERSION = 4  # 4: class_names; 3: vae_path; 2 and 3 are read as 4 without what they lack
 SPACES = ("pixels", "latents")
 
 
@@ -78,6 +78,7 @@ class ExportDescription:
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
     posthoc_ema: dict[str, Any] | None = None  # a post-hoc EMA reconstruction's sigma_rel, step and snapshots
+    class_names: list[str] | None = None  # of the training data's classes, where it had names (an image folder's)
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:
@@ -117,7 +118,7 @@ class ExportDescription:
                 latent_scale=data.get("latent_scale"),
                 model=current_model_config(values["model"]),
             )
-        elif version not in (2, FORMAT_VERSION):
+        elif version not in (2, 3, FORMAT_VERSION):
             raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)
 

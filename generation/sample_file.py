@@ -229,12 +229,10 @@ def merge_shards(
             np.lib.format.write_array(member, labels)
 
 
-def leading_images(shards: Iterable[Shard], images_of: Callable[[Shard], np.ndarray], count: int) -> np.ndarray:
-    """The first `count` samples, (count, H, W, 3) uint8, read from the leading shards (for the preview grid)."""
-    images, total = [], 0
-    for shard in shards:
-        if total >= count:
-            break
-        images.append(images_of(shard)[: count - total])
-        total += len(images[-1])
-    return np.concatenate(images)
+def images_at(shards: ShardPlan, images_of: Callable[[Shard], np.ndarray], indices: Sequence[int]) -> np.ndarray:
+    """The samples `indices` (in that order), (n, H, W, 3) uint8, each shard that holds some of them read once (for
+    the preview grid)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    numbers = indices // shards.shard_size
+    images = {number: images_of(shards[number]) for number in np.unique(numbers).tolist()}
+    return np.stack([images[number][index - number * shards.shard_size] for index, number in zip(indices, numbers)])
