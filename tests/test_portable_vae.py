@@ -140,8 +140,8 @@ def test_an_export_samples_from_another_folder_and_the_error_names_vae(tmp_path)
 
 
 def test_the_vae_error_names_the_argument_of_the_call_that_was_made(tmp_path):
-    """From Python the one line names ImageGenerator.from_export's `vae` argument (not sample.py's --vae, which
-    tests/test_portable_vae.py's sample.py runs above name)."""
+    """From Python the one line names ImageGenerator.from_export's `vae` argument, not sample.py's --vae (which
+    sample.py passes as vae_option, and the sample.py runs of the test above see named)."""
     from generation import Export, ExportDescription, ImageGenerator
 
     missing = str(tmp_path / "gone" / "vae")

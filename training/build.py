@@ -47,9 +47,7 @@ class TrainingParts:
     scheduler: LambdaLR
     batches: ShardedBatches
     encoder: AutoencoderKL | None  # encodes images online (data.source=images); None otherwise
-    preview: (
-        ImageGenerator | None
-    )  # the log.fid_weights model, its objective and decoder: grids and FID (None: neither)
+    preview: ImageGenerator | None  # log.fid_weights' model, objective and decoder: grids and FID (None: neither)
     export: ExportDescription  # written with every checkpoint
     fid_extractor: Any  # Inception features for FID monitoring, or None
     alignment: RepresentationAlignment | None = None  # REPA (train.repa.encoder set); its projector is prepared
@@ -138,7 +136,6 @@ def export_description(config: Config, model: DiT, names: list[str] | None = Non
     """What sampling needs to rebuild the model and turn its outputs into images; `names`: the classes' names."""
     pixels = config.data.in_pixel_space
     return ExportDescription(
-        class_names=names,
         model=dict(model.config),
         objective=objective_spec(config),
         space="pixels" if pixels else "latents",
@@ -147,6 +144,7 @@ def export_description(config: Config, model: DiT, names: list[str] | None = Non
         vae=None if pixels else config.vae.name,
         vae_path=None if pixels else config.vae.path,
         latent_scale=None if pixels else config.vae.scale,
+        class_names=names,
     )
 
 
