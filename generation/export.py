@@ -30,7 +30,7 @@ from generation.vae import LatentNormalization
 EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
-FORMAT_VERSION = 4  # 4: latent_mean, latent_std; 3: vae_path; 2 and 3 are read as 4 without them
+FORMAT_VERSION = 4  # 4: latent_mean, latent_std, class_names; 3: vae_path; 2 and 3 are read as 4 without what they lack
 SPACES = ("pixels", "latents")
 
 
@@ -81,6 +81,7 @@ class ExportDescription:
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
     posthoc_ema: dict[str, Any] | None = None  # a post-hoc EMA reconstruction's sigma_rel, step and snapshots
+    class_names: list[str] | None = None  # of the training data's classes, where it had names (an image folder's)
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:

@@ -488,6 +488,8 @@ def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_
         f"run.dir={run_dir}",
     )
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-0000002"]
+    export = json.loads((run_dir / "checkpoints" / "step-0000002" / "export" / "config.json").read_text())
+    assert export["class_names"] == ["a", "b", "c"]  # the image folder's, through the latents' manifest (for grids)
 
 
 # --------------------------------------------------------------------------------------------------

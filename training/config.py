@@ -220,6 +220,8 @@ class LogConfig:
     fid_samples: int = _range(5000, 2)  # a covariance needs 2 samples (2048+ for a comparable FID)
     fid_reference: str | None = None  # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
     fid_inception: str | None = None  # Inception weights file or "bundled"; None: fid's default lookup
+    fid_weights: str = "ema"  # what grids and FID draw from: ema, raw (the trained weights), or sigma_rel=S (a
+    # profile of train.posthoc_ema.sigma_rel, its running average)
 
 
 @dataclass
@@ -286,6 +288,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if config.vae.name is not None:  # named so that config.yaml works from another folder (generation.vae)
         source = vae_source(config.vae.name, config.vae.path)
         config.vae.name, config.vae.path = source.name, source.path
+    _check_fid_weights(config)
     if config.train.repa.enabled:
         _check_repa(config)
         repa = config.train.repa  # named so that config.yaml works from another folder (training.encoder_source)
@@ -493,6 +496,32 @@ def _check_repa(config: Config) -> None:
         )
     if repa.mean is not None and repa.std is not None and len(repa.mean) != len(repa.std):
         raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
+
+
+FID_WEIGHTS = ("ema", "raw")  # or "sigma_rel=S"
+
+
+def fid_weights_profile(setting: str) -> float | None:
+    """The sigma_rel that `log.fid_weights` names ("sigma_rel=0.05" -> 0.05), None for ema and raw."""
+    if setting in FID_WEIGHTS:
+        return None
+    return float(setting.removeprefix("sigma_rel="))
+
+
+def _check_fid_weights(config: Config) -> None:
+    """log.fid_weights is ema, raw, or sigma_rel=S with S a tracked post-hoc EMA profile."""
+    setting, tracked = config.log.fid_weights, config.train.posthoc_ema.sigma_rel
+    expected = f"expected ema, raw or sigma_rel=S with S one of train.posthoc_ema.sigma_rel={tracked}"
+    if setting in FID_WEIGHTS:
+        return
+    try:
+        sigma_rel = fid_weights_profile(setting) if setting.startswith("sigma_rel=") else None
+    except ValueError:
+        sigma_rel = None
+    if sigma_rel is None:
+        raise ConfigError(f"'log.fid_weights' is {setting!r}; {expected}")
+    if not any(math.isclose(sigma_rel, profile, rel_tol=1e-9) for profile in tracked):
+        raise ConfigError(f"'log.fid_weights' is {setting!r}, a profile this run does not track; {expected}")
 
 
 def _check_model_heads(model: ModelConfig) -> None:

@@ -1,7 +1,8 @@
 """What a training launch is about to do, said once before the first step (printed and kept as
 `<run>/startup.txt`): model and attention with their parameter counts (REPA's projector included, with a line of
-its own when REPA is on), the data, the batch geometry, precision, devices, the run directory and where the run
-resumes from."""
+its own when REPA is on), the data, the batch geometry, precision, devices, the run directory, where the run
+resumes from, what the EMA holds at the last step (with a warning when the run is too short for it:
+training.ema.describe_ema) and which weights the grids and FID draw from."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from dit_vca.models import RECIPES, name_size
 from training.build import TrainingParts
 from training.config import Config
+from training.ema import describe_ema
 from training.loop import TrainerState
 from training.repa import RepresentationAlignment
 
@@ -143,7 +145,11 @@ def startup_summary(
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),
     }
+    rows["EMA"], warning = describe_ema(train, train.max_steps)
     if parts.posthoc_ema is not None:
         rows["post-hoc EMA"] = parts.posthoc_ema.describe(train.max_steps)
+    if parts.preview is not None:
+        rows["grids and FID"] = f"from the {parts.preview_weights.label} (log.fid_weights={config.log.fid_weights})"
     width = max(map(len, rows))
-    return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items())
+    warnings = f"warning: {warning}\n" if warning is not None else ""
+    return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items()) + warnings
