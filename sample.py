@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from atomic_files import check_writable, free_bytes, write_json_atomic
+from atomic_files import allocation_unit, check_writable, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, UserError, check_launched_processes, end_processes, run_command
 from generation.protocols import PROTOCOLS
@@ -402,28 +402,41 @@ def main(argv: Sequence[str] | None = None) -> None:
             "settings": settings,
             "precision": precision,
             "processes": accelerator.num_processes,
-            "new_images": new_images,
+            "new_images": new_images,  # sampled by this launch; the others were kept from earlier ones
+            "kept_images": args.num_samples - new_images,
             "images_per_process": per_process,
-            "seconds": round(seconds, 3),
-            "images_per_second": round(new_images / seconds, 3),
+            "seconds": round(seconds, 3) if new_images else None,  # no sampling, no speed to report
+            "images_per_second": round(new_images / seconds, 3) if new_images else None,
             "main_process_model_evaluations": generator.model_evaluations,
             "model": export.description.model,
             "source": export.description.source,
             "train_step": export.description.train_step,
             **({"guide": args.guide_description} if args.guide_ckpt is not None else {}),
         }
+        if not new_images and files.summary.exists():  # a launch that only merges (the last one was killed in
+            summary = None  # its merge): the summary of the launch that sampled, these settings', stays
         finish(args, folder, shards, labels, summary, generator)
-        print(
-            f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
-            f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)"
-        )
+        if new_images:
+            print(
+                f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
+                f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)"
+            )
+        else:
+            print(
+                f"sample.py: all {args.num_samples} samples were sampled by an earlier launch; merged into {args.out}"
+            )
 
 
 def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFiles) -> None:
     """Refuse a run whose samples cannot fit on the disk of --out, before the model is built or the shard folder
-    claimed: the shards and the merged .npz (`run_bytes`, about twice the images) are all on it until the merge
-    ends, less what a resumed run's finished shards (or a run --overwrite replaces) hold already."""
-    needed = run_bytes(args.num_samples, image_size, args.shard_size) - files.bytes_on_disk()
+    claimed: the shards and the merged .npz (`run_bytes`, about twice the images), the summary and the grid are all
+    on it until the merge ends, each file taking whole allocation units, less what a resumed run's finished shards
+    (or a run --overwrite replaces) hold already."""
+    from generation.images import grid_bytes
+
+    unit = allocation_unit(args.out.parent)
+    grid = grid_bytes(min(args.grid_size, args.num_samples), image_size)
+    needed = run_bytes(args.num_samples, image_size, args.shard_size, grid, unit) - files.bytes_on_disk(unit)
     free = free_bytes(args.out.parent)
     if needed > free:
         raise SystemExit(
@@ -446,13 +459,22 @@ def load_checkpoint(args: argparse.Namespace):
 
 def try_sampler(generator, labels: SampleLabels, args: argparse.Namespace) -> None:
     """Draw sample 0 once with every option (sampler, steps, eta, tolerances, guidance, decoder), so that an option
-    the sampler rejects fails here, before the shard folder is claimed: the cost of one sample of N."""
+    the sampler rejects, or a guidance scale too large for the model's float32 outputs (--cfg-scale 1e300: the
+    guided prediction overflows), fails here, before the shard folder is claimed: the cost of one sample of N."""
     from samplers.interface import SamplerOptionError
 
     try:
         generator.generate(labels[:1], sample_seeds(args.seed, range(1)), **generation_options(args))
     except SamplerOptionError as error:  # the samplers' own check of each option, naming it
         raise SystemExit(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
+    except FloatingPointError:  # generation.images.to_uint8: the images hold NaN or infinity
+        flag, scale = ("--guidance-scale", args.guidance_scale) if args.guide else ("--cfg-scale", args.cfg_scale)
+        if scale == 1:  # unguided: not an option's doing (the export's weights are checked finite)
+            raise
+        raise SystemExit(
+            f"{flag} {scale:g}: sample 0 comes out NaN or infinite at this scale; expected a scale at which the "
+            f"guided prediction stays finite (DiT and SiT publish 1.5 for FID, 4 for pictures)"
+        ) from None
     generator.model_evaluations = 0  # the summary counts the sampling work only
 
 
@@ -507,11 +529,12 @@ def finish(
     folder: ShardFolder,
     shards: ShardPlan,
     labels: SampleLabels,
-    summary: dict[str, Any],
+    summary: dict[str, Any] | None,
     generator,
 ) -> None:
-    """Write the summary, the preview grid and the merged .npz (last, so that it implies the other two), then drop
-    the shards. A damaged shard is named and sampled again (each sample is a function of its index)."""
+    """Write the summary (None: keep the one there), the preview grid and the merged .npz (last, so that it implies
+    the other two), then drop the shards. A damaged shard is named and sampled again (each sample is a function of
+    its index)."""
 
     def repair(shard: Shard, error: DamagedShardError) -> np.ndarray:
         print(f"sample.py: {error}; sampling shard {shard.number} again")
@@ -521,7 +544,8 @@ def finish(
 
     files = SampleFiles(args.out)
     images_of = shard_reader(folder.folder, labels, repair)
-    write_json_atomic(files.summary, summary)
+    if summary is not None:
+        write_json_atomic(files.summary, summary)
     if args.grid_size:
         save_grid(args, shards, images_of, labels, generator, files.grid)
     merge_shards(shards, images_of, labels[:], files.samples)

@@ -119,6 +119,12 @@ class ImageGenerator:
                 if vae is not None
                 else load_vae(description.vae, device, hint=description.vae_path, option=vae_option)
             )
+            channels = autoencoder.config.latent_channels
+            if channels != description.channels:  # else a convolution deep in the decoder names neither
+                raise ExportError(
+                    f"the VAE {vae or description.vae} has {channels} latent channels, but the model generates "
+                    f"{description.channels}: use a VAE with {description.channels} latent channels (sample.py --vae)"
+                )
             latent_side = description.model["input_size"]
             decoded = latent_side * latent_downsampling(autoencoder.config)
             if decoded != description.image_size:  # else it would sample images of another size without a word

@@ -20,6 +20,7 @@ from atomic_files import atomic_output
 
 MIN_TILE_PIXELS = 64  # tiles smaller than this (8x8 digits) are enlarged with nearest-neighbour
 PADDING = 2  # white pixels between tiles
+TEXT_BYTES = 32 * 1024  # a grid's labels and title, compressed: see grid_bytes
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -32,6 +33,24 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     images = images.expand(-1, 3, -1, -1)  # (B, 3, H, W)
     pixels = torch.clamp(127.5 * images.float() + 128.0, 0, 255).to(torch.uint8)  # truncation
     return pixels.permute(0, 2, 3, 1).cpu().numpy()  # (B, H, W, 3)
+
+
+def _enlargement(side: int) -> int:
+    """How many times a grid enlarges a tile of `side` pixels."""
+    return max(1, math.ceil(MIN_TILE_PIXELS / side))
+
+
+def grid_bytes(count: int, side: int) -> int:
+    """The most bytes `save_class_grid` is expected to write for a grid of about `count` images of side x side
+    pixels, for a disk space estimate. Its rows hold up to count + sqrt(count) images (`grid_classes` rounds each row
+    up). Measured on noise (the least compressible content): the PNG takes 2.6x the tiles' own bytes for 8 px tiles
+    (enlarged 8x: the copies compress to little but not nothing), 1.6x at 16 px (4x), 1.3x at 32 px (2x) and 1.02x at
+    64 and 256 px (not enlarged), so 1 + enlargement / 4 times the tiles' bytes is above each; the white margins,
+    the labels and the title (black text on white) add TEXT_BYTES at most, and the headers 1 KiB."""
+    if not count:
+        return 0
+    tiles = count + math.ceil(math.sqrt(count))
+    return int(tiles * side * side * 3 * (1 + _enlargement(side) / 4)) + TEXT_BYTES + 1024
 
 
 def grid_classes(classes: Sequence[int], count: int) -> tuple[list[int], int]:
@@ -68,7 +87,7 @@ def save_class_grid(
     """Write a PNG grid, atomically: one row per (class, (n, H, W, 3) uint8 images), labelled at its left with
     the class (`class_label`), under `title`."""
     side = rows[0][1].shape[1]
-    factor = max(1, math.ceil(MIN_TILE_PIXELS / side))
+    factor = _enlargement(side)
     tile = side * factor
     font = _font(max(12, min(32, tile // 4)))
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))

@@ -281,6 +281,7 @@ def test_the_from_python_snippet_gives_the_images_sample_py_writes(tmp_path, mon
     snippet = from_python_snippet()
     run_folder = re.search(r'"(results/[^"]+)"', snippet).group(1)
     export = tiny_export(tmp_path / run_folder / "checkpoints" / "step-0000010" / "export")
+    (export.parent / "trainer_state.json").write_text("{}")  # a complete checkpoint, as training leaves it
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(snippet, "README.md (From Python)", "exec"), namespace)

@@ -647,18 +647,6 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Single-threaded like the subprocesses; Accelerate's process state reset after the in-process run."""
-    from accelerate.state import PartialState
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    PartialState._reset_state()
-
-
 def test_stale_temporaries_of_the_outputs_are_removed(export, reference, tmp_path, one_thread):
     out = tmp_path / "samples.npz"
     stale = [tmp_path / f".samples.{suffix}.tmp-999999999" for suffix in ("npz", "json", "png")]  # a dead writer
@@ -711,6 +699,7 @@ def test_a_run_folder_is_sampled_from_its_newest_export_which_is_printed_and_rec
         shutil.copytree(export, folder)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "train_step": step}))
+        (folder.parent / "trainer_state.json").write_text("{}")  # complete
     out = tmp_path / "samples.npz"
     sample.main(["--ckpt", str(run_dir), "--out", str(out), "--num-samples", "2", "--grid-size", "0", *SAMPLING])
     newest = (run_dir / "checkpoints" / "step-0000005" / "export").resolve()

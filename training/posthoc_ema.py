@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from atomic_files import atomic_folder, atomic_output, write_json_atomic
+from atomic_files import atomic_folder, atomic_output, check_writable, write_json_atomic
 from commands import CommandParser, UserError, run_command
 from generation.export import EXPORT_CONFIG, ExportDescription, read_description, write_export
 from training.checkpoint_folders import CheckpointError
@@ -216,6 +216,12 @@ class SnapshotFolder:
     step: int
     folder: Path
 
+    @property
+    def complete(self) -> bool:
+        """Whether its description.json, which `save_snapshot` writes last, is there: only complete snapshots are
+        read (a folder without it was copied by hand, or cut short on a file system that lost its files)."""
+        return (self.folder / SNAPSHOT_DESCRIPTION).is_file()
+
 
 @dataclass(frozen=True)
 class StoredProfile:
@@ -241,25 +247,43 @@ def _snapshot_folders(run_root: Path) -> list[SnapshotFolder]:
 
 
 def stored_profiles(run_root: str | Path) -> list[StoredProfile]:
-    """Every stored profile of a run, by step then sigma_rel (headers only: no weights are read)."""
-    profiles = []
+    """Every stored profile of a run's complete snapshots, by step then sigma_rel (headers only: no weights are
+    read). A profile whose header names another step than its folder (a snapshot copied into another step's
+    folder), or the same profile twice, is refused: it would enter the fit as a profile it is not."""
+    profiles: dict[tuple[int, float], StoredProfile] = {}
     for snapshot in _snapshot_folders(Path(run_root)):
+        if not snapshot.complete:
+            continue
         for file in sorted(snapshot.folder.glob("sigma_rel-*.safetensors")):
-            try:
-                with safe_open(file, framework="pt") as header:
-                    values = header.metadata()
-                profiles.append(
-                    StoredProfile(
-                        int(values["step"]),
-                        int(values["images"]),
-                        float(values["sigma_rel"]),
-                        float(values["gamma"]),
-                        file,
-                    )
+            profile = _read_profile_header(file)
+            if profile.step != snapshot.step:
+                raise PosthocEMAError(
+                    f"{file} holds the profile of step {profile.step} (its header), not of step {snapshot.step} "
+                    f"(its folder): a snapshot copied into another step's folder? Remove it"
                 )
-            except (SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
-                raise PosthocEMAError(f"{file} cannot be read as a post-hoc EMA snapshot ({error})") from None
-    return sorted(profiles, key=lambda profile: (profile.step, profile.sigma_rel))
+            twin = profiles.setdefault((profile.step, profile.sigma_rel), profile)
+            if twin is not profile:
+                raise PosthocEMAError(
+                    f"{file} and {twin.file} hold the same profile (sigma_rel {profile.sigma_rel:g} at step "
+                    f"{profile.step}); remove one"
+                )
+    return sorted(profiles.values(), key=lambda profile: (profile.step, profile.sigma_rel))
+
+
+def _read_profile_header(file: Path) -> StoredProfile:
+    try:
+        with safe_open(file, framework="pt") as header:
+            values = header.metadata()
+        return StoredProfile(
+            int(values["step"]), int(values["images"]), float(values["sigma_rel"]), float(values["gamma"]), file
+        )
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
+        raise PosthocEMAError(f"{file} cannot be read as a post-hoc EMA snapshot ({error})") from None
+
+
+def incomplete_snapshots(run_root: str | Path) -> list[Path]:
+    """Snapshot folders that `stored_profiles` leaves out, for --list to name."""
+    return [snapshot.folder for snapshot in _snapshot_folders(Path(run_root)) if not snapshot.complete]
 
 
 def choose_snapshots(profiles: list[StoredProfile], run_root: Path, step: int | None) -> list[StoredProfile]:
@@ -309,6 +333,7 @@ def reconstruct(
     target_images = used[-1].images
     description = _read_snapshot_description(used[-1].file.parent)
     out = Path(out) if out is not None else run_root / DEFAULT_OUT
+    check_writable(out)  # a file, or a read-only folder, is refused before any weights are read
     times = np.array([profile.images for profile in used], np.float64)
     gammas = np.array([profile.gamma for profile in used], np.float64)
     plans = []
@@ -380,14 +405,16 @@ def _check_replaceable(folder: Path) -> None:
 def describe_stored(run_root: Path) -> str:
     """--list: the stored profiles and snapshot steps of a run."""
     profiles = stored_profiles(run_root)
+    incomplete = [folder.name for folder in incomplete_snapshots(run_root)]
+    left_out = [f"  left out, incomplete (no {SNAPSHOT_DESCRIPTION}): {', '.join(incomplete)}"] if incomplete else []
     if not profiles:
-        return f"{run_root}: no post-hoc EMA snapshots"
+        return "\n".join([f"{run_root}: no post-hoc EMA snapshots", *left_out])
     steps = sorted({profile.step for profile in profiles})
     kinds = sorted({(profile.sigma_rel, profile.gamma) for profile in profiles})
     lines = [f"{run_root}: {len(profiles)} stored profiles in {len(steps)} snapshots"]
     lines += [f"  sigma_rel {sigma_rel:g} (gamma {gamma:.3f})" for sigma_rel, gamma in kinds]
     lines.append(f"  steps: {', '.join(map(str, steps))}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *left_out])
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atomic_files.folder_lock import lock_folder, lock_holder, locked_by_another, release_folder
-from generation.run_layout import CHECKPOINTS_FOLDER
-from training.checkpoint_folders import RESUME_LATEST, TRAIN_CONFIG, TRAINER_STATE, list_checkpoints, resolve_resume
+from generation.run_layout import CHECKPOINTS_FOLDER, TRAINER_STATE, list_checkpoints
+from training.checkpoint_folders import RESUME_LATEST, TRAIN_CONFIG, resolve_resume
 from training.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
