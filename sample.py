@@ -42,6 +42,7 @@ import numpy as np
 from atomic_files import check_writable, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, UserError, check_launched_processes, end_processes, run_command
+from dit_vca.vca_options import VCA_KERNEL_SETTINGS
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
@@ -56,9 +57,8 @@ from generation.sample_file import (
     shard_reader,
 )
 from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
+from samplers.catalogue import SAMPLERS
 
-# dit_vca.attention.VCA_KERNEL_SETTINGS, spelled out (tested equal): importing it would import torch for --help
-VCA_KERNEL_CHOICES = ("auto", "aten", "triton")
 SAMPLER_OPTIONS = (
     "eta",
     "clip_denoised",
@@ -94,8 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--per-proc-batch-size", type=int, default=32)
     add("--shard-size", type=int, default=256, help="samples per resumable shard file")
     add("--grid-size", type=int, default=64, help="leading samples shown in the preview PNG (0: none)")
-    add("--sampler", help="sampler name (default: the objective's: DiT ddpm, SiT dopri5)")
-    add("--steps", type=int, help="sampling steps, counted as intervals (default: the sampler's)")
+    add(
+        "--sampler",
+        help="sampler name, with its default --steps, by the checkpoint's objective: "
+        + "; ".join(f"{table.objective}: {table.describe()}" for table in SAMPLERS.values()),
+    )
+    add(
+        "--steps",
+        type=int,
+        help="sampling steps, counted as intervals (default: the sampler's, listed under --sampler; adaptive "
+        "solvers choose their own from --atol/--rtol)",
+    )
     add("--eta", type=float, help="DDIM eta")
     add("--clip-denoised", action="store_const", const=True, help="DDPM/DDIM: clamp the predicted x_0 to [-1, 1]")
     add("--atol", type=float, help="adaptive ODE solver atol")
@@ -123,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
     add(
         "--vca-kernel",
-        choices=VCA_KERNEL_CHOICES,
+        choices=VCA_KERNEL_SETTINGS,
         default="auto",
         help="VCA's core in ATen operations or Triton kernels (default auto: Triton on CUDA, ATen elsewhere)",
     )

@@ -8,7 +8,6 @@ VCA follows docs/VCA.md (Pu et al., NeurIPS 2025, "Linear Differential Vision Tr
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,24 +15,11 @@ from torch import Tensor, nn
 
 from commands import UserError
 from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
+from dit_vca.vca_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
 
 ATTENTION_KINDS = ("mhsa", "vca")
-VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
-VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
 NORM_EPS = 1e-5  # of VCA's two RMSNorms
-
-
-@dataclass(frozen=True)
-class VCAOptions:
-    """Switches of Visual-Contrast Attention. The defaults are the released code; the others give the paper's
-    ablation rows (see VisualContrastAttention for what each switch turns off)."""
-
-    contrast_grid: int | None = None  # side p of the pooled p×p grid; None means H/2 (n = N/4)
-    joint_softmax: bool = True  # Stage II: one softmax over the 2n columns (released code) or two (paper text)
-    stage1_differential: bool = True
-    stage2_differential: bool = True
-    pooled_content: bool = True  # False: the streams are the embeddings E± alone
 
 
 def resolve_contrast_grid(grid_size: int, contrast_grid: int | None) -> int:

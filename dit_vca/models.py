@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import ATTENTION_KINDS, VCAOptions, build_attention, resolve_contrast_grid
+from .attention import ATTENTION_KINDS, build_attention, resolve_contrast_grid
+from .vca_options import VCAOptions
 
 TIMESTEP_FREQUENCY_DIM = 256  # width of the sinusoidal timestep features
 MAX_PERIOD = 10_000  # longest period of the timestep and position sinusoids
