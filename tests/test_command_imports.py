@@ -62,6 +62,10 @@ def imported_by(*command: str) -> tuple[int, set[str], str]:
         (("fid.reference", "--help"), 0),
         (("training.posthoc_ema", "--help"), 0),
         (("training.posthoc_ema", "run", "--sigma-rel", "0.1", "--no-such-option"), 2),
+        (("sweep.py", "--help"), 0),
+        (("sweep.py", "--ckpt", "x", "--ref", "r.npz", "--out", "o", "--num-samples", "0"), 2),
+        (("generation.likelihood", "--help"), 0),
+        (("generation.likelihood", "--ckpt", "x", "--images", "i.npz", "--batch-size", "0"), 2),
     ],
 )
 def test_help_and_bad_arguments_import_not_even_torch(command, expected_status):
