@@ -291,26 +291,21 @@ def sweep_points(
 
 def render_markdown(records: Sequence[dict[str, Any]], num_samples: int, sample_options: Sequence[str]) -> str:
     """The table (one row per point, in sweep order), its lowest FID, and what every point shares."""
-    columns = [name for name in records[0]["metrics"]]
+    columns = list(records[0]["metrics"])
     lines = [
         "| export | training step | guidance | scale | " + " | ".join(COLUMN_NAMES.get(c, c) for c in columns) + " |",
         "|---|---|---|---|" + "---|" * len(columns),
     ]
     for record in records:
-        point = record["point"]
-        guidance = "none" if point["guidance"] == "cfg" and point["scale"] == 1 else point["guidance"]
+        point = Point(**record["point"])
         values = " | ".join(f"{record['metrics'][column]:.4f}" for column in columns)
         step = "n/a" if record["train_step"] is None else record["train_step"]  # official checkpoints have none
-        lines.append(f"| {point['label']} | {step} | {guidance} | {point['scale']:g} | {values} |")
-    scored = [record for record in records if "fid" in record["metrics"]]
+        guidance = "none" if point.unguided else point.guidance
+        lines.append(f"| {point.label} | {step} | {guidance} | {point.scale:g} | {values} |")
     lines.append("")
-    if scored:
-        best = min(scored, key=lambda record: record["metrics"]["fid"])
-        point = best["point"]
-        guidance = "no guidance" if point["guidance"] == "cfg" and point["scale"] == 1 else point["guidance"]
-        lines.append(
-            f"Lowest FID: {best['metrics']['fid']:.4f} ({point['label']}, {guidance}, scale {point['scale']:g})."
-        )
+    if "fid" in columns:
+        best = min(records, key=lambda record: record["metrics"]["fid"])
+        lines.append(f"Lowest FID: {best['metrics']['fid']:.4f} ({describe(Point(**best['point']))}).")
     first = records[0]
     guides = sorted({record["point"]["guide"] for record in records if record["point"]["guide"]})
     lines += [
@@ -355,7 +350,7 @@ def write_report(out: Path, records: list[dict[str, Any]], num_samples: int, sam
         out / f"{STEM}.json", {"num_samples": num_samples, "sample_options": list(sample_options), "points": records}
     )
     write_text_atomic(out / f"{STEM}.md", render_markdown(records, num_samples, sample_options))
-    if all("fid" in record["metrics"] for record in records):
+    if "fid" in records[0]["metrics"]:  # every point has the same metrics
         with atomic_output(out / f"{STEM}.png") as path:
             plot(records).savefig(path, format="png", dpi=110)
 

@@ -162,3 +162,9 @@ def test_a_sweep_that_cannot_run_is_refused_in_one_line_before_any_sampling(tmp_
     arguments = change(sweep_arguments(tmp_path, tmp_path / "export", reference))
     assert named in one_line_error(arguments, capsys)
     assert not (tmp_path / "sweep" / "scores").exists()
+
+
+def test_a_launch_of_several_processes_is_refused(tmp_path, reference, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun or accelerate launch set it in each process
+    arguments = sweep_arguments(tmp_path, tmp_path / "export", reference)
+    assert "sweep.py runs as one process" in one_line_error(arguments, capsys)
