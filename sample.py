@@ -43,6 +43,7 @@ import numpy as np
 from atomic_files import allocation_unit, check_writable, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, UserError, check_launched_processes, end_processes, run_command
+from dit_vca.model_options import VCA_KERNEL_SETTINGS
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
@@ -57,9 +58,8 @@ from generation.sample_file import (
     shard_reader,
 )
 from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
+from samplers.catalogue import SAMPLERS
 
-# dit_vca.attention.VCA_KERNEL_SETTINGS, spelled out (tested equal): importing it would import torch for --help
-VCA_KERNEL_CHOICES = ("auto", "aten", "triton")
 SAMPLER_OPTIONS = (
     "eta",
     "clip_denoised",
@@ -100,8 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="about this many samples in the preview PNG, a row per class (0: none)",
     )
-    add("--sampler", help="sampler name (default: the objective's: DiT ddpm, SiT dopri5)")
-    add("--steps", type=int, help="sampling steps, counted as intervals (default: the sampler's)")
+    add(
+        "--sampler",
+        help="sampler name, with its default --steps, by the checkpoint's objective: "
+        + "; ".join(f"{table.objective}: {table.describe()}" for table in SAMPLERS.values()),
+    )
+    add(
+        "--steps",
+        type=int,
+        help="sampling steps, counted as intervals (default: the sampler's, listed under --sampler; adaptive "
+        "solvers choose their own from --atol/--rtol)",
+    )
     add("--eta", type=float, help="DDIM eta")
     add("--clip-denoised", action="store_const", const=True, help="DDPM/DDIM: clamp the predicted x_0 to [-1, 1]")
     add("--atol", type=float, help="adaptive ODE solver atol")
@@ -129,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
     add(
         "--vca-kernel",
-        choices=VCA_KERNEL_CHOICES,
+        choices=VCA_KERNEL_SETTINGS,
         default="auto",
         help="VCA's core in ATen operations or Triton kernels (default auto: Triton on CUDA, ATen elsewhere)",
     )

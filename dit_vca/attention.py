@@ -8,36 +8,20 @@ VCA follows docs/VCA.md (Pu et al., NeurIPS 2025, "Linear Differential Vision Tr
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from commands import UserError
+from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCA_PENDING_OPTIONS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
 from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
-VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
-VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
-# Attention options of the backbone that VCA's fused core (dit_vca.vca_core) does not apply yet: refused for VCA.
-VCA_PENDING_OPTIONS = ("qk_norm", "rope")
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
 NORM_EPS = 1e-5  # of VCA's two RMSNorms
 QK_NORM_EPS = 1e-6  # of the RMSNorms of queries and keys (QK-norm), LightningDiT's
-
-
-@dataclass(frozen=True)
-class VCAOptions:
-    """Switches of Visual-Contrast Attention. The defaults are the released code; the others give the paper's
-    ablation rows (see VisualContrastAttention for what each switch turns off)."""
-
-    contrast_grid: int | None = None  # side p of the pooled p×p grid; None means H/2 (n = N/4)
-    joint_softmax: bool = True  # Stage II: one softmax over the 2n columns (released code) or two (paper text)
-    stage1_differential: bool = True
-    stage2_differential: bool = True
-    pooled_content: bool = True  # False: the streams are the embeddings E± alone
 
 
 def resolve_contrast_grid(grid_size: int, contrast_grid: int | None) -> int:

@@ -39,7 +39,8 @@ from atomic_files import commit
 from commands import CommandParser, UserError, run_command
 from dit_vca.attention import MultiHeadSelfAttention
 from dit_vca.diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
-from dit_vca.models import MODEL_SIZES, RECIPES, DiT, build_model_from_config, create_model
+from dit_vca.model_options import RECIPES
+from dit_vca.models import MODEL_SIZES, DiT, build_model_from_config, create_model
 from samplers.multistep import SCHEDULERS
 
 if TYPE_CHECKING:

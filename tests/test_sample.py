@@ -734,3 +734,26 @@ def test_overwrite_replaces_only_what_an_earlier_sample_run_wrote(export, tmp_pa
     with pytest.raises(SampleFilesError, match="foreign.json exists and was not written by sample.py"):
         sample.main([*command[:2], "--out", str(foreign), *command[4:], "--overwrite"])
     assert foreign.with_suffix(".json").read_text() == '{"mine": true}'
+
+
+def test_help_lists_each_objectives_samplers_with_their_default_steps(capsys):
+    """`sample.py --help` names every sampler of both objectives, each fixed-step one with its default step count
+    (the count the objective samples with when --steps is not given), and each objective's default sampler."""
+    import re
+
+    from dit_vca import create_diffusion
+    from samplers.catalogue import SAMPLERS
+    from sit_vca import create_transport
+
+    with pytest.raises(SystemExit):
+        sample.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse's line breaks aside
+    for objective, table in ((create_diffusion(), SAMPLERS["diffusion"]), (create_transport(), SAMPLERS["transport"])):
+        listed = text.partition(f"{table.objective}: ")[2]
+        for other in SAMPLERS.values():  # up to the next objective's list
+            listed = listed.partition(f"; {other.objective}: ")[0]
+        for name in objective.sampler_names:
+            steps = table.steps[name]
+            shown = re.escape(name) + (r"(?: \(default\))?" + (rf" {steps}\b" if steps is not None else ""))
+            assert re.search(shown, listed), (name, steps)
+        assert f"{objective.default_sampler} (default)" in listed

@@ -30,27 +30,30 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 from atomic_files import atomic_folder, atomic_output, check_writable, write_json_atomic
 from commands import CommandParser, UserError, run_command
-from generation.export import EXPORT_CONFIG, ExportDescription, read_description, write_export
 from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, PosthocEMAConfig
 from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma, step_decay
 from training.run import SNAPSHOT_FOLDER
 
+# torch, safetensors.torch and generation.export (seconds to import) are imported where they are used, so that
+# `python -m training.posthoc_ema --help` and a bad argument answer at once.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from generation.export import ExportDescription
+
 CHECKPOINT_STATE = "posthoc_ema.safetensors"  # in each checkpoint folder: the running averages
 SNAPSHOT_DESCRIPTION = "description.json"
 DEFAULT_OUT = "posthoc_exports"  # in the run directory
 MIN_SNAPSHOTS = 4  # fewer stored profiles span too little to reconstruct anything but themselves
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PosthocEMAError(UserError):
@@ -85,12 +88,14 @@ class PowerEMA:
     def __init__(
         self, model: nn.Module, settings: PosthocEMAConfig, batch: int, device: torch.device | str = "cpu"
     ) -> None:
+        import torch
+
         names = [profile_file(sigma_rel) for sigma_rel in settings.sigma_rel]
         if len(set(names)) < len(names):
             raise ConfigError(f"'train.posthoc_ema.sigma_rel' is {settings.sigma_rel}: each profile only once")
         self.sigma_rels = list(settings.sigma_rel)
         self.gammas = [sigma_rel_to_gamma(sigma_rel) for sigma_rel in self.sigma_rels]
-        self.snapshot_every, self.dtype, self.batch = settings.snapshot_every, DTYPES[settings.dtype], batch
+        self.snapshot_every, self.dtype, self.batch = settings.snapshot_every, getattr(torch, settings.dtype), batch
         state = model.state_dict()
         self.keys = list(state)
         self.averages = [
@@ -98,14 +103,16 @@ class PowerEMA:
         ]
         self.images = 0  # training images behind the averages
 
-    @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """Fold in the weights after one more optimiser step (the same call on every process)."""
+        import torch
+
         self.images += self.batch
         state = model.state_dict()
         current = [state[key].detach().float() for key in self.keys]
-        for gamma, average in zip(self.gammas, self.averages):
-            torch._foreach_lerp_(average, current, 1.0 - step_decay(self.images, self.batch, gamma))
+        with torch.no_grad():
+            for gamma, average in zip(self.gammas, self.averages):
+                torch._foreach_lerp_(average, current, 1.0 - step_decay(self.images, self.batch, gamma))
 
     @torch.no_grad()
     def copy_profile(self, sigma_rel: float, module: nn.Module) -> None:
@@ -121,7 +128,7 @@ class PowerEMA:
 
     def snapshot_bytes(self) -> int:
         """Bytes of one snapshot on disk (every profile, in the snapshot dtype; headers aside)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = self.dtype.itemsize
         return len(self.sigma_rels) * sum(tensor.numel() for tensor in self.averages[0]) * element
 
     def describe(self, max_steps: int) -> str:
@@ -137,6 +144,8 @@ class PowerEMA:
 
     def save_snapshot(self, run_root: Path, step: int, description: ExportDescription) -> Path:
         """Write every profile's average at `step` to <run>/posthoc_ema/step-XXXXXXX/ (main process, atomic)."""
+        from safetensors.torch import save_file
+
         final = Path(run_root) / SNAPSHOT_FOLDER / snapshot_name(step)
         with atomic_folder(final, needed=self.snapshot_bytes()) as temporary:
             for sigma_rel, gamma, average in zip(self.sigma_rels, self.gammas, self.averages):
@@ -154,6 +163,8 @@ class PowerEMA:
 
     def write_state(self, checkpoint: Path) -> None:
         """Put the running averages into a checkpoint folder being assembled (main process)."""
+        from safetensors.torch import save_file
+
         tensors = {key: value.cpu().contiguous() for key, value in self.state_tensors().items()}
         metadata = {"sigma_rel": json.dumps(self.sigma_rels), "images": str(self.images)}
         with atomic_output(Path(checkpoint) / CHECKPOINT_STATE) as temporary:
@@ -161,6 +172,8 @@ class PowerEMA:
 
     def load_state(self, checkpoint: Path) -> None:
         """Continue the averages of a checkpoint (check_resume first: it refuses other profiles in one line)."""
+        from safetensors.torch import load_file
+
         file = Path(checkpoint) / CHECKPOINT_STATE
         saved = load_file(file)
         with safe_open(file, framework="pt") as header:
@@ -325,6 +338,8 @@ def reconstruct(
 ) -> list[PosthocExport]:
     """Write one export per sigma_rel, the least-squares combination of every profile stored at or before `step`
     (the newest snapshot step when None), into `out` (default RUN/posthoc_exports); returns what was written."""
+    from generation.export import write_export
+
     run_root = Path(run_root)
     for sigma_rel in sigma_rels:
         check_sigma_rel(sigma_rel)
@@ -372,6 +387,8 @@ def reconstruct(
 
 def _combine(files: list[Path], coefficients: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
     """For each coefficient vector, sum_i c_i * (weights of files[i]) in float64, each file read once."""
+    from safetensors.torch import load_file
+
     sums: list[dict[str, torch.Tensor]] = [{} for _ in coefficients]
     for i, file in enumerate(files):
         try:
@@ -386,6 +403,8 @@ def _combine(files: list[Path], coefficients: list[np.ndarray]) -> list[dict[str
 
 
 def _read_snapshot_description(folder: Path) -> ExportDescription:
+    from generation.export import ExportDescription
+
     file = folder / SNAPSHOT_DESCRIPTION
     try:
         return ExportDescription.from_json(json.loads(file.read_text()))
@@ -395,6 +414,8 @@ def _read_snapshot_description(folder: Path) -> ExportDescription:
 
 def _check_replaceable(folder: Path) -> None:
     """An output folder may be new or an earlier reconstruction; anything else is not ours to replace."""
+    from generation.export import EXPORT_CONFIG, read_description
+
     if not folder.exists():
         return
     ours = (folder / EXPORT_CONFIG).is_file() and read_description(folder).posthoc_ema is not None

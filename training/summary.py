@@ -14,7 +14,8 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from dit_vca.models import RECIPES, name_size
+from dit_vca.model_options import RECIPES
+from dit_vca.models import name_size
 from training.build import TrainingParts
 from training.config import Config
 from training.ema import describe_ema
