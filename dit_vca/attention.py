@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from commands import UserError
+from dit_vca.kernel_layout import KernelLayout
 from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCA_PENDING_OPTIONS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
-from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
+from dit_vca.vca_core import stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
