@@ -201,7 +201,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         else None
     )
     if config.train.compile:
-        model.compile()
+        model.compile(fullgraph=True)  # a graph break is an error, never a silent fall-back to eager pieces
     optimizer, scheduler = create_optimizer(model, config, accelerator.device, projector)
     if projector is None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
