@@ -217,7 +217,7 @@ def check_autoguidance_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--cfg-scale {args.cfg_scale} with --guide-ckpt: use one guidance, not both")
 
 
-def load_guide(args: argparse.Namespace, description, device) -> None:
+def load_guide(args: argparse.Namespace, description, device, precision: str) -> None:
     """Load --guide-ckpt onto `device` as args.guide, after checking in one line that it can guide the model."""
     from generation import ExportError, load_export
     from generation.autoguide import guide_mismatch
@@ -235,7 +235,7 @@ def load_guide(args: argparse.Namespace, description, device) -> None:
             f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
             f"model's objective, inputs and classes"
         )
-    args.guide = load_model(export, device, args.compile, args.vca_kernel)
+    args.guide = load_model(export, device, args.compile, args.vca_kernel, precision)
     args.guide_description = {"train_step": export.description.train_step, "source": export.description.source}
 
 
@@ -350,8 +350,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_against(export.description, args)
     check_disk_space(args, export.description.image_size, files)
     accelerator = create_accelerator(args)
+    from generation.generator import default_precision, set_matmul_precision
+
+    precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
+    set_matmul_precision(precision)  # before any model is loaded: the Triton core is checked for it
     if args.guide_ckpt is not None:
-        load_guide(args, export.description, accelerator.device)
+        load_guide(args, export.description, accelerator.device, precision)
     if "export" in settings and accelerator.is_main_process:  # once per job (Accelerate's print: once per node)
         print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
@@ -359,10 +363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.protocol and accelerator.is_main_process:
         print(describe_protocol(args))
     from generation import ImageGenerator
-    from generation.generator import default_precision, set_matmul_precision
 
-    precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
-    set_matmul_precision(precision)
     labels = SampleLabels(args.num_samples, export.description.num_classes, args.labels, args.seed)  # lazily
     shards = plan_shards(args.num_samples, args.shard_size)  # lazily, as the labels
     try:

@@ -25,6 +25,7 @@ from samplers import PerSampleNoise, autoguidance, classifier_free_guidance
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1] (B, 1 or 3, H, W)
 PRECISIONS = ("fp32", "tf32", "bf16")
+COMPUTE_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}  # what the model computes in
 
 
 def default_precision(device: torch.device, mixed_precision: str | None = None) -> str:
@@ -43,12 +44,17 @@ def set_matmul_precision(precision: str) -> None:
 
 
 def load_model(
-    export: Export, device: torch.device | str = "cpu", compile: bool = False, vca_kernel: str = "auto"
+    export: Export,
+    device: torch.device | str = "cpu",
+    compile: bool = False,
+    vca_kernel: str = "auto",
+    precision: str = "fp32",
 ) -> nn.Module:
     """The EMA network of an export on `device`, in eval mode without gradients, its VCA core on `vca_kernel`
-    (dit_vca.attention.set_vca_kernel); `compile` wraps it in torch.compile (compiled on the first batch)."""
+    (dit_vca.attention.set_vca_kernel, which checks the Triton core for `precision`'s dtype now, before any
+    compiling); `compile` wraps it in torch.compile (compiled on the first batch)."""
     model = build_model_from_config(export.description.model)
-    set_vca_kernel(model, vca_kernel, device, "--vca-kernel")
+    set_vca_kernel(model, vca_kernel, device, "--vca-kernel", COMPUTE_DTYPES[precision])
     model.load_state_dict(export.weights, strict=True)
     model = model.to(device).eval().requires_grad_(False)
     return torch.compile(model) if compile else model
@@ -134,7 +140,7 @@ class ImageGenerator:
                     f"was trained with ({vae_option})"
                 )
         return cls(
-            load_model(export, device, compile, vca_kernel),
+            load_model(export, device, compile, vca_kernel, precision),
             create_objective(description.objective),
             pixel_decoder(description, autoencoder),
             description.num_classes,

@@ -209,7 +209,9 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
 
     set_seed(config.train.seed)  # identical initial weights on every process ...
     model = build_model(config, in_channels, input_size)
-    set_vca_kernel(model, config.train.vca_kernel, accelerator.device, "train.vca_kernel")  # the EMA copies it
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    # The EMA copies the choice; the Triton core is checked now, before compiling (dit_vca.triton_check).
+    set_vca_kernel(model, config.train.vca_kernel, accelerator.device, "train.vca_kernel", compute_dtype)
     ema = create_ema(model, config.train).to(accelerator.device)
     posthoc_ema = create_posthoc_ema(
         model, config.train.posthoc_ema, config.train.global_batch_size, accelerator.device
@@ -222,7 +224,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         else None
     )
     if config.train.compile:
-        model.compile()
+        model.compile(fullgraph=True)  # a graph break is an error, never a silent fall-back to eager pieces
     optimizer, scheduler = create_optimizer(model, config, accelerator.device, projector)
     if projector is None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -193,7 +193,7 @@ class TrainConfig:
     weight_decay: float = _range(0.0, 0.0)  # AdamW's decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"range": (0.0, 1.0, False)})  # AdamW
     warmup_steps: int = _range(0, 0)  # linear learning-rate warm-up, then constant; 0: none
-    max_grad_norm: float | None = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged)
+    max_grad_norm: float | None = _range(None, 0.0, above=True)  # None: no clipping, the norm is not computed
     ema_decay: float = _range(MISSING, 0.0, 1.0)  # of the EMA weights that exports and samples use
     ema_warmup: bool = False  # decay 1 - (1 + step)^-power, capped at ema_decay
     ema_warmup_power: float = _range(0.75, 0.0, above=True)  # the power of train.ema_warmup

@@ -11,7 +11,6 @@ metrics line and a checkpoint of it. A process of the run that dies ends the oth
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -137,7 +136,12 @@ class Trainer:
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
         metrics = TrainingMetrics(
-            accelerator, self.run.metrics, config.train.global_batch_size, self.state.step, self.state.metrics_window
+            accelerator,
+            self.run.metrics,
+            config.train.global_batch_size,
+            self.state.step,
+            self.state.metrics_window,
+            grad_norm=config.train.max_grad_norm is not None,
         )
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
@@ -151,7 +155,8 @@ class Trainer:
             if step % log.every == 0 or last:
                 self.stop_if_non_finite(metrics)
                 line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
-                progress.set_postfix(loss=f"{line['loss']:.4f}", grad_norm=f"{line['grad_norm']:.3f}")
+                norm = {"grad_norm": f"{line['grad_norm']:.3f}"} if line["grad_norm"] is not None else {}
+                progress.set_postfix(loss=f"{line['loss']:.4f}", **norm)
             stopping = not last and stop.agreed()  # every rank, after the same step (the last one ends anyway)
             if self.posthoc_ema is not None and self.posthoc_ema.snapshot_due(step, last):  # also when stopping:
                 self.stop_if_non_finite(metrics)  # a resume continues after this step
@@ -189,18 +194,22 @@ class Trainer:
     def say(self, message: str) -> None:
         say(self.accelerator, message)
 
-    def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One optimiser step and the EMA updates after it; returns (mean loss, grad norm, skipped files)."""
+    def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """One optimiser step and the EMA updates after it; returns (mean loss, grad norm or None, skipped
+        files)."""
         loss, grad_norm, skipped = self.optimizer_step(stream)
         self.ema.update(self.accelerator.unwrap_model(self.model), step=self.state.step)
         if self.posthoc_ema is not None:
             self.posthoc_ema.update(self.accelerator.unwrap_model(self.model))
         return loss, grad_norm, skipped
 
-    def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Accumulate gradients over micro-batches and step; returns (mean loss, grad norm, skipped files)."""
+    def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Accumulate gradients over micro-batches and step; returns (mean loss, grad norm, skipped files). The
+        norm is that of the clipping (train.max_grad_norm); without clipping it is not computed (None): a norm
+        over every gradient is one more pass over the model's parameters for a number nobody acts on."""
         accelerator, train = self.accelerator, self.config.train
         losses, alignments, skipped = [], [], 0
+        grad_norm = None
         for _ in range(train.grad_accum_steps):
             x, y, batch_skipped, *paired = next(stream)  # paired: the latents' own images, for REPA
             self.state.examples_seen += self.batches.loader.batch_size * accelerator.num_processes
@@ -216,9 +225,9 @@ class Trainer:
             with accelerator.accumulate(*self.parts.trained_modules):
                 loss, alignment = self.losses(x, y, images)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and train.max_grad_norm is not None:
                     parameters = [p for module in self.parts.trained_modules for p in module.parameters()]
-                    grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm or math.inf)
+                    grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm).detach().float()
                 self.optimizer.step()
                 if accelerator.sync_gradients:
                     self.scheduler.step()
@@ -228,7 +237,7 @@ class Trainer:
             skipped += batch_skipped
         self.state.step += 1
         self.step_terms = {"alignment_loss": torch.stack(alignments).mean()} if alignments else {}
-        return torch.stack(losses).mean(), grad_norm.detach().float(), skipped
+        return torch.stack(losses).mean(), grad_norm, skipped
 
     def losses(
         self, x: torch.Tensor, y: torch.Tensor, images: torch.Tensor

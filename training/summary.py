@@ -101,6 +101,12 @@ def geometry(values: dict[str, Any]) -> str:
     )
 
 
+def describe_clipping(max_grad_norm: float | None) -> str:
+    if max_grad_norm is None:
+        return "not clipped (train.max_grad_norm null): their norm is not computed, metrics.jsonl says grad_norm null"
+    return f"clipped to a global norm of {max_grad_norm:g}; the norm before clipping is logged as grad_norm"
+
+
 def describe_resume(resume_from: Path | None, saved: dict[str, Any], state: TrainerState) -> str:
     if resume_from is None:
         return "nothing (a fresh start at step 0)"
@@ -141,7 +147,8 @@ def startup_summary(
         "loader": describe_loader(config.data.num_workers, parts.batches.loader.num_workers),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
         "precision": f"{precision}, {describe_tf32(train.tf32, accelerator.device)}, "
-        f"compile {'on' if train.compile else 'off'}, VCA kernel {train.vca_kernel}",
+        f"compile {'on (fullgraph)' if train.compile else 'off'}, VCA kernel {train.vca_kernel}",
+        "gradients": describe_clipping(train.max_grad_norm),
         "devices": describe_devices(accelerator),
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),
