@@ -65,7 +65,7 @@ STOPPED_STATUS = 75  # train.py's exit status when a signal stopped it (training
 def real_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 training digits as sample files store them: (N, 8, 8, 3) uint8 and (N,) int64 labels."""
     from generation.images import to_uint8
-    from training.data import DigitsDataset
+    from training.builtin_data import DigitsDataset
 
     dataset = DigitsDataset()
     return to_uint8(dataset.images), dataset.labels.numpy()

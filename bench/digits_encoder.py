@@ -41,7 +41,7 @@ def split_digits(seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """(train images (N, 1, 8, 8) in [-1, 1], train labels, held-out images, held-out labels)."""
     from sklearn.model_selection import train_test_split
 
-    from training.data import DigitsDataset
+    from training.builtin_data import DigitsDataset
 
     dataset = DigitsDataset()
     indices = np.arange(len(dataset))

@@ -208,7 +208,7 @@ class Scorer:
     that finds every score already written loads none of them)."""
 
     def __init__(self, out: Path, budget: Budget) -> None:
-        from training.data import SHAPES_CLASSES, SHAPES_PER_CLASS
+        from training.builtin_data import SHAPES_CLASSES, SHAPES_PER_CLASS
 
         self.cache = out / REAL_FEATURES
         self.real_images = budget.real_images or SHAPES_CLASSES * SHAPES_PER_CLASS
@@ -221,7 +221,7 @@ class Scorer:
     @cached_property
     def _dataset(self) -> tuple[np.ndarray, np.ndarray]:
         from generation.images import to_uint8
-        from training.data import ShapesDataset
+        from training.builtin_data import ShapesDataset
 
         dataset = ShapesDataset()
         return to_uint8(dataset.images), dataset.labels.numpy()  # (N, 16, 16, 3), (N,)

@@ -73,7 +73,7 @@ def needs_vae(config: Config) -> bool:
 def model_input_shape(config: Config, dataset: Dataset, vae: AutoencoderKL | None) -> tuple[int, int]:
     """(channels, side) of what the model sees: the images of a pixel-space dataset, latents otherwise."""
     if config.data.in_pixel_space:
-        channels, _, side = dataset.images.shape[1:]  # InMemoryImages: (N, C, S, S)
+        channels, _, side = dataset.images.shape[1:]  # training.builtin_data.InMemoryImages: (N, C, S, S)
         return channels, side
     if isinstance(dataset, LatentShardDataset):
         return dataset.manifest["latent_channels"], dataset.manifest["latent_size"]
