@@ -24,8 +24,9 @@ from faults import run_train, signal_at_step
 from generation import ImageGenerator, read_export
 from generation.diffusers_interop import load_mhsa_model, to_diffusers
 from training.config import ConfigError, PosthocEMAConfig
-from training.posthoc_ema import CHECKPOINT_STATE, PosthocEMAError, PowerEMA, reconstruct
+from training.posthoc_ema import PosthocEMAError, reconstruct
 from training.posthoc_ema import main as posthoc_main
+from training.power_ema import CHECKPOINT_STATE, PowerEMA
 from training.power_profiles import (
     SIGMA_REL_MAX,
     gamma_to_sigma_rel,

@@ -27,7 +27,7 @@ from training.accelerator import micro_batch_size
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
-from training.posthoc_ema import PowerEMA, create_posthoc_ema
+from training.power_ema import PowerEMA, create_posthoc_ema
 from training.repa import RepresentationAlignment, build_projector, check_encoder, load_encoder
 
 if TYPE_CHECKING:  # diffusers is imported only where a VAE is loaded (generation.vae): pixel-space runs never need it
