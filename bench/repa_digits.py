@@ -104,20 +104,20 @@ class DigitsScorer(Scorer):
 
     @cached_property
     def _dataset(self) -> tuple[np.ndarray, np.ndarray]:
-        from demo import real_digits
+        from judges.digits import real_digits
 
         return real_digits()  # (1797, 8, 8, 3) uint8, (1797,)
 
     @cached_property
     def classifier(self):
-        from demo import fit_classifier
+        from judges.digits import fit_classifier
 
         return fit_classifier(*self._dataset)
 
     @cached_property
     def real(self):
-        from demo import real_digit_features
         from fid import gaussian_of
+        from judges.digits import real_digit_features
 
         return gaussian_of(real_digit_features(self._dataset[0][: self.real_images], self.extractor))
 

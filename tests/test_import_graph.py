@@ -28,6 +28,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("sit_vca",),
     ("generation",),
     ("training",),
+    ("judges",),  # the classifiers and real images that the demo, the studies and bench.demo score with
     ("train", "sample", "demo"),
     ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema
     ("bench",),

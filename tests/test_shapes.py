@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.shape_classifier import centred_pixels, fit_shape_classifier
 from generation.images import to_uint8
+from judges.shapes import centred_pixels, fit_shape_classifier
 from training.build import build_model, model_input_shape
 from training.builtin_data import (
     SHAPE_COLOURS,

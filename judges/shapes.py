@@ -1,4 +1,5 @@
-"""An independent judge of generated shapes: does a sample show the shape and colour of the class it was asked for?
+"""The judge of generated shapes: does a sample show the shape and colour of the class it was asked for? The real
+coloured shapes (training.builtin_data) and an independent classifier fitted on them; studies.quality scores with it.
 
 Pixels alone do not suffice (an RBF SVC on raw pixels reads the real shapes at ~69 %, because a shape may sit
 anywhere), so each image is first centred: the background (the median of its border pixels) is subtracted and
@@ -17,6 +18,15 @@ from sklearn.model_selection import train_test_split
 
 HELD_OUT_FRACTION = 0.25  # of the real images, kept from the classifier to measure its own accuracy
 MAX_ITERATIONS = 3000  # lbfgs converges well within this on 1800 images of 768 values
+
+
+def real_shapes() -> tuple[np.ndarray, np.ndarray]:
+    """The 2400 real shapes as sample files store them: (N, 16, 16, 3) uint8 and (N,) int64 labels."""
+    from generation.images import to_uint8
+    from training.builtin_data import ShapesDataset
+
+    dataset = ShapesDataset()
+    return to_uint8(dataset.images), dataset.labels.numpy()
 
 
 def centred_pixels(images: np.ndarray) -> np.ndarray:
