@@ -1,5 +1,5 @@
 """The project's structure, held by the suite: packages import only packages on floors below their own, no module
-imports itself back through a circle, and a study imports no other study.
+imports itself back through a circle, a study imports no other study, and docs/architecture.md lists these floors.
 
 The floors follow the README's data flow (configs -> training run -> export -> generation -> .npz -> fid), read
 as "who may use whom": a command uses training, training uses generation, generation uses the models and
@@ -12,6 +12,7 @@ is still a circle.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,21 @@ def test_a_study_imports_no_other_study_and_not_the_demo():
         if (top(target) == "studies" and target not in STUDY_MACHINERY) or top(target) == "demo"
     )
     assert not ties, "a study imports another study or the demo:\n" + "\n".join(ties)
+
+
+def documented_floors(page: Path) -> tuple[tuple[str, ...], ...]:
+    """The numbered list of docs/architecture.md's "The rooms and their floors": the rooms named (in backticks)
+    before the colon of each item, lowest floor first."""
+    section = page.read_text().split("## The rooms and their floors", 1)[1].split("\n## ", 1)[0]
+    floors = []
+    for number, names in re.findall(r"^(\d+)\. ((?:`\w+`(?:, )?)+):", section, re.M):
+        assert int(number) == len(floors) + 1, f"{page.name}: floor {number} out of order"
+        floors.append(tuple(re.findall(r"`(\w+)`", names)))
+    return tuple(floors)
+
+
+def test_the_architecture_page_lists_these_floors():
+    assert documented_floors(REPO / "docs" / "architecture.md") == FLOORS
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
