@@ -131,7 +131,7 @@ def saved_mib(layer: nn.Module, x: Tensor, dtype: torch.dtype, recompute_qkv: bo
         layer.recompute_qkv = recompute_qkv
     autocast = torch.autocast(x.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     with autocast:
-        saved = saved_activation_bytes(lambda: layer(x), layer.parameters())
+        saved = saved_activation_bytes(lambda: layer(x), [*layer.parameters(), *layer.buffers()])
     if isinstance(layer, VisualContrastAttention):
         layer.recompute_qkv = False
     return saved / 2**20

@@ -224,7 +224,8 @@ def saved_forward_mib(
     labels = torch.randint(0, 1000, (batch_size,), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     with autocast:
-        return saved_activation_bytes(lambda: model(latents, timesteps, labels), model.parameters()) / 2**20
+        forward = lambda: model(latents, timesteps, labels)  # noqa: E731
+        return saved_activation_bytes(forward, [*model.parameters(), *model.buffers()]) / 2**20
 
 
 def median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
