@@ -14,8 +14,9 @@ in beside the tree). Three parts, each in its own process under its own time bud
    ≤ 0.33x at N = 16384); then, fwd+bwd at N = 1024, 4096, 16384, the ATen core with Stage II as SDPA calls
    and as GEMMs against MHSA;
 2. samplers: DDIM-50 (DiT-S/2) and Euler-50 (SiT-S/2), VCA and MHSA, bf16, batch 32;
-3. train: the DiT-S/2 training step at 256 and 512 px, batch 32, fp32 and bf16 (the goal rows), then
-   compiled (inductor) at 256 px in bf16, compile time apart from the steady state; then DiT-XL/2 at 256 px,
+3. train: the DiT-S/2 training step at 256 and 512 px, batch 32, fp32 and bf16 (the goal rows), at 256 px in
+   bf16 with model.recipe=lightning-qknorm (RMSNorm, SwiGLU, QK-norm, RoPE), then compiled (inductor) at 256 px
+   in bf16, compile time apart from the steady state; then DiT-XL/2 at 256 px,
    bf16, eager and compiled (the goal row: compiled VCA ≥ 0.95x MHSA's images/s). VCA's core runs on the
    Triton kernels there (the CUDA default).
 Every case appends its row to the JSONL file the moment it is measured, so a part stopped by its budget or by
@@ -244,6 +245,10 @@ def train_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> I
     from bench.train import Case, goal_cases, measure
 
     cases = [case for dtype in dtypes for case in goal_cases(dtype)]  # the goal rows, fp32 and bf16
+    cases += [  # LightningDiT's block options, QK-norm and RoPE inside VCA's core (Triton)
+        Case("DiT-S/2", 256, attention, None, dtypes[-1], "latents", options="lightning-qknorm")
+        for attention in ("mhsa", "vca")
+    ]
     cases += [
         replace(case, compiled=True)
         for case in goal_cases(dtypes[-1])

@@ -41,6 +41,33 @@ def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None
         assert math.isfinite(row[figure]) and row[figure] > 0, row
 
 
+@pytest.mark.slow
+def test_attention_benchmark_times_the_block_options(tmp_path: Path) -> None:
+    """`python -m bench.attention --options`: MHSA and VCA plain, with QK-norm, RoPE and both, and VCA's readable
+    path with both, each timed, with a table row per pass (a smoke run at N = 64)."""
+    from bench.attention import OPTION_METHODS
+
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [
+        sys.executable,
+        "-m",
+        "bench.attention",
+        "--quick",
+        "--options",
+        "--tokens",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "attention-cpu-options-quick.json").read_text())
+    assert {row["method"] for row in results["rows"]} == set(OPTION_METHODS)
+    assert all(math.isfinite(row["ms"]) and row["ms"] > 0 for row in results["rows"])
+    table = (tmp_path / "attention-cpu-options-quick.md").read_text()
+    assert sum(line.startswith("| 64 | 384 / 6 | fp32 |") for line in table.splitlines()) == 2  # fwd, fwd+bwd
+
+
 def test_gpu_runbook_fits_its_time_by_construction() -> None:
     from bench.gpu import MAIN_PROCESS_SECONDS, REHEARSAL, RUNBOOK, RUNBOOK_SECONDS
 
@@ -157,8 +184,10 @@ def test_gpu_runbook_rehearsal_runs_every_part_on_the_cpu(tmp_path: Path) -> Non
     summary = (tmp_path / "gpu-cpu-rehearsal.md").read_text()
     for part in ("attention", "samplers", "train"):
         assert f"| {part} |" in summary
-    goal_rows = [row for row in rows if row.get("case") == "train" and row["attention"] == "vca"]
+    train_rows = [row for row in rows if row.get("case") == "train" and row["attention"] == "vca"]
+    goal_rows = [row for row in train_rows if not row["options"]]  # the block options' rows have no goal
     assert goal_rows and all(f"- {row['label']}: " in summary for row in goal_rows)
+    assert all(f"| {row['label']} |" in summary for row in train_rows)
     for row in rows:
         if row.get("case") == "train" and row["compiled"]:
             assert row["compile_seconds"] is not None
