@@ -107,7 +107,7 @@ def test_triton_with_qk_norm_or_rope_alone_equals_readable_path(block_options):
     kernels (dT into dq̂ there), RoPE alone has no gains."""
     module = perturbed_vca(32, 2, 6, block_index=1, options=VCAOptions(3), **block_options)
     module.recompute_qkv = True
-    assert_fp32_close(*triton_and_readable(module, torch.randn(2, 36, 32), torch.randn(2, 36, 32)))
+    assert_fp32_close(*triton_and_readable(module, torch.randn(1, 36, 32), torch.randn(1, 36, 32)))
 
 
 @pytest.mark.parametrize(
@@ -156,13 +156,15 @@ def test_triton_with_qk_norm_and_rope_under_bf16_is_as_close_as_the_readable_pat
         assert error <= max(tolerance, bf16_loss), (name, error, tolerance, bf16_loss)
 
 
-def core_arguments(options: VCAOptions, recompute: bool, qk_norm: bool = False, rope: bool = False) -> tuple:
+def core_arguments(
+    options: VCAOptions, recompute: bool, qk_norm: bool = False, rope: bool = False, triton: bool = True
+) -> tuple:
     """The tensor and scalar arguments of dit_vca::vca_core for a small layer (N = 16, n = 4, d = 16), on the
-    Triton path; tensors that require grad (the RoPE tables: constants)."""
+    Triton path (or the ATen path); tensors that require grad (the RoPE tables: constants)."""
     module = perturbed_vca(32, 2, 4, block_index=2, options=options, qk_norm=qk_norm, rope=rope).to(DEVICE)
     switches = (options.joint_softmax, options.stage1_differential, options.stage2_differential, options.pooled_content)
     qk_norm_eps = 1e-6 if qk_norm else None
-    layout = KernelLayout(2, 4, 2, *switches, module.lambda_init, 1e-5, recompute, False, True, qk_norm_eps)
+    layout = KernelLayout(2, 4, 2, *switches, module.lambda_init, 1e-5, recompute, False, triton, qk_norm_eps)
     with torch.no_grad():
         lambdas = [module.lambda1() if options.stage1_differential else None]
         lambdas += [module.lambda2() if options.stage2_differential else None]
@@ -187,18 +189,21 @@ def core_arguments(options: VCAOptions, recompute: bool, qk_norm: bool = False, 
 
 
 @pytest.mark.parametrize(
-    "options,recompute,block_options",
+    "options,recompute,block_options,triton",
     [
-        (VCAOptions(contrast_grid=2), False, {}),
-        pytest.param(VCAOptions(contrast_grid=2), True, dict(qk_norm=True, rope=True), marks=pytest.mark.slow),
+        (VCAOptions(contrast_grid=2), False, {}, True),
+        (VCAOptions(contrast_grid=2), True, dict(qk_norm=True, rope=True), False),
     ],
-    ids=["plain", "qk_norm+rope"],
+    ids=["plain", "qk_norm+rope-aten"],
 )
-def test_triton_operator_passes_opcheck(options, recompute, block_options):
+def test_triton_operator_passes_opcheck(options, recompute, block_options, triton):
     """The operator on the Triton path, as torch.compile and AOTAutograd see it: schema, fake kernel against
-    the real one (shapes, strides, dtypes), autograd registration, AOT dispatch with its backward; plain and
-    with QK-norm's gains and RoPE's tables among its arguments."""
-    torch.library.opcheck(torch.ops.dit_vca.vca_core.default, core_arguments(options, recompute, **block_options))
+    the real one (shapes, strides, dtypes), autograd registration, AOT dispatch with its backward. With QK-norm's
+    gains and RoPE's tables among its arguments on the ATen path: the options change the schema and the
+    backward's outputs, not what the Triton path saves (the plain case checks that), and the interpreter would
+    take ten times as long (18 s against 1.6 s here)."""
+    arguments = core_arguments(options, recompute, **block_options, triton=triton)
+    torch.library.opcheck(torch.ops.dit_vca.vca_core.default, arguments)
 
 
 # Operators that compute nothing (views, allocations, dtype queries); one that copies (`to`, `reshape`) counts
