@@ -252,23 +252,24 @@ def run(args: argparse.Namespace) -> dict:
     )
 
 
+def grouped_rows(results: dict) -> list[tuple[dict, dict]]:
+    """The rows by (N, C, dtype, pass): (that case's tokens, width, heads, dtype and mode, its rows by method)."""
+    groups: dict[tuple, tuple[dict, dict]] = {}
+    for row in results["rows"]:
+        case = {key: row[key] for key in ("tokens", "width", "heads", "dtype", "mode")}
+        groups.setdefault(tuple(case.values()), (case, {}))[1][row["method"]] = row
+    return list(groups.values())
+
+
 def comparisons(results: dict) -> list[dict]:
     """One entry per (N, C, dtype, pass): the times of every method, VCA's ratio to the faster MHSA and, for
     forward+backward, the activations each saves for backward."""
-    groups: dict[tuple, dict] = {}
-    for row in results["rows"]:
-        key = (row["tokens"], row["width"], row["heads"], row["dtype"], row["mode"])
-        groups.setdefault(key, {})[row["method"]] = row
     table = []
-    for (tokens, width, heads, dtype, mode), by_method in groups.items():
+    for case, by_method in grouped_rows(results):
         by_method.setdefault("vca-N/4", by_method["vca-64"])
         mhsa = min((by_method["mhsa-sdpa"], by_method["mhsa-bmm"]), key=lambda row: row["ms"])
         entry = dict(
-            tokens=tokens,
-            width=width,
-            heads=heads,
-            dtype=dtype,
-            mode=mode,
+            **case,
             ms={method: row["ms"] for method, row in by_method.items()},
             mhsa_best=mhsa["method"],
             mhsa_peak_fraction=mhsa["peak_fraction"],
@@ -278,7 +279,7 @@ def comparisons(results: dict) -> list[dict]:
             ratio_readable=by_method["vca-64-readable"]["ms"] / mhsa["ms"],
             ratio_sdpa2=by_method["vca-64-sdpa2"]["ms"] / mhsa["ms"],
         )
-        if mode == "fwd+bwd":
+        if case["mode"] == "fwd+bwd":
             entry["saved_mib"] = {method: row["saved_mib"] for method, row in by_method.items()}
             entry["saved_mib_vca64_recompute_qkv"] = by_method["vca-64"]["saved_mib_recompute_qkv"]
         table.append(entry)
@@ -289,26 +290,18 @@ def option_comparisons(results: dict) -> list[dict]:
     """--options: one entry per (N, C, dtype, pass): the times of every method; per option set VCA's ratio to MHSA
     with the same options; each layer's time over its plain layer's (the options' cost); for forward+backward
     the activations saved for backward."""
-    groups: dict[tuple, dict] = {}
-    for row in results["rows"]:
-        key = (row["tokens"], row["width"], row["heads"], row["dtype"], row["mode"])
-        groups.setdefault(key, {})[row["method"]] = row
     table = []
-    for (tokens, width, heads, dtype, mode), by_method in groups.items():
+    for case, by_method in grouped_rows(results):
         ms = {method: row["ms"] for method, row in by_method.items()}
         entry = dict(
-            tokens=tokens,
-            width=width,
-            heads=heads,
-            dtype=dtype,
-            mode=mode,
+            **case,
             ms=ms,
             ratio={options: ms[f"vca-64{options}"] / ms[f"mhsa-sdpa{options}"] for options in OPTION_SETS},
             over_plain={
                 method: ms[method] / ms[method.split("+")[0].removesuffix("-readable")] for method in OPTION_METHODS
             },
         )
-        if mode == "fwd+bwd":
+        if case["mode"] == "fwd+bwd":
             entry["saved_mib"] = {method: row["saved_mib"] for method, row in by_method.items()}
         table.append(entry)
     return table
