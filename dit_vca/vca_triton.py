@@ -36,25 +36,35 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dit_vca.triton_exclusions import usable_configs
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
-    """Autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few of
-    `compiled` (each is one more compilation per kernel, dtype and head dim: 5–20 s each on a CPU core for the
-    backward's kernels), under the interpreter `interpreted` alone (timing there means nothing; small blocks,
-    so that the tests' small shapes cross tile boundaries). A configuration that needs more shared memory than
-    the GPU has is skipped by the autotuner (OutOfResources)."""
-    choices = [interpreted] if INTERPRETED else compiled
+def _configs(kernel: str, names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
+    """`kernel`'s autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few
+    of `compiled` (each is one more compilation per kernel, dtype and head dim: 5–20 s each on a CPU core for the
+    backward's kernels) less those that failed to compile for this GPU and Triton version (the compile matrix's
+    table, dit_vca.triton_exclusions), under the interpreter `interpreted` alone (timing there means nothing;
+    small blocks, so that the tests' small shapes cross tile boundaries). A configuration that needs more shared
+    memory than the GPU has is skipped by the autotuner (OutOfResources)."""
+    choices = [interpreted] if INTERPRETED else usable_configs(kernel, names, compiled)
     return [triton.Config(dict(zip(names, c[:-2])), num_warps=c[-2], num_stages=c[-1]) for c in choices]
 
 
-# Block sizes ≥ 16 (tl.dot's smallest). Rows: contrast tokens (BLOCK_M) against key or query tiles (BLOCK_N).
-# The last of each list, unpipelined, fits fp32 with d = 72 (128-wide tiles), for which the others need more shared
-# memory than an H100/H200 has (≥ 311 KiB against 227 KiB, compiled for sm_90).
-_ROW_BLOCKS = _configs(("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 1)])
+# Block sizes ≥ 16 (tl.dot's smallest), one declaration per kernel. Rows: contrast tokens (BLOCK_M) against key or
+# query tiles (BLOCK_N). The last of each list, unpipelined, fits fp32 with d = 72 (128-wide tiles), for which the
+# others need more shared memory than an H100/H200 has (≥ 311 KiB against 227 KiB, compiled for sm_90).
+_ROW_TILES = [(64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 1)]
 # Queries: query tiles (BLOCK_N) against tiles of contrast columns (BLOCK_C).
-_QUERY_BLOCKS = _configs(("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 4, 2), (32, 64, 4, 1)])
+_QUERY_TILES = [(64, 64, 4, 3), (128, 32, 4, 2), (32, 64, 4, 1)]
+_ROWS, _QUERIES, _SMALL = ("BLOCK_M", "BLOCK_N"), ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1)
+_STAGE1_CONFIGS = _configs("_stage1_kernel", _ROWS, _SMALL, _ROW_TILES)
+_STAGE2_CONFIGS = _configs("_stage2_kernel", _QUERIES, _SMALL, _QUERY_TILES)
+_STAGE2_ROWS_CONFIGS = _configs("_stage2_rows_kernel", _QUERIES, _SMALL, _QUERY_TILES)
+_STAGE2_COLUMNS_CONFIGS = _configs("_stage2_columns_kernel", _ROWS, _SMALL, _ROW_TILES)
+_STAGE1_KEYS_CONFIGS = _configs("_stage1_keys_kernel", _ROWS, _SMALL, _ROW_TILES)
+_STAGE1_ROWS_CONFIGS = _configs("_stage1_rows_kernel", _ROWS, _SMALL, _ROW_TILES)
 
 
 @triton.jit
@@ -131,7 +141,7 @@ def _streams_kernel(
         tl.store(place, (pooled + e.to(tl.float32)).to(streams.dtype.element_ty), mask=tile)
 
 
-@triton.autotune(configs=_ROW_BLOCKS, key=["N", "n", "BLOCK_D", "DIFF"])
+@triton.autotune(configs=_STAGE1_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF"])
 @triton.jit
 def _stage1_kernel(
     streams,  # (G, rows, d): T⁺ rows [0, n), T⁻ rows [n, 2n)
@@ -270,7 +280,7 @@ def _stage2_pass(
     return acc_pos, acc_neg, m_pos, l_pos, m_neg, l_neg
 
 
-@triton.autotune(configs=_QUERY_BLOCKS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"], restore_value=["result"])
+@triton.autotune(configs=_STAGE2_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"], restore_value=["result"])
 @triton.jit
 def _stage2_kernel(
     q,  # (G, N, d)
@@ -321,7 +331,7 @@ def _stage2_kernel(
 
 
 @triton.autotune(
-    configs=_QUERY_BLOCKS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"], reset_to_zero=["grad_lam", "grad_norm"]
+    configs=_STAGE2_ROWS_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"], reset_to_zero=["grad_lam", "grad_norm"]
 )
 @triton.jit
 def _stage2_rows_kernel(
@@ -412,7 +422,7 @@ def _stage2_rows_kernel(
     tl.store(grad_q + q_place, (acc * scale).to(grad_q.dtype.element_ty), mask=tile)
 
 
-@triton.autotune(configs=_ROW_BLOCKS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"])
+@triton.autotune(configs=_STAGE2_COLUMNS_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"])
 @triton.jit
 def _stage2_columns_kernel(
     q,  # (G, N, d)
@@ -520,7 +530,7 @@ def _stage1_norm_kernel(
     tl.store(delta + g * m1 + i, tl.sum(grad_tile * read_pos, 1), mask=imask)
 
 
-@triton.autotune(configs=_ROW_BLOCKS, key=["N", "m1", "BLOCK_D"])
+@triton.autotune(configs=_STAGE1_KEYS_CONFIGS, key=["N", "m1", "BLOCK_D"])
 @triton.jit
 def _stage1_keys_kernel(
     streams,  # (G, rows, d)
@@ -573,7 +583,7 @@ def _stage1_keys_kernel(
     tl.store(place + 2 * h * d, (acc_v + local.to(tl.float32)).to(grad_qkv.dtype.element_ty), mask=tile)
 
 
-@triton.autotune(configs=_ROW_BLOCKS, key=["N", "m1", "BLOCK_D"])
+@triton.autotune(configs=_STAGE1_ROWS_CONFIGS, key=["N", "m1", "BLOCK_D"])
 @triton.jit
 def _stage1_rows_kernel(
     streams,  # (G, rows, d)
