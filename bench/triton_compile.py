@@ -257,21 +257,24 @@ def describe_device_name() -> str:
 
 
 def _cases_text(cases: list[list]) -> str:
-    """ "bf16, fp16 at d = 64, 72" from a list of [precision, d, switches]."""
-    precisions = sorted({c[0] for c in cases}, key=["bf16", "fp16", "tf32", "ieee"].index)
-    dims = sorted({c[1] for c in cases})
-    return f"{', '.join(precisions)} at d = {', '.join(map(str, dims))}"
+    """ "bf16: d = 64, 72; ieee: d = 64" from a list of [precision, d, switches]."""
+    dims = defaultdict(set)
+    for precision, d, _ in cases:
+        dims[precision].add(d)
+    order = ["bf16", "fp16", "tf32", "ieee"]
+    return "; ".join(f"{p}: d = {', '.join(map(str, sorted(dims[p])))}" for p in sorted(dims, key=order.index))
 
 
 def markdown(results: dict) -> str:
     rows = [dict(zip(results["columns"], row)) for row in results["rows"]]
     specs = results["specs"]
+    limits = results["shared_limits"]
     lines = [
         f"# Triton compile matrix ({results['date']}, {results['machine']}; no GPU: `triton.compile` for each target)",
         "",
         f"Switches: {results['discovery']['switches']}. Triton versions: "
         + ", ".join(f"{v} ({who})" for v, who in results["versions"].items())
-        + ".",
+        + ". Precisions: bf16, fp16, fp32 with TF32 (tf32) and IEEE (ieee) products.",
         "",
         "| target | Triton | rows compiled / planned | failed | over the shared-memory limit | compile time (s) |",
         "|---|---|---|---|---|---|",
@@ -280,67 +283,77 @@ def markdown(results: dict) -> str:
         for version, (done, planned) in versions.items():
             block = [r for r in rows if r["target"] == target and r["version"] == version]
             failed = sum(not r["ok"] for r in block)
-            over = sum(r["ok"] and r["shared"] > results["shared_limits"][target] for r in block)
+            over = sum(r["ok"] and r["shared"] > limits[target] for r in block)
             seconds = sum(r["seconds"] or 0 for r in block)
             lines.append(f"| {target} | {version} | {done} / {planned} | {failed} | {over} | {seconds:.0f} |")
-    groups: dict = defaultdict(list)
-    for r in rows:
-        if not r["ok"]:
-            groups[specs[r["spec"]]["name"], r["config"], r["target"], r["version"], r["error"]].append(r)
+
+    def grouped(select, by) -> dict:
+        groups: dict = defaultdict(list)
+        for r in filter(select, rows):
+            groups[(specs[r["spec"]]["name"], r["config"], r["target"], r["version"], *by(r))].append(r)
+        return groups
+
+    def cases(group: list[dict]) -> str:
+        return _cases_text([case for r in group for case in specs[r["spec"]]["cases"]])
+
     lines += ["", "## Configurations that fail to compile (left out of the autotuning list there)", ""]
     lines += ["| kernel | configuration | target | Triton | cases | error |", "|---|---|---|---|---|---|"]
-    for (kernel, config, target, version, error), group in sorted(groups.items()):
-        cases = [case for r in group for case in specs[r["spec"]]["cases"]]
-        lines.append(f"| `{kernel}` | {config} | {target} | {version} | {_cases_text(cases)} | {error} |")
-    over: dict = defaultdict(list)
-    for r in rows:
-        if r["ok"] and r["shared"] > results["shared_limits"][r["target"]]:
-            over[specs[r["spec"]]["name"], r["config"], r["target"], r["version"]].append(r)
+    for (kernel, config, target, version, error), group in sorted(
+        grouped(lambda r: not r["ok"], lambda r: [r["error"]]).items()
+    ):
+        lines.append(f"| `{kernel}` | {config} | {target} | {version} | {cases(group)} | {error} |")
     lines += ["", "## Compiled, but over the target's shared memory (the autotuner skips them there)", ""]
     lines += ["| kernel | configuration | target | Triton | cases | shared (KiB) |", "|---|---|---|---|---|---|"]
+    over = grouped(lambda r: r["ok"] and r["shared"] > limits[r["target"]], lambda r: [])
     for (kernel, config, target, version), group in sorted(over.items()):
-        cases = [case for r in group for case in specs[r["spec"]]["cases"]]
-        shared = max(r["shared"] for r in group) / 1024
-        lines.append(f"| `{kernel}` | {config} | {target} | {version} | {_cases_text(cases)} | ≤ {shared:.0f} |")
-    lines += ["", "## Per kernel and configuration: the most shared memory, registers and spills over its cases", ""]
-    lines += ["| kernel | configuration | target | Triton | shared (KiB) | registers | spill stores (bytes) |"]
-    lines += ["|---|---|---|---|---|---|---|"]
-    peaks: dict = defaultdict(list)
-    for r in rows:
-        if r["ok"]:
-            peaks[specs[r["spec"]]["name"], r["config"], r["target"], r["version"]].append(r)
-    for (kernel, config, target, version), group in sorted(peaks.items()):
-        shared = max(r["shared"] for r in group) / 1024
-        registers = max(r["registers"] or 0 for r in group)
-        spills = max(r["spill_stores"] or 0 for r in group)
-        lines.append(f"| `{kernel}` | {config} | {target} | {version} | {shared:.0f} | {registers} | {spills} |")
+        shared = ", ".join(f"{s / 1024:.0f}" for s in sorted({r["shared"] for r in group}))
+        lines.append(f"| `{kernel}` | {config} | {target} | {version} | {cases(group)} | {shared} |")
+    versions = list(results["versions"])
+    for target in results["coverage"]:
+        peaks = grouped(lambda r, target=target: r["ok"] and r["target"] == target, lambda r: [])
+        if not peaks:
+            continue
+        lines += ["", f"## {target}: the most shared memory (KiB), registers and spill stores (bytes) per thread", ""]
+        lines += ["over every case (precision, head dim) that compiled.", ""]
+        lines += ["| kernel | configuration | " + " | ".join(f"Triton {v}" for v in versions) + " |"]
+        lines += ["|---|---|" + "---|" * len(versions)]
+        for kernel, config in sorted({key[:2] for key in peaks}):
+            cells = []
+            for version in versions:
+                group = peaks.get((kernel, config, target, version), [])
+                shared = max((r["shared"] for r in group), default=None)
+                registers = max((r["registers"] or 0 for r in group), default=0)
+                spills = max((r["spill_stores"] or 0 for r in group), default=0)
+                cells.append("–" if shared is None else f"{shared / 1024:.0f} KiB · {registers} · {spills}")
+            lines.append(f"| `{kernel}` | {config} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict) -> Figure:
-    """Left: each kernel's largest spill per thread by Triton version (sm_90). Right: compile times."""
+    """Left: each kernel's largest spill per thread, per (target, version) compiled. Right: compile times."""
     rows = [dict(zip(results["columns"], row)) for row in results["rows"]]
     specs = results["specs"]
-    figure, (spills, times) = subplots(1, 2, figsize=(13, 5))
+    figure, (spills, times) = subplots(1, 2, figsize=(14, 5))
     kernels = sorted({specs[r["spec"]]["name"] for r in rows})
-    versions = list(results["versions"])
-    width = 0.8 / max(1, len(versions))
-    for index, version in enumerate(versions):
+    blocks = [(t, v) for t, versions in results["coverage"].items() for v, (done, _) in versions.items() if done]
+    width = 0.8 / max(1, len(blocks))
+    for index, (target, version) in enumerate(blocks):
         peak = [
-            max((r["spill_stores"] or 0 for r in rows if r["ok"] and r["version"] == version and r["target"] == "sm_90"
+            max((r["spill_stores"] or 0 for r in rows if r["ok"] and (r["target"], r["version"]) == (target, version)
                  and specs[r["spec"]]["name"] == kernel), default=0)
             for kernel in kernels
         ]  # fmt: skip
-        spills.bar([k + index * width for k in range(len(kernels))], peak, width, label=f"Triton {version}")
+        spills.bar([k + index * width for k in range(len(kernels))], peak, width, label=f"{target}, Triton {version}")
     spills.set_xticks([k + 0.4 - width / 2 for k in range(len(kernels))], kernels, rotation=60, ha="right", fontsize=7)
-    spills.set_ylabel("largest spill stores per thread (bytes), sm_90")
-    spills.legend(fontsize=8)
-    for version in versions:
-        seconds = [r["seconds"] for r in rows if r["version"] == version and r["seconds"] is not None]
-        times.hist(seconds, bins=30, histtype="step", label=f"Triton {version} ({len(seconds)} compilations)")
-    times.set_xlabel("compile time of one kernel configuration (s, one CPU core shared)")
+    spills.set_yscale("symlog", linthresh=10)
+    spills.set_ylabel("largest spill stores per thread (bytes)")
+    spills.legend(fontsize=7)
+    for target, version in blocks:
+        seconds = [r["seconds"] for r in rows if (r["target"], r["version"]) == (target, version) and r["seconds"]]
+        times.hist(seconds, bins=30, histtype="step", label=f"{target}, Triton {version} ({len(seconds)} rows)")
+    times.set_xlabel("compile time of one kernel configuration (s, one CPU core shared with other jobs)")
     times.set_ylabel("compilations")
-    times.legend(fontsize=8)
+    times.legend(fontsize=7)
     figure.tight_layout()
     return figure
 

@@ -149,10 +149,11 @@ def test_autotuning_lists_leave_out_what_the_table_excludes(table, tmp_path):
 
 
 def sample_jobs(results: dict, version: str) -> list[dict]:
-    """What the sample compiles with one Triton version: the quickest row that compiled for sm_90, and for each
-    target and error that version failed with, the quickest row that failed so."""
+    """What the sample compiles with one Triton version: the quickest row that compiled (for sm_90 where one did),
+    and for each target and error that version failed with, the quickest row that failed so."""
     rows = [dict(zip(results["columns"], row)) for row in results["rows"] if row[4] == version]
-    chosen = [min((r for r in rows if r["ok"] and r["target"] == "sm_90"), key=lambda r: r["seconds"])]
+    compiled = [r for r in rows if r["ok"]]
+    chosen = [min([r for r in compiled if r["target"] == "sm_90"] or compiled, key=lambda r: r["seconds"])]
     failures = defaultdict(list)
     for row in rows:
         if not row["ok"]:
@@ -176,7 +177,7 @@ def test_sample_compiles_as_recorded(results, version, tmp_path):
         if REQUIRE_VERSIONS:
             pytest.fail(message)
         pytest.skip(message)
-    if version not in results["versions"]:
+    if not any(row[4] == version for row in results["rows"]):
         pytest.skip(f"the committed matrix has no rows for Triton {version}")
     jobs = sample_jobs(results, version)
     compiled: dict[str, dict] = {}
