@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from atomic_files import atomic_output
 from bench._harness import benchmark_parser, describe_device, save_results, subplots
+from bench.triton_launches import PRECISIONS
 from dit_vca import triton_exclusions
 from dit_vca.triton_exclusions import config_name
 
@@ -200,10 +201,28 @@ def coverage(jobs: list[dict], rows: dict[str, dict]) -> dict[str, dict[str, lis
     return {t: dict(v) for t, v in counts.items()}
 
 
+def covered_cases(discovery: dict, jobs: list[dict], rows: dict[str, dict]) -> dict:
+    """{target: {version: {precision: [head dims]}}}: the cases whose every launch was compiled in every
+    configuration for that target and version."""
+    cases = {spec["id"]: {(c[0], c[1]) for c in spec["cases"]} for spec in discovery["specs"]}
+    complete: dict = defaultdict(lambda: defaultdict(lambda: True))
+    for job in jobs:
+        for case in cases[job["spec"]]:
+            complete[job["target"], job["version"]][case] &= job["key"] in rows
+    covered: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for (target, version), by_case in complete.items():
+        for (precision, d), done in sorted(
+            by_case.items(), key=lambda item: (list(PRECISIONS).index(item[0][0]), item[0][1])
+        ):
+            if done:
+                covered[target][version][precision].append(d)
+    return json.loads(json.dumps(covered))
+
+
 def exclusion_table(discovery: dict, jobs: list[dict], rows: dict[str, dict]) -> dict:
     """The table dit_vca.triton_exclusions reads: per target, version and kernel the configurations that failed to
-    compile in any recorded case; each kernel's source hash and configurations; the (target, version) pairs whose
-    every row is recorded."""
+    compile in any recorded case; each kernel's source hash and configurations; the cases (precision, head dim)
+    whose every launch is recorded, per target and version."""
     excluded: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(set)))
     names = {spec["id"]: spec["name"] for spec in discovery["specs"]}
     for job in jobs:
@@ -213,14 +232,11 @@ def exclusion_table(discovery: dict, jobs: list[dict], rows: dict[str, dict]) ->
     kernels = {}
     for spec in discovery["specs"]:
         kernels[spec["name"]] = {"source": spec["source"], "configs": [config_label(c) for c in spec["configs"]]}
-    covered = {
-        t: sorted(v for v, (done, planned) in vs.items() if done == planned) for t, vs in coverage(jobs, rows).items()
-    }
     return {
         "written_by": "python -m bench.triton_compile (docs/benchmarks.md); do not edit by hand",
         "switches": discovery["switches"],
         "kernels": dict(sorted(kernels.items())),
-        "covered": covered,
+        "covered": covered_cases(discovery, jobs, rows),
         "excluded": {
             t: {v: {k: sorted(c) for k, c in sorted(ks.items())} for v, ks in sorted(vs.items())}
             for t, vs in sorted(excluded.items())
@@ -245,6 +261,7 @@ def results_document(discovery: dict, jobs: list[dict], rows: dict[str, dict], v
         "kernels": discovery["kernels"],
         "specs": {spec["id"]: spec for spec in discovery["specs"]},
         "coverage": coverage(jobs, rows),
+        "covered": covered_cases(discovery, jobs, rows),
         "columns": list(COLUMNS),
         "rows": [[row.get(column) for column in COLUMNS] for row in planned],
     }
@@ -261,8 +278,9 @@ def _cases_text(cases: list[list]) -> str:
     dims = defaultdict(set)
     for precision, d, _ in cases:
         dims[precision].add(d)
-    order = ["bf16", "fp16", "tf32", "ieee"]
-    return "; ".join(f"{p}: d = {', '.join(map(str, sorted(dims[p])))}" for p in sorted(dims, key=order.index))
+    return "; ".join(
+        f"{p}: d = {', '.join(map(str, sorted(dims[p])))}" for p in sorted(dims, key=list(PRECISIONS).index)
+    )
 
 
 def markdown(results: dict) -> str:
@@ -276,8 +294,9 @@ def markdown(results: dict) -> str:
         + ", ".join(f"{v} ({who})" for v, who in results["versions"].items())
         + ". Precisions: bf16, fp16, fp32 with TF32 (tf32) and IEEE (ieee) products.",
         "",
-        "| target | Triton | rows compiled / planned | failed | over the shared-memory limit | compile time (s) |",
-        "|---|---|---|---|---|---|",
+        "| target | Triton | rows compiled / planned | cases complete | failed | over the shared-memory limit "
+        "| compile time (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for target, versions in results["coverage"].items():
         for version, (done, planned) in versions.items():
@@ -285,7 +304,9 @@ def markdown(results: dict) -> str:
             failed = sum(not r["ok"] for r in block)
             over = sum(r["ok"] and r["shared"] > limits[target] for r in block)
             seconds = sum(r["seconds"] or 0 for r in block)
-            lines.append(f"| {target} | {version} | {done} / {planned} | {failed} | {over} | {seconds:.0f} |")
+            complete = results["covered"].get(target, {}).get(version, {})
+            cases = "; ".join(f"{p}: d = {', '.join(map(str, ds))}" for p, ds in complete.items()) or "none"
+            lines.append(f"| {target} | {version} | {done} / {planned} | {cases} | {failed} | {over} | {seconds:.0f} |")
 
     def grouped(select, by) -> dict:
         groups: dict = defaultdict(list)

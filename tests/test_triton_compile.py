@@ -56,27 +56,29 @@ def test_table_is_what_the_recorded_rows_say(results, table):
 
 
 def test_no_kernel_is_left_without_a_configuration(results, table):
-    """For every covered (target, Triton version) and every launch (kernel, dtype, head dim, switches) one
-    configuration at least is left in the autotuning list that compiled and fits the target's shared memory."""
+    """For every covered case (target, Triton version, precision, head dim) and every launch in it (kernel,
+    switches) one configuration at least is left in the autotuning list that compiled and fits the target's
+    shared memory."""
     jobs, rows = recorded_jobs(results)
     usable = defaultdict(bool)
     for job in jobs:
         target, version, spec = job["target"], job["version"], results["specs"][job["spec"]]
-        if version not in table["covered"].get(target, []):
-            continue
-        row = rows[job["key"]]
-        kept = job["label"] not in table["excluded"].get(target, {}).get(version, {}).get(spec["name"], ())
-        fits = row["ok"] and row["shared"] <= matrix.SHARED_LIMITS[target]
-        usable[target, version, spec["name"], json.dumps(spec["cases"])] |= kept and fits
-    left_without = [key for key, ok in usable.items() if not ok]
+        covered = table["covered"].get(target, {}).get(version, {})
+        for precision, d, switches in spec["cases"]:
+            if d in covered.get(precision, ()):
+                row = rows[job["key"]]
+                kept = job["label"] not in table["excluded"].get(target, {}).get(version, {}).get(spec["name"], ())
+                fits = row["ok"] and row["shared"] <= matrix.SHARED_LIMITS[target]
+                usable[target, version, spec["name"], precision, d, tuple(switches)] |= kept and fits
+    left_without = [case for case, ok in usable.items() if not ok]
     assert usable and not left_without, left_without
 
 
 @pytest.mark.slow
 def test_matrix_is_in_step_with_the_kernels(results, table):
     """The kernels found by running a VCA layer now, their sources, configurations and launches, are those the
-    committed rows were compiled from, for every covered (target, version): a kernel changed, added or launched
-    differently without a rerun of the matrix fails here, saying what changed."""
+    committed rows were compiled from, in every covered case: a kernel changed, added or launched differently
+    without a rerun of the matrix fails here, saying what changed."""
     discovery = matrix.discover()
     changed = sorted(
         name
@@ -87,11 +89,18 @@ def test_matrix_is_in_step_with_the_kernels(results, table):
     declared = {s["name"]: [matrix.config_label(c) for c in s["configs"]] for s in discovery["specs"]}
     recorded = {name: kernel["configs"] for name, kernel in table["kernels"].items()}
     assert declared == recorded, f"autotuning configurations changed since the matrix ran; {RERUN}"
-    covered = [(t, v) for t, versions in table["covered"].items() for v in versions]
-    assert covered, f"no (target, version) is covered; {RERUN}"
-    jobs = [job for target, version in covered for job in matrix.plan(discovery, [target], [version])]
-    recorded = {row[0] for row in results["rows"]}
-    missing = [f"{j['kernel']} {j['label']} {j['target']} {j['version']}" for j in jobs if j["key"] not in recorded]
+    cases = {spec["id"]: spec["cases"] for spec in discovery["specs"]}
+    jobs = []
+    for target, versions in table["covered"].items():
+        for version, covered in versions.items():
+            for job in matrix.plan(discovery, [target], [version]):
+                if any(d in covered.get(precision, ()) for precision, d, _ in cases[job["spec"]]):
+                    jobs.append(job)
+    assert jobs, f"no case is covered; {RERUN}"
+    recorded_keys = {row[0] for row in results["rows"]}
+    missing = [
+        f"{j['kernel']} {j['label']} {j['target']} {j['version']}" for j in jobs if j["key"] not in recorded_keys
+    ]
     assert not missing, f"{len(missing)} launches not compiled by the matrix, e.g. {missing[:3]}; {RERUN}"
 
 
