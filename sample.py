@@ -7,8 +7,9 @@
 
 `--ckpt` is an export folder, a checkpoint or run folder, an official DiT/SiT `.pt` (a path, or the bare name of a
 released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0` uint8 (N, H, W, 3), `arr_1`
-int64 labels), a preview grid `<out>.png` and `<out>.json` (settings and speed), never replacing files that an
-earlier sample.py run with other settings (unless --overwrite), or anything else, wrote. Given a run or checkpoint
+int64 labels), a preview grid `<out>.png` (one labelled row per class, the guidance in its title) and `<out>.json`
+(settings and speed), never replacing files that an earlier sample.py run with other settings (unless
+--overwrite), or anything else, wrote. Given a run or checkpoint
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
 (`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
 (generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
@@ -48,7 +49,7 @@ from generation.sample_file import (
     SampleFiles,
     Shard,
     ShardPlan,
-    leading_images,
+    images_at,
     merge_shards,
     plan_shards,
     run_bytes,
@@ -93,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0)
     add("--per-proc-batch-size", type=int, default=32)
     add("--shard-size", type=int, default=256, help="samples per resumable shard file")
-    add("--grid-size", type=int, default=64, help="leading samples shown in the preview PNG (0: none)")
+    add(
+        "--grid-size",
+        type=int,
+        default=64,
+        help="about this many samples in the preview PNG, a row per class (0: none)",
+    )
     add("--sampler", help="sampler name (default: the objective's: DiT ddpm, SiT dopri5)")
     add("--steps", type=int, help="sampling steps, counted as intervals (default: the sampler's)")
     add("--eta", type=float, help="DDIM eta")
@@ -358,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             precision=precision,
             compile=args.compile,
             vca_kernel=args.vca_kernel,
+            vae_option="--vae",
         )  # model and VAE load before the folder is claimed
     except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
         raise
@@ -505,7 +512,6 @@ def finish(
 ) -> None:
     """Write the summary, the preview grid and the merged .npz (last, so that it implies the other two), then drop
     the shards. A damaged shard is named and sampled again (each sample is a function of its index)."""
-    from generation.images import save_grid
 
     def repair(shard: Shard, error: DamagedShardError) -> np.ndarray:
         print(f"sample.py: {error}; sampling shard {shard.number} again")
@@ -517,10 +523,30 @@ def finish(
     images_of = shard_reader(folder.folder, labels, repair)
     write_json_atomic(files.summary, summary)
     if args.grid_size:
-        save_grid(leading_images(shards, images_of, args.grid_size), files.grid)
+        save_grid(args, shards, images_of, labels, generator, files.grid)
     merge_shards(shards, images_of, labels[:], files.samples)
     shutil.rmtree(folder.folder)
     folder.release()
+
+
+def save_grid(args: argparse.Namespace, shards: ShardPlan, images_of, labels: SampleLabels, generator, path: Path):
+    """The preview PNG: about --grid-size samples in one labelled row per class (class names where the export has
+    them), chosen among the first --grid-size x classes samples so that the rows fill, under a title with the
+    guidance and the sampler."""
+    from generation.images import class_grid_indices, save_class_grid
+
+    rows = class_grid_indices(labels[: min(len(labels), args.grid_size * labels.num_classes)], args.grid_size)
+    images = images_at(shards, images_of, np.concatenate([indices for _, indices in rows]))
+    starts = np.cumsum([0] + [len(indices) for _, indices in rows])
+    guidance = (
+        f"autoguidance {args.guidance_scale:g} by {args.guide_ckpt}"
+        if args.guide_ckpt is not None
+        else f"guidance {args.cfg_scale:g}"
+    )
+    steps = f", {args.steps} steps" if args.steps is not None else ""
+    title = f"{args.ckpt}: {guidance}, {args.sampler or generator.objective.default_sampler}{steps}"
+    grid = [(label, images[start:stop]) for (label, _), start, stop in zip(rows, starts, starts[1:])]
+    save_class_grid(grid, path, title, generator.class_names)
 
 
 def command() -> None:

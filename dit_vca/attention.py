@@ -15,13 +15,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from commands import UserError
+from dit_vca.rope import RotaryEmbedding2d
 from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
 VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
 VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
+# Attention options of the backbone that VCA's fused core (dit_vca.vca_core) does not apply yet: refused for VCA.
+VCA_PENDING_OPTIONS = ("qk_norm", "rope")
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
 NORM_EPS = 1e-5  # of VCA's two RMSNorms
+QK_NORM_EPS = 1e-6  # of the RMSNorms of queries and keys (QK-norm), LightningDiT's
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,22 @@ def lambda_init(block_index: int) -> float:
 
 
 class MultiHeadSelfAttention(nn.Module):
-    """Multi-head self-attention on SDPA with the official DiT layout (`qkv`, `proj`): the baseline."""
+    """Multi-head self-attention on SDPA with the official DiT layout (`qkv`, `proj`): the baseline.
 
-    def __init__(self, dim: int, num_heads: int):
+    Options (off by default, LightningDiT's names and layout): `qk_norm` normalises each head's queries and keys
+    by an RMSNorm with a learned gain (`q_norm`, `k_norm`) before the dot product, which bounds the attention
+    logits; `rope_grid`, the side of the token grid, rotates queries and keys by 2-D RoPE (dit_vca.rope), after
+    QK-norm."""
+
+    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = False, rope_grid: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        head_dim = dim // num_heads
+        self.q_norm = nn.RMSNorm(head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        self.rope = RotaryEmbedding2d(head_dim, rope_grid) if rope_grid is not None else None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """softmax(qkᵀ/√d)·v per head; a separate method so benchmarks can swap the kernel."""
@@ -74,6 +87,10 @@ class MultiHeadSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
         q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.q_norm is not None:
+            q, k = _scaled_rms_norm(self.q_norm, q, 1.0), _scaled_rms_norm(self.k_norm, k, 1.0)  # (B, h, N, d)
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)  # (B, h, N, d)
         out = self.attend(q, k, v)  # (B, h, N, d)
         return self.proj(out.transpose(1, 2).reshape(B, N, C))  # (B, N, C)
 
@@ -267,11 +284,22 @@ def set_vca_kernel(model: nn.Module, kernel: str, device: torch.device | str, op
 
 
 def build_attention(
-    kind: str, dim: int, num_heads: int, grid_size: int, block_index: int, vca_options: VCAOptions
+    kind: str,
+    dim: int,
+    num_heads: int,
+    grid_size: int,
+    block_index: int,
+    vca_options: VCAOptions,
+    qk_norm: bool = False,
+    rope: bool = False,
 ) -> nn.Module:
-    """The token mixer of block `block_index`: "mhsa" (official DiT) or "vca"."""
+    """The token mixer of block `block_index`: "mhsa" (official DiT) or "vca"; `qk_norm` and `rope` as in
+    MultiHeadSelfAttention (VCA refuses them until its fused core applies them: VCA_PENDING_OPTIONS)."""
     if kind == "mhsa":
-        return MultiHeadSelfAttention(dim, num_heads)
+        return MultiHeadSelfAttention(dim, num_heads, qk_norm=qk_norm, rope_grid=grid_size if rope else None)
     if kind == "vca":
+        pending = [name for name, on in zip(VCA_PENDING_OPTIONS, (qk_norm, rope)) if on]
+        if pending:
+            raise ValueError(f"attention='vca' does not take {' or '.join(pending)} yet: its fused core applies none")
         return VisualContrastAttention(dim, num_heads, grid_size, block_index, vca_options)
     raise ValueError(f"unknown attention {kind!r}; expected one of {ATTENTION_KINDS}")

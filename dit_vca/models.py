@@ -2,7 +2,9 @@
 
 With attention="mhsa" the parameter layout is the official one (key for key, shape for shape), so official
 DiT checkpoints load with `load_state_dict`, and official SiT checkpoints into a SiT built with learn_sigma=True
-(they carry the unused variance half). The method and the conventions: docs/VCA.md.
+(they carry the unused variance half). The method and the conventions: docs/VCA.md. LightningDiT's block options
+(RMSNorm, SwiGLU, QK-norm, 2-D RoPE; `RECIPES`) are off by default; with them the layout is LightningDiT's, up to
+the names of the SwiGLU matrices (generation.lightning).
 """
 
 import math
@@ -16,7 +18,9 @@ from .attention import ATTENTION_KINDS, VCAOptions, build_attention, resolve_con
 
 TIMESTEP_FREQUENCY_DIM = 256  # width of the sinusoidal timestep features
 MAX_PERIOD = 10_000  # longest period of the timestep and position sinusoids
-NORM_EPS = 1e-6  # LayerNorm eps of the official DiT
+NORM_EPS = 1e-6  # LayerNorm eps of the official DiT (and of LightningDiT's RMSNorm)
+NORMS = ("layernorm", "rmsnorm")  # block_norm
+MLPS = ("gelu", "swiglu")  # feed_forward
 
 
 #################################################################################
@@ -92,17 +96,49 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
+def block_norm(kind: str, width: int) -> nn.Module:
+    """A block's normalisation: "layernorm" without affine parameters (DiT) or "rmsnorm" with a learned gain
+    `weight` (LightningDiT), both with eps 1e-6; adaLN modulates either."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(width, eps=NORM_EPS)
+    return nn.LayerNorm(width, elementwise_affine=False, eps=NORM_EPS)
+
+
+def swiglu_hidden_size(width: int, mlp_ratio: float) -> int:
+    """LightningDiT's SwiGLU width: two thirds of the GELU MLP's, int(2/3 · int(mlp_ratio · C)) (3072 for
+    XL's 1152), so that its three matrices hold about as many parameters as the GELU MLP's two."""
+    return int(2 / 3 * int(width * mlp_ratio))
+
+
+def feed_forward(kind: str, width: int, mlp_ratio: float) -> nn.Module:
+    """A block's MLP: "gelu", fc2(GELU_tanh(fc1(x))) (DiT), or "swiglu", fc2(SiLU(a) · b) where (a, b) are the two
+    halves of fc1(x) (LightningDiT's w12 and w3 under timm's names)."""
+    from timm.layers import GluMlp, Mlp  # imported where used: a config check or --help never pays for timm
+
+    if kind == "swiglu":
+        hidden = swiglu_hidden_size(width, mlp_ratio)
+        return GluMlp(width, 2 * hidden, act_layer=nn.SiLU, gate_last=False)  # gate: the first half
+    return Mlp(width, int(width * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+
+
 class DiTBlock(nn.Module):
-    """A transformer block with adaLN-Zero conditioning; its token mixer is MHSA or VCA."""
+    """A transformer block with adaLN-Zero conditioning; its token mixer is MHSA or VCA, its norms and MLP those
+    of `norm` and `mlp` (block_norm, feed_forward)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, attention: nn.Module):
-        from timm.layers import Mlp  # imported where used: a config check or --help never pays for timm
-
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        mlp_ratio: float,
+        attention: nn.Module,
+        norm: str = "layernorm",
+        mlp: str = "gelu",
+    ):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
+        self.norm1 = block_norm(norm, hidden_size)
         self.attn = attention
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.norm2 = block_norm(norm, hidden_size)
+        self.mlp = feed_forward(mlp, hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
@@ -112,11 +148,11 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """The last adaLN-modulated LayerNorm and the linear map from tokens to patches."""
+    """The last adaLN-modulated norm (the blocks' kind) and the linear map from tokens to patches."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=NORM_EPS)
+        self.norm_final = block_norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
@@ -148,10 +184,16 @@ class DiT(nn.Module):
         attention: str = "vca",
         vca_options: VCAOptions = VCAOptions(),
         gradient_checkpointing: bool = False,
+        norm: str = "layernorm",
+        mlp: str = "gelu",
+        qk_norm: bool = False,
+        rope: bool = False,
     ):
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+        if norm not in NORMS or mlp not in MLPS:
+            raise ValueError(f"norm={norm!r}, mlp={mlp!r}: expected norm one of {NORMS} and mlp one of {MLPS}")
         if attention == "mhsa" and vca_options != VCAOptions():
             raise ValueError(f"VCA options {vca_options} have no effect with attention='mhsa'")
         if input_size % patch_size:
@@ -161,6 +203,8 @@ class DiT(nn.Module):
         grid_size = input_size // patch_size
         if attention == "vca":
             resolve_contrast_grid(grid_size, vca_options.contrast_grid)  # fail before building anything
+        if rope and (hidden_size // num_heads) % 4:
+            raise ValueError(f"rope needs a head dimension divisible by 4, got {hidden_size // num_heads}")
 
         self.input_size = input_size
         self.patch_size = patch_size
@@ -183,17 +227,20 @@ class DiT(nn.Module):
                 hidden_size,
                 num_heads,
                 mlp_ratio,
-                build_attention(attention, hidden_size, num_heads, grid_size, index, vca_options),
+                build_attention(attention, hidden_size, num_heads, grid_size, index, vca_options, qk_norm, rope),
+                norm,
+                mlp,
             )
             for index in range(depth)
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm)
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
         """Official DiT initialisation: xavier linears, N(0, 0.02) embeddings, zero adaLN and output (adaLN-Zero).
 
-        VCA's own parameters (E±, λ vectors, RMSNorm, depthwise conv) keep the initialisation of their module.
+        VCA's own parameters (E±, λ vectors, RMSNorm, depthwise conv) and the gains of RMSNorm blocks and QK-norm
+        (ones) keep the initialisation of their module.
         """
 
         def init_linear(module: nn.Module) -> None:
@@ -247,7 +294,29 @@ class DiT(nn.Module):
 #################################################################################
 
 MODEL_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}  # depth, width, heads
-PATCH_SIZES = (2, 4, 8)
+PATCH_SIZES = (1, 2, 4, 8)  # 1: LightningDiT's XL/1 on 16x16 latents of an f16 autoencoder
+
+# Architecture presets: the block options (create_backbone's norm, mlp, qk_norm, rope) that a recipe switches on.
+# "dit" is the 2022 DiT/SiT (the official layout); "lightning" LightningDiT's released model (RMSNorm, SwiGLU,
+# 2-D RoPE; its configs leave QK-norm off); "lightning-qknorm" the same with QK-norm, the whole set.
+RECIPES = {
+    "dit": dict(norm="layernorm", mlp="gelu", qk_norm=False, rope=False),
+    "lightning": dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True),
+    "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True),
+}
+
+
+def recipe_options(recipe: str, **overrides: object) -> dict[str, object]:
+    """The block options of `recipe`, each replaced by an override that is not None: e.g.
+    `create_model(name, attention="mhsa", **recipe_options("lightning", rope=False))`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; expected one of {tuple(RECIPES)}")
+    unknown = overrides.keys() - RECIPES[recipe].keys()
+    if unknown:
+        raise ValueError(f"{sorted(unknown)} are not block options; expected {tuple(RECIPES[recipe])}")
+    return {key: default if overrides.get(key) is None else overrides[key] for key, default in RECIPES[recipe].items()}
+
+
 # Model configs written before VCAOptions became one section held its fields at the top level.
 LEGACY_VCA_KEYS = tuple(field.name for field in fields(VCAOptions))
 
@@ -267,7 +336,7 @@ MODEL_FAMILIES = {
 
 
 def model_names(family: str) -> tuple[str, ...]:
-    """The twelve names of a family, e.g. "DiT-S/2" … "DiT-XL/8"."""
+    """The sixteen names of a family, e.g. "DiT-S/1" … "DiT-XL/8"."""
     return tuple(f"{family}-{size}/{patch}" for size in MODEL_SIZES for patch in PATCH_SIZES)
 
 
@@ -306,13 +375,19 @@ def create_backbone(
     hidden_size: int | None = None,
     num_heads: int | None = None,
     mlp_ratio: float = 4.0,
+    norm: str = "layernorm",
+    mlp: str = "gelu",
+    qk_norm: bool = False,
+    rope: bool = False,
 ) -> DiT:
     """Build the model `name` of `family` ("DiT" or "SiT"); the result's `config` rebuilds it.
 
     attention: "vca" or "mhsa" (the official baseline). input_size: latent side. learn_sigma: None means the
     family's default (DiT True, SiT False). vca: the `VCAOptions` (contrast grid and ablation switches, see
     `dit_vca.attention`), or a dict of them; None means the defaults. depth, hidden_size, num_heads and
-    mlp_ratio override the size given by the name (for tiny test and demo models).
+    mlp_ratio override the size given by the name (for tiny test and demo models). norm ("layernorm" |
+    "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (MHSA only, for now) are the block options, DiT's by
+    default; `recipe_options` gives a recipe's set (RECIPES).
     """
     if model_family(name) != family:
         raise ValueError(f"model name {name!r} is not a {family} name; valid names: {', '.join(model_names(family))}")
@@ -332,6 +407,10 @@ def create_backbone(
         hidden_size=default_width if hidden_size is None else hidden_size,
         num_heads=default_heads if num_heads is None else num_heads,
         mlp_ratio=mlp_ratio,
+        norm=norm,
+        mlp=mlp,
+        qk_norm=qk_norm,
+        rope=rope,
     )
     model = DiT(
         input_size=input_size,
@@ -347,6 +426,10 @@ def create_backbone(
         attention=attention,
         vca_options=vca_options,
         gradient_checkpointing=gradient_checkpointing,
+        norm=norm,
+        mlp=mlp,
+        qk_norm=qk_norm,
+        rope=rope,
     )
     model.config = config
     return model

@@ -4,9 +4,10 @@ The core maps the input tokens of a VCA layer to the input of its output project
 attention stages, the depthwise convolution of v). Why an operator of its own, and not autograd over torch
 operations (VisualContrastAttention.reference_forward, the specification):
 - Memory. Through autograd the readable forward stores every intermediate (the N×2n probabilities among them)
-  and pays for layout copies in backward; the backward written here recomputes the probabilities (GEMMs of n
-  rows or columns) and saves only x and the head-major q, k, v (what MHSA on SDPA keeps), or x alone with
-  `recompute_qkv`.
+  and pays for layout copies in backward; the backward written here recomputes the probabilities and saves
+  only x and the head-major q, k, v (what MHSA on SDPA keeps), or x alone with `recompute_qkv`; the Triton
+  path adds what FlashAttention saves, Stage II's output before its norm and its log-sum-exps (one or two
+  (B, N, C) and (B, h, N) tensors), and the n-row tensors of the contrast tokens (dit_vca.vca_triton).
 - torch.compile. A custom operator is opaque to Dynamo (its fake kernel gives the output shapes), so
   `torch.compile(model, fullgraph=True)` keeps this core, its memory and its fused kernels, and compiles the
   code around it; the backward is a second custom operator, which AOTAutograd calls as it is.
@@ -14,9 +15,10 @@ operations (VisualContrastAttention.reference_forward, the specification):
   dtype whose last dimension has stride 1: what PyTorch's dispatcher requires of the flash and
   memory-efficient kernels (see SDPA_FUSED_CONSTRAINTS).
 - Two implementations of the attention stages, chosen by the operators' `triton` argument
-  (VisualContrastAttention.kernel): the ATen operations here, the CPU default and the reference, or the fused
-  Triton kernels of dit_vca.vca_triton, the CUDA default. The projection, the convolution and their gradients
-  are shared.
+  (VisualContrastAttention.kernel), each a module with the entry points `add_attention`, `attention_backward`
+  and `saved_like`: dit_vca.vca_aten (ATen operations, the CPU default and the reference) and dit_vca.vca_triton
+  (fused Triton kernels, the CUDA default). The projection, the convolution and their gradients are here,
+  shared.
 - Mixed precision. The core computes in the dtype of its input x (the caller casts x to the autocast dtype);
   the parameters arrive in their own dtype and their gradients are summed in float32, so that a loss scaled
   for fp16 cannot overflow sums over B·h·N rows (λ, RMSNorm weights, E±, the biases).
@@ -26,11 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
+
+from dit_vca import vca_aten
+from dit_vca.vca_aten import sum_to_fp32
 
 # What PyTorch 2.14's SDPA dispatcher (aten/src/ATen/native/transformers/sdp_utils_cpp.h and
 # cuda/sdp_utils.cpp) checks before it picks the flash or memory-efficient kernel for dense inputs; an input
@@ -114,7 +120,7 @@ def vca_core(
 ) -> Tensor:
     """The VCA core on tokens x (B, N, C), computed in x's dtype; returns the input of the output projection
     (B, N, C). Differentiable with respect to every tensor argument."""
-    result, _ = _core_op(
+    result, _, _ = _core_op(
         x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, *layout.as_args()
     )
     return result
@@ -149,9 +155,10 @@ def _core_op(
     recompute_qkv: bool,
     stage2_sdpa: bool,
     triton: bool,
-) -> tuple[Tensor, Tensor]:
-    """(result (B, N, C), heads (3, B, h, N, d)): the core's output and the head-major q, k, v it computed
-    (returned so that backward can keep them instead of recomputing them)."""
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(result (B, N, C), heads (3, B, h, N, d), saved): the core's output, the head-major q, k, v it computed
+    and what its attention stages save for the backward (`saved_like` of the implementation), returned so that
+    backward can keep them instead of recomputing them."""
     layout = KernelLayout(
         num_heads,
         grid_size,
@@ -174,16 +181,8 @@ def _core_op(
         heads = _project_heads(x, qkv_weight, qkv_bias, num_heads)  # (3, B, h, N, d)
         local = F.conv2d(_value_image(heads[2], grid_size), conv_weight, conv_bias, padding=1, groups=C)
         result = local.permute(0, 2, 3, 1).reshape(B, N, C).contiguous()  # (B, N, C); a view when channels-last
-        if triton:
-            from dit_vca import vca_triton  # imported on first use: importing triton costs a second
-
-            vca_triton.add_attention(result, heads, embed, lambda1, lambda2, norm1, norm2, layout)
-        else:
-            out = _mixed_forward(heads, embed, lambda1, lambda2, norm1, layout)  # (B, h, N, d)
-            if stage2_differential:
-                out = out * _inverse_rms(out, eps) * (norm2 * (1 - lambda_init))
-            result.view(B, N, num_heads, C // num_heads).add_(out.transpose(1, 2))
-    return result, heads
+        saved = _attention(layout).add_attention(result, heads, embed, lambda1, lambda2, norm1, norm2, layout)
+    return result, heads, saved
 
 
 @_core_op.register_fake
@@ -191,7 +190,18 @@ def _core_op_fake(
     x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, num_heads, *layout
 ):
     B, N, C = x.shape
-    return x.new_empty(B, N, C), x.new_empty(3, B, num_heads, N, C // num_heads)
+    heads = x.new_empty(3, B, num_heads, N, C // num_heads)
+    layout = KernelLayout(num_heads, *layout)
+    return x.new_empty(B, N, C), heads, _attention(layout).saved_like(heads, layout)
+
+
+def _attention(layout: KernelLayout) -> ModuleType:
+    """The module that implements the attention stages: dit_vca.vca_triton or dit_vca.vca_aten."""
+    if layout.triton:
+        from dit_vca import vca_triton  # imported on first use: importing triton costs a second
+
+        return vca_triton
+    return vca_aten
 
 
 @torch.library.custom_op("dit_vca::vca_core_backward", mutates_args=())
@@ -201,6 +211,12 @@ def _core_backward_op(
     qkv_weight: Tensor,
     qkv_bias: Tensor,
     heads: Tensor | None,
+    saved_streams: Tensor | None,
+    saved_v_hat: Tensor | None,
+    saved_reads: Tensor | None,
+    saved_stage1_lse: Tensor | None,
+    saved_outs: Tensor | None,
+    saved_stage2_lse: Tensor | None,
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -221,7 +237,13 @@ def _core_backward_op(
     triton: bool,
 ) -> list[Tensor]:
     """Gradients of x, qkv weight and bias, E±, λ₁, λ₂, both norm weights, conv weight and bias, in that order
-    (an empty tensor for an absent optional input), each in its input's dtype."""
+    (an empty tensor for an absent optional input), each in its input's dtype. The `saved_*` tensors are what
+    the Triton forward saved (vca_triton.saved_like), None on the ATen path, which saves nothing."""
+    saved = [
+        t
+        for t in (saved_streams, saved_v_hat, saved_reads, saved_stage1_lse, saved_outs, saved_stage2_lse)
+        if t is not None
+    ]
     layout = KernelLayout(
         num_heads,
         grid_size,
@@ -238,7 +260,7 @@ def _core_backward_op(
     )
     with _autocast_off(x.device.type):
         grads = _core_backward(
-            grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, layout
+            grad, x, qkv_weight, qkv_bias, heads, saved, embed, lambda1, lambda2, norm1, norm2, conv_weight, layout
         )
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
     return [x.new_empty(0) if g is None else _like(g, t) for g, t in zip(grads, inputs)]
@@ -257,9 +279,8 @@ def _like(grad: Tensor, tensor: Tensor) -> Tensor:
 
 
 @_core_backward_op.register_fake
-def _core_backward_op_fake(
-    grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *layout
-):
+def _core_backward_op_fake(grad, x, qkv_weight, qkv_bias, heads, *args):
+    embed, lambda1, lambda2, norm1, norm2, conv_weight = args[6:12]
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight)
     return [x.new_empty(0) if t is None else torch.empty_like(t) for t in inputs] + [
         conv_weight.new_empty(conv_weight.shape[0])
@@ -268,17 +289,31 @@ def _core_backward_op_fake(
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
     x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, _conv_bias, *layout = inputs
-    _, heads = output
+    _, heads, saved = output
     ctx.layout = layout
-    ctx.mark_non_differentiable(heads)
+    ctx.mark_non_differentiable(heads, *saved)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for them: only the result has one
     kept_heads = None if KernelLayout(*layout).recompute_qkv else heads
-    ctx.save_for_backward(x, qkv_weight, qkv_bias, kept_heads, embed, lambda1, lambda2, norm1, norm2, conv_weight)
+    kept = (x, qkv_weight, qkv_bias, kept_heads, embed, lambda1, lambda2, norm1, norm2, conv_weight)
+    ctx.save_for_backward(*kept, *saved)
 
 
-def _backward(ctx, grad: Tensor, _grad_heads: Tensor | None):
-    x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight = ctx.saved_tensors
+def _backward(ctx, grad: Tensor, _grad_heads: Tensor | None, _grad_saved: list[Tensor] | None):
+    x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *saved = ctx.saved_tensors
     grads = _core_backward_op(
-        grad, x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *ctx.layout
+        grad,
+        x,
+        qkv_weight,
+        qkv_bias,
+        heads,
+        *(saved or [None] * 6),
+        embed,
+        lambda1,
+        lambda2,
+        norm1,
+        norm2,
+        conv_weight,
+        *ctx.layout,
     )
     present = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
     return (*(g if t is not None else None for g, t in zip(grads, present)), *(None for _ in ctx.layout))
@@ -324,172 +359,13 @@ def _value_image(v: Tensor, grid_size: int) -> Tensor:
     return image.view(B, grid_size, grid_size, h * d).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last
 
 
-def _inverse_rms(x: Tensor, eps: float) -> Tensor:
-    """1 / sqrt(mean(x²) + eps) over the last dimension, accumulated in at least float32, shaped for
-    broadcasting against x."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    return torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps).to(x.dtype)
-
-
-def _contrast_streams(q: Tensor, embed: Tensor, layout: KernelLayout) -> Tensor:
-    """[T⁺; T⁻] = E± + the p×p average pool of q (B, h, N, d), as (B, h, S·n, d): T⁺ rows first, contiguous.
-    p divides H, so adaptive average pooling is a mean over r×r blocks."""
-    B, h, N, d = q.shape
-    p, H = layout.contrast_grid, layout.grid_size
-    n = p * p
-    streams = embed.expand(B, h, -1, n, d)  # (B, h, S, n, d)
-    if layout.pooled_content:  # q of one head is a channels-last (d, H, W) image: pool it as one
-        q_image = q.reshape(B * h, H, H, d).permute(0, 3, 1, 2)  # (G, d, H, W), a view
-        pooled = F.avg_pool2d(q_image, H // p).permute(0, 2, 3, 1)  # (G, p, p, d)
-        streams = streams + pooled.reshape(B, h, 1, n, d)
-    return streams.reshape(B, h, -1, d).contiguous()  # (B, h, S·n, d)
-
-
-def _mixed_forward(
-    heads: Tensor,
-    embed: Tensor,
-    lambda1: Tensor | None,
-    lambda2: Tensor | None,
-    norm1: Tensor | None,
-    layout: KernelLayout,
-) -> Tensor:
-    """The attention part of the forward pass up to Stage II's RMSNorm, (B, h, N, d), without materialising a
-    probability matrix where SDPA can do the work: Stage I always, Stage II with `layout.stage2_sdpa`. Every
-    SDPA operand is a 4-D (B, h, L, d) tensor with unit last stride, all in one dtype."""
-    q, k, v = heads.unbind(0)  # (B, h, N, d) each, contiguous
-    n = layout.contrast_grid**2
-    streams = _contrast_streams(q, embed, layout)  # (B, h, S·n, d)
-
-    # Stage I: the contrast tokens attend to all N keys: one fused call for both streams.
-    read = F.scaled_dot_product_attention(streams[:, :, : layout.stage1_rows], k, v)  # (B, h, m1, d)
-    contrast_values = read  # V̂, (B, h, n, d)
-    if layout.stage1_differential:
-        contrast = torch.addcmul(read[:, :, :n], read[:, :, n:], lambda1, value=-1)  # A⁺v − λ₁A⁻v
-        contrast_values = contrast * _inverse_rms(contrast, layout.eps) * (norm1 * (1 - layout.lambda_init))
-
-    # Stage II: every query reads V̂ through its attention to the contrast tokens.
-    if layout.stage2_sdpa:
-        if not layout.stage2_differential:
-            return F.scaled_dot_product_attention(q, streams[:, :, :n], contrast_values)  # (B, h, N, d)
-        if layout.joint_softmax:  # one softmax over 2n columns: S⁺V̂ − λ₂S⁻V̂ = softmax(q[T⁺;T⁻]ᵀ)·[V̂; −λ₂V̂]
-            values = torch.cat([contrast_values, contrast_values * -lambda2], dim=2)  # (B, h, 2n, d)
-            return F.scaled_dot_product_attention(q, streams[:, :, : 2 * n], values)
-        positive = F.scaled_dot_product_attention(q, streams[:, :, :n], contrast_values)
-        negative = F.scaled_dot_product_attention(q, streams[:, :, n : 2 * n], contrast_values)
-        return torch.addcmul(positive, negative, lambda2, value=-1)
-    keys = streams[:, :, : layout.stage2_cols] * q.shape[-1] ** -0.5  # (B, h, m2, d), scaled
-    scores = q @ keys.transpose(-2, -1)  # (B, h, N, m2)
-    probs = _stage2_softmax(scores, layout)
-    weights = (
-        torch.addcmul(probs[..., :n], probs[..., n:], lambda2, value=-1) if layout.stage2_differential else probs
-    )  # S⁺ − λ₂S⁻ or S, (B, h, N, n)
-    return weights @ contrast_values  # (B, h, N, d)
-
-
-def _stage2_softmax(scores: Tensor, layout: KernelLayout) -> Tensor:
-    """Stage II's probabilities from scores (..., N, m2): one softmax over all m2 columns, or one per stream."""
-    if layout.stage2_differential and not layout.joint_softmax:
-        n = layout.contrast_grid**2
-        return scores.unflatten(-1, (2, n)).softmax(dim=-1).flatten(-2)  # two softmaxes
-    return scores.softmax(dim=-1)
-
-
-class _Recomputed:
-    """The forward quantities the backward pass needs, recomputed from q, k, v in head-major layout (G = B·h
-    batches of one head) with the probabilities materialised: GEMMs with n rows or columns."""
-
-    def __init__(
-        self,
-        heads: Tensor,
-        embed: Tensor,
-        lambda1: Tensor | None,
-        lambda2: Tensor | None,
-        norm1: Tensor | None,
-        layout: KernelLayout,
-    ):
-        _, B, h, N, d = heads.shape  # (3, B, h, N, d)
-        n, G = layout.contrast_grid**2, B * h
-        self.n, self.scale = n, d**-0.5
-        self.q, self.k, self.v = (t.view(G, N, d) for t in heads.unbind(0))  # views, each (G, N, d)
-        self.streams = _contrast_streams(heads[0], embed, layout).view(G, -1, d)  # (G, S·n, d)
-
-        # Stage I (weighing the streams before the value product: (A⁺ − λ₁A⁻)v, one product of n rows).
-        self.stage1_queries = self.streams[:, : layout.stage1_rows] * self.scale  # (G, m1, d), scaled
-        self.stage1_probs = torch.bmm(self.stage1_queries, self.k.transpose(1, 2)).softmax(dim=-1)  # (G, m1, N)
-        self.stage1_weights = self.stage1_probs  # (G, n, N)
-        if layout.stage1_differential:
-            probs = self.stage1_probs
-            self.stage1_weights = torch.addcmul(probs[:, :n], probs[:, n:], lambda1, value=-1)
-        contrast = torch.bmm(self.stage1_weights, self.v)  # (G, n, d)
-        self.contrast_values = contrast  # V̂, (G, n, d)
-        if layout.stage1_differential:
-            self.inverse_rms1 = _inverse_rms(contrast, layout.eps)  # (G, n, 1)
-            self.normed1 = contrast * self.inverse_rms1
-            self.contrast_values = self.normed1 * (norm1 * (1 - layout.lambda_init))
-
-        # Stage II.
-        self.stage2_keys = self.streams[:, : layout.stage2_cols] * self.scale  # (G, m2, d), scaled
-        self.stage2_probs = _stage2_softmax(torch.bmm(self.q, self.stage2_keys.transpose(1, 2)), layout)
-        self.weights = self.stage2_probs  # (G, N, n)
-        if layout.stage2_differential:
-            probs = self.stage2_probs
-            self.weights = torch.addcmul(probs[..., :n], probs[..., n:], lambda2, value=-1)  # S⁺ − λ₂S⁻
-        self.mixed = torch.bmm(self.weights, self.contrast_values)  # (G, N, d)
-
-
-def _sum_to_fp32(t: Tensor, dim) -> Tensor:
-    """A sum accumulated and returned in (at least) float32: a parameter's gradient summed over B·h·N rows
-    stays finite under a loss scaled for fp16."""
-    return t.sum(dim=dim, dtype=torch.promote_types(t.dtype, torch.float32))
-
-
-def _rms_norm_backward(grad: Tensor, normed: Tensor, inverse_rms: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients of y = normed·weight, normed = x·inverse_rms(x), with respect to x and to weight (the latter
-    summed in float32; the products stay in grad's dtype, |normed| ≤ √d)."""
-    grad_weight = _sum_to_fp32((grad * normed).flatten(0, -2), 0)  # (d,)
-    grad_normed = grad * weight
-    grad_x = (grad_normed - normed * (grad_normed * normed).mean(dim=-1, keepdim=True)) * inverse_rms
-    return grad_x, grad_weight
-
-
-def _weights_backward(
-    grad_weights: Tensor,
-    probs_pos: Tensor,
-    probs_neg: Tensor | None,
-    lam: Tensor | None,
-    joint: bool,
-    out_pos: Tensor,
-    out_neg: Tensor | None,
-) -> Tensor | None:
-    """Backward of the attention weights W = S⁺ − λ·S⁻ (or W = S alone when probs_neg is None), where S± are
-    softmaxes of scores over the last dimension: one joint softmax over the [S⁺, S⁻] columns, or one each.
-    Writes the gradients of the scores of S⁺ and S⁻ into out_pos and out_neg; returns the gradient of λ
-    (float32)."""
-    pos = torch.mul(grad_weights, probs_pos, out=out_pos)  # dW ⊙ S⁺
-    row_pos = pos.sum(dim=-1, keepdim=True)
-    if probs_neg is None:  # softmax backward: S ⊙ (dW − Σ dW ⊙ S)
-        pos.addcmul_(probs_pos, row_pos, value=-1)
-        return None
-    neg = torch.mul(grad_weights, probs_neg, out=out_neg)  # dW ⊙ S⁻; the gradient of S⁻ is −λ·dW
-    row_neg = _sum_to_fp32(neg, -1).unsqueeze(-1)  # float32: summed again over all rows into dλ below
-    grad_lambda = -row_neg.sum()
-    row_neg = row_neg.to(neg.dtype)
-    if joint:  # one softmax: both halves subtract the row sum of dS ⊙ S over all 2n columns, i.e. of dW ⊙ W
-        row = row_pos - lam * row_neg
-        pos.addcmul_(probs_pos, row, value=-1)
-        neg.mul_(-lam).addcmul_(probs_neg, row, value=-1)
-    else:
-        pos.addcmul_(probs_pos, row_pos, value=-1)
-        neg.addcmul_(probs_neg, row_neg, value=-1).mul_(-lam)
-    return grad_lambda
-
-
 def _core_backward(
     grad: Tensor,
     x: Tensor,
     qkv_weight: Tensor,
     qkv_bias: Tensor,
     heads: Tensor | None,
+    saved: list[Tensor],
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -499,8 +375,8 @@ def _core_backward(
     layout: KernelLayout,
 ) -> tuple[Tensor | None, ...]:
     """The gradients of _core_op's inputs (see _core_backward_op), computed in x's dtype, parameter sums in
-    float32: the convolution and the qkv projection here, the attention stages in `_attention_backward` or on
-    the Triton kernels (dit_vca.vca_triton)."""
+    float32: the convolution and the qkv projection here, the attention stages in dit_vca.vca_aten or on the
+    Triton kernels (dit_vca.vca_triton)."""
     B, N, C = x.shape
     H = layout.grid_size
     qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight = _in_dtype(
@@ -516,109 +392,17 @@ def _core_backward(
     grad_local, grad_conv_weight, _ = torch.ops.aten.convolution_backward(
         grad_image, value_image, conv_weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], C, [True, True, False]
     )
-    grad_conv_bias = _sum_to_fp32(grad.view(B * N, C), 0)  # (C,)
+    grad_conv_bias = sum_to_fp32(grad.view(B * N, C), 0)  # (C,)
 
-    if layout.triton:
-        from dit_vca import vca_triton  # imported on first use, as in _core_op
-
-        grad_qkv, *grad_attention = vca_triton.attention_backward(
-            grad, heads, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
-        )
-    else:
-        grad_qkv, *grad_attention = _attention_backward(
-            grad, heads, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
-        )
+    grad_qkv, *grad_attention = _attention(layout).attention_backward(
+        grad, heads, saved, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
+    )
 
     # The qkv projection (the weight's gradient a GEMM in x's dtype, as nn.Linear's under autocast).
     grad_x = (grad_qkv @ qkv_weight).view(B, N, C)
     grad_qkv_weight = grad_qkv.T @ x.reshape(B * N, C)  # (3C, C)
-    grad_qkv_bias = _sum_to_fp32(grad_qkv, 0)
+    grad_qkv_bias = sum_to_fp32(grad_qkv, 0)
     return (grad_x, grad_qkv_weight, grad_qkv_bias, *grad_attention, grad_conv_weight, grad_conv_bias)
-
-
-def _attention_backward(
-    grad: Tensor,
-    heads: Tensor,
-    embed: Tensor,
-    lambda1: Tensor | None,
-    lambda2: Tensor | None,
-    norm1: Tensor | None,
-    norm2: Tensor | None,
-    grad_local: Tensor,
-    layout: KernelLayout,
-) -> tuple[Tensor | None, ...]:
-    """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result: the
-    gradient of the qkv projection's output (B·N, 3C), the convolution's share `grad_local` of dv included, then
-    those of E±, λ₁, λ₂ and the norm weights (None where a switch is off)."""
-    _, B, h, N, d = heads.shape
-    H, p = layout.grid_size, layout.contrast_grid
-    n, r, c, G = p * p, H // p, 1 - layout.lambda_init, B * h
-    fwd = _Recomputed(heads, embed, lambda1, lambda2, norm1, layout)
-    grad_heads = torch.empty_like(heads)  # (3, B, h, N, d): dq, dk, dv written in place
-    grad_q, grad_k, grad_v = (t.view(G, N, d) for t in grad_heads.unbind(0))
-
-    # Stage II (and its RMSNorm).
-    grad_mixed = grad.view(B, N, h, d).transpose(1, 2).reshape(G, N, d)  # (G, N, d)
-    grad_lambda2 = grad_norm2 = None
-    if layout.stage2_differential:
-        inverse_rms2 = _inverse_rms(fwd.mixed, layout.eps)
-        grad_mixed, grad_norm2 = _rms_norm_backward(grad_mixed, fwd.mixed * inverse_rms2, inverse_rms2, norm2 * c)
-        grad_norm2 = grad_norm2 * c
-    grad_weights = torch.bmm(grad_mixed, fwd.contrast_values.transpose(1, 2))  # (G, N, n)
-    grad_contrast_values = torch.bmm(fwd.weights.transpose(1, 2), grad_mixed)  # (G, n, d)
-    grad_scores = torch.empty_like(fwd.stage2_probs)  # (G, N, m2)
-    if layout.stage2_differential:
-        grad_lambda2 = _weights_backward(
-            grad_weights,
-            fwd.stage2_probs[..., :n],
-            fwd.stage2_probs[..., n:],
-            lambda2,
-            layout.joint_softmax,
-            grad_scores[..., :n],
-            grad_scores[..., n:],
-        )
-    else:
-        _weights_backward(grad_weights, fwd.stage2_probs, None, None, False, grad_scores, None)
-    torch.bmm(grad_scores, fwd.stage2_keys, out=grad_q)  # keys carry the 1/√d
-    grad_stage2_keys = torch.bmm(grad_scores.transpose(1, 2), fwd.q).mul_(fwd.scale)  # (G, m2, d)
-
-    # Stage I (and its RMSNorm).
-    grad_lambda1 = grad_norm1 = None
-    grad_contrast = grad_contrast_values  # (G, n, d)
-    if layout.stage1_differential:
-        grad_contrast, grad_norm1 = _rms_norm_backward(grad_contrast_values, fwd.normed1, fwd.inverse_rms1, norm1 * c)
-        grad_norm1 = grad_norm1 * c
-    grad_weights1 = torch.bmm(grad_contrast, fwd.v.transpose(1, 2))  # (G, n, N)
-    torch.bmm(fwd.stage1_weights.transpose(1, 2), grad_contrast, out=grad_v)
-    grad_scores1 = torch.empty_like(fwd.stage1_probs)  # (G, m1, N)
-    if layout.stage1_differential:  # two streams, each with its own softmax over the N keys
-        grad_lambda1 = _weights_backward(
-            grad_weights1,
-            fwd.stage1_probs[:, :n],
-            fwd.stage1_probs[:, n:],
-            lambda1,
-            False,
-            grad_scores1[:, :n],
-            grad_scores1[:, n:],
-        )
-    else:
-        _weights_backward(grad_weights1, fwd.stage1_probs, None, None, False, grad_scores1, None)
-    torch.bmm(grad_scores1.transpose(1, 2), fwd.stage1_queries, out=grad_k)  # queries carry the 1/√d
-    grad_stage1_queries = torch.bmm(grad_scores1, fwd.k).mul_(fwd.scale)  # (G, m1, d)
-
-    # The contrast streams: to E± (summed over the batch, in float32) and, through the pooling, to q.
-    grad_streams = torch.zeros_like(fwd.streams)  # (G, S·n, d)
-    grad_streams[:, : layout.stage1_rows] += grad_stage1_queries
-    grad_streams[:, : layout.stage2_cols] += grad_stage2_keys
-    grad_streams = grad_streams.view(B, h, -1, n, d)
-    grad_embed = _sum_to_fp32(grad_streams, 0).unsqueeze(0)  # (1, h, S, n, d)
-    if layout.pooled_content:
-        grad_pooled = grad_streams.sum(dim=2).div_(r * r).view(B, h, p, 1, p, 1, d)
-        grad_q.view(B, h, p, r, p, r, d).add_(grad_pooled)
-    grad_heads[2].add_(grad_local.permute(0, 2, 3, 1).reshape(B, N, h, d).transpose(1, 2))
-    grad_qkv = heads.new_empty(B, N, 3, h, d)
-    grad_qkv.copy_(grad_heads.permute(1, 3, 0, 2, 4))  # (B, N, 3, h, d)
-    return grad_qkv.view(B * N, 3 * h * d), grad_embed, grad_lambda1, grad_lambda2, grad_norm1, grad_norm2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -648,12 +432,18 @@ def _core_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
 
 @register_flop_formula(torch.ops.dit_vca.vca_core_backward)
 def _core_backward_flops(grad_shape, x_shape, *args, out_shape=None, **kwargs) -> int:
-    """The GEMMs of _core_backward: the recomputation of both stages in matmul form (Stage I's scores of m1
-    rows and values of n rows, Stage II's scores and values; the qkv GEMM with recompute_qkv), then two
-    products per forward product (the gradients of both operands)."""
-    layout = KernelLayout(*args[9:])
+    """The products of _core_backward: on the ATen path the recomputation of both stages in matmul form (Stage
+    I's scores of m1 rows and values of n rows, Stage II's scores and values) and two products per forward
+    product (the gradients of both operands); on the Triton path what its two backward kernels multiply (Stage
+    II: scores, dq and dT per stream, dW and dV̂; Stage I: scores, dP, dk, dv and dT, see
+    vca_triton.tile_products); then the convolution's and the qkv projection's gradients (and the qkv GEMM
+    again with recompute_qkv)."""
+    layout = KernelLayout(*args[15:])
     B, N, C = x_shape
     n, m1, m2 = layout.contrast_grid**2, layout.stage1_rows, layout.stage2_cols
-    recomputed = (m1 + n + m2 + n) * N * C * B + (3 * B * N * C * C if layout.recompute_qkv else 0)
-    gradients = 2 * (m1 + n + m2 + n) * N * C * B + 2 * 9 * B * N * C + 2 * 3 * B * N * C * C
-    return 2 * (recomputed + gradients)
+    if layout.triton:
+        attention = (3 * m2 + 2 * n + 5 * m1) * N * C * B
+    else:
+        attention = 3 * (m1 + n + m2 + n) * N * C * B
+    qkv = (3 if layout.recompute_qkv else 2) * 3 * B * N * C * C
+    return 2 * (attention + 2 * 9 * B * N * C + qkv)

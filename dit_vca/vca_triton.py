@@ -1,27 +1,39 @@
 """VCA's core as fused Triton kernels: the `kernel="triton"` implementation of dit_vca::vca_core and its backward.
 
-The operators of dit_vca.vca_core call `add_attention` / `attention_backward` here when their `triton` argument
-is set (VisualContrastAttention.kernel; by default on CUDA); the ATen implementation there stays the CPU path
-and the reference. The qkv projection, the depthwise 3×3 convolution of v and the GEMMs of the qkv backward stay
-there (cuBLAS/cuDNN); everything between them runs in these kernels, one program per (image·head, block of
-rows):
+dit_vca.vca_core calls the two entry points here, `add_attention` and `attention_backward`, when its `triton`
+argument is set (VisualContrastAttention.kernel; by default on CUDA); dit_vca.vca_aten has the same two entry
+points on ATen operations (the CPU path and the reference). The qkv projection, the depthwise 3×3 convolution of
+v and the GEMMs of the qkv backward stay in vca_core (cuBLAS/cuDNN); everything between them runs in the kernels
+below, one program per (image·head, block of rows). The letters are those of docs/VCA.md's notation table, the
+step numbers its steps; in FlashAttention's terms Stage I's queries are the contrast tokens T±, its keys and
+values k and v; Stage II's queries are q, its keys T±, its values V̂.
 
-- `_streams_kernel`: [T⁺; T⁻] = E± + the r×r average pool of q, per contrast token.
-- `_stage1_kernel`: Stage I, flash-style: the contrast rows of both streams stream over the N keys in tiles with
-  an online softmax each; the λ₁-difference, RMSNorm and (1 − λ_init) scale at the end; writes V̂ (n, d).
-- `_stage2_kernel`: Stage II: a block of queries against the contrast tokens [T⁺; T⁻] (the 2n ≤ 512 columns
-  stream through in tiles, an online softmax joint over both streams or one per stream), (S⁺ − λ₂S⁻)·V̂,
-  RMSNorm and scale, added into the convolution's output: the core's result.
-- Backward, FlashAttention-2 style: nothing of size N×n is stored (per query only dO, (N, d), and two
-  statistics per stream); every kernel recomputes its probabilities from row log-sum-exps, every sum is
-  accumulated in float32:
-  `_stage1_kernel` again (V̂ and, for backward, R± and the log-sum-exps, (n, d) and (n,) per stream),
-  `_stage2_rows_kernel` (per query block: Stage II's RMSNorm backward, dq of Stage II, dλ₂, the norm weight),
-  `_stage2_columns_kernel` (per block of contrast tokens over all queries: dV̂ and dT± of Stage II),
-  `_stage1_norm_kernel` (Stage I's RMSNorm and λ₁ backward), `_stage1_keys_kernel` (per key block: dk, dv),
-  `_stage1_rows_kernel` (per contrast block: dT± of Stage I) and `_streams_backward_kernel` (dE±, and dq
-  through the pooling).
-Parameter gradients summed over heads and rows (λ, norm weights, E±) are float32 atomic adds.
+Forward (FlashAttention's forward, twice):
+- `_contrast_streams_kernel` (steps 1–2): T± = E± + the r×r average pool of q.
+- `_stage1_forward_kernel` (step 4): a block of contrast tokens streams over the N keys with an online softmax
+  per stream; R± = softmax(T±kᵀ/√d)·v, V̂ = (1 − λ_init)·RMSNorm(R⁺ − λ₁R⁻). Saves R± and their log-sum-exps.
+- `_stage2_forward_kernel` (step 5): a block of queries streams over the n contrast columns;
+  O = (P⁺ − λ₂P⁻)·V̂, Y = (1 − λ_init)·RMSNorm(O) added into the convolution's output. Saves O (O⁺ and O⁻ for
+  two softmaxes) and the queries' log-sum-exps, as FlashAttention saves its output and log-sum-exps.
+Backward (FlashAttention-2's, with what the forward saved: no score is recomputed twice, no forward reruns):
+- `_stage2_backward_kernel` (step 5), a dQ pass: per block of queries, Stage II's RMSNorm backward from the
+  saved O, dO, the softmax row terms, then over the contrast columns dq in registers; Stage II's keys and values
+  (T±, V̂: 3n ≤ 768 rows per head) gather their gradients by float32 atomic adds.
+- `_stage1_norm_backward_kernel` (step 4's RMSNorm and λ₁): dR± and Stage I's row terms from the saved R±.
+- `_stage1_backward_kernel` (step 4), a dK/dV pass: per block of keys, over the 2n contrast rows, dk and dv in
+  registers; Stage I's queries (T±, 2n rows per head) gather theirs by float32 atomic adds.
+- `_contrast_streams_backward_kernel` (steps 1–2): dE± summed over the batch, dq through the pooling.
+`tile_products` counts the multiply-adds of every tl.dot these launches run (tests/test_vca_triton.py checks it
+against the interpreter): the backward runs 18·n·N·d' of them against the forward's 7·n·N·d' (d' = D0 + D1,
+below), FlashAttention's ratio of 2.5 plus the atomics' share.
+
+Head dimensions: a (rows, d) tile is held as two column pieces of powers of two, x0 = x[:, :D0] and
+x1 = x[:, D0:D0 + D1] (`_head_pieces`: 72 = 64 + 16 in 80 columns, 64 = 32 + 32, 40 = 32 + 16 in 48), so d = 72
+costs 80 columns of products and registers, not 128; every product over d is the sum of the two pieces'.
+Offsets: the start of a head's rows is computed in 64 bits (`_head_start`, `_image_head_start`), so B·N·3C may
+exceed 2³¹; offsets inside one head or one image stay 32-bit (refused past 2³¹ by `_Shape`). Sums are float32;
+parameter gradients summed over heads and rows (λ, norm weights) and the gradients of T± and V̂ are float32
+atomic adds (their last bits vary from run to run on a GPU).
 
 Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported) runs the same kernels on CPU tensors:
 that is how the tests check them. Under the interpreter autotuning keeps one configuration.
@@ -52,19 +64,102 @@ def _configs(kernel: str, names: tuple[str, ...], interpreted: tuple, compiled: 
     return [triton.Config(dict(zip(names, c[:-2])), num_warps=c[-2], num_stages=c[-1]) for c in choices]
 
 
-# Block sizes ≥ 16 (tl.dot's smallest), one declaration per kernel. Rows: contrast tokens (BLOCK_M) against key or
-# query tiles (BLOCK_N). The last of each list, unpipelined, fits fp32 with d = 72 (128-wide tiles), for which the
-# others need more shared memory than an H100/H200 has (≥ 311 KiB against 227 KiB, compiled for sm_90).
-_ROW_TILES = [(64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 1)]
-# Queries: query tiles (BLOCK_N) against tiles of contrast columns (BLOCK_C).
-_QUERY_TILES = [(64, 64, 4, 3), (128, 32, 4, 2), (32, 64, 4, 1)]
-_ROWS, _QUERIES, _SMALL = ("BLOCK_M", "BLOCK_N"), ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1)
-_STAGE1_CONFIGS = _configs("_stage1_kernel", _ROWS, _SMALL, _ROW_TILES)
-_STAGE2_CONFIGS = _configs("_stage2_kernel", _QUERIES, _SMALL, _QUERY_TILES)
-_STAGE2_ROWS_CONFIGS = _configs("_stage2_rows_kernel", _QUERIES, _SMALL, _QUERY_TILES)
-_STAGE2_COLUMNS_CONFIGS = _configs("_stage2_columns_kernel", _ROWS, _SMALL, _ROW_TILES)
-_STAGE1_KEYS_CONFIGS = _configs("_stage1_keys_kernel", _ROWS, _SMALL, _ROW_TILES)
-_STAGE1_ROWS_CONFIGS = _configs("_stage1_rows_kernel", _ROWS, _SMALL, _ROW_TILES)
+# One declaration per kernel. Block sizes ≥ 16 (tl.dot's smallest): BLOCK_M contrast rows, BLOCK_N keys or
+# queries, BLOCK_C contrast columns. Chosen by registers and spills compiled for sm_90 at d = 72 in bf16 (each
+# first spills at most 40 bytes; docs/benchmarks.md); the last, unpipelined, is the one for fp32, where the
+# others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
+_STAGE1_FORWARD_BLOCKS = _configs(
+    "_stage1_forward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
+)
+_STAGE2_FORWARD_BLOCKS = _configs(
+    "_stage2_forward_kernel", ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
+)
+_STAGE2_BACKWARD_BLOCKS = _configs(
+    "_stage2_backward_kernel",
+    ("BLOCK_N", "BLOCK_C"),
+    (16, 16, 4, 1),
+    [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)],
+)
+_STAGE1_BACKWARD_BLOCKS = _configs(
+    "_stage1_backward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)]
+)
+_AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_products)
+    "_stage1_forward_kernel": _STAGE1_FORWARD_BLOCKS,
+    "_stage2_forward_kernel": _STAGE2_FORWARD_BLOCKS,
+    "_stage2_backward_kernel": _STAGE2_BACKWARD_BLOCKS,
+    "_stage1_backward_kernel": _STAGE1_BACKWARD_BLOCKS,
+}
+_TOKEN_BLOCK = 32  # contrast tokens per program of the element-wise kernels (streams, Stage I's norm)
+_TOKEN_WARPS = 8  # their warps: 4 spill registers in the streams' backward at d = 72 (sm_90)
+
+
+def _head_pieces(d: int) -> tuple[int, int]:
+    """(D0, D1): the widths of a head's two column pieces, powers of two ≥ 16 (tl.dot's smallest) with
+    D0 + D1 ≥ d: halves for a power of two, else the largest power of two below d and the rest rounded up."""
+    if d <= 16:
+        return 16, 16
+    if d & (d - 1) == 0:
+        return d // 2, d // 2
+    first = triton.next_power_of_2(d) // 2
+    return first, max(16, triton.next_power_of_2(d - first))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiles: offsets, loads and stores of (rows, d) tiles in two column pieces, products, softmax and RMSNorm steps
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _head_start(g, length, d):
+    """The offset of head g's first element in a head-major (G, length, d) tensor, in 64 bits."""
+    return g.to(tl.int64) * length * d
+
+
+@triton.jit
+def _image_head_start(g, N, h, width, d):
+    """The offset of head g's first column (image g // h, head g % h, token 0) in a token-major (B, N, width)
+    tensor (width C for the core's result, 3C for the gradient of the qkv projection), in 64 bits."""
+    g = g.to(tl.int64)
+    return (g // h) * N * width + (g % h) * d
+
+
+@triton.jit
+def _load(ptr, rows, ok, stride, d, D0: tl.constexpr, D1: tl.constexpr):
+    """Rows `rows` (stride `stride`) of a (·, d) matrix at `ptr` as two pieces (R, D0), (R, D1); rows not `ok`
+    and columns ≥ d read as zero."""
+    c0, c1 = tl.arange(0, D0), D0 + tl.arange(0, D1)
+    x0 = tl.load(ptr + rows[:, None] * stride + c0[None, :], mask=ok[:, None] & (c0 < d)[None, :], other=0.0)
+    x1 = tl.load(ptr + rows[:, None] * stride + c1[None, :], mask=ok[:, None] & (c1 < d)[None, :], other=0.0)
+    return x0, x1
+
+
+@triton.jit
+def _store(ptr, rows, ok, stride, d, x0, x1, D0: tl.constexpr, D1: tl.constexpr):
+    """Stores the pieces x0, x1 into rows `rows` of a (·, d) matrix at `ptr`, in its dtype."""
+    c0, c1 = tl.arange(0, D0), D0 + tl.arange(0, D1)
+    tl.store(
+        ptr + rows[:, None] * stride + c0[None, :], x0.to(ptr.dtype.element_ty), mask=ok[:, None] & (c0 < d)[None, :]
+    )
+    tl.store(
+        ptr + rows[:, None] * stride + c1[None, :], x1.to(ptr.dtype.element_ty), mask=ok[:, None] & (c1 < d)[None, :]
+    )
+
+
+@triton.jit
+def _atomic_add(ptr, rows, ok, stride, d, x0, x1, D0: tl.constexpr, D1: tl.constexpr):
+    """Adds the float32 pieces x0, x1 into rows `rows` of a float32 (·, d) matrix at `ptr`, atomically."""
+    c0, c1 = tl.arange(0, D0), D0 + tl.arange(0, D1)
+    tl.atomic_add(ptr + rows[:, None] * stride + c0[None, :], x0, mask=ok[:, None] & (c0 < d)[None, :])
+    tl.atomic_add(ptr + rows[:, None] * stride + c1[None, :], x1, mask=ok[:, None] & (c1 < d)[None, :])
+
+
+@triton.jit
+def _load_vector(ptr, d, D0: tl.constexpr, D1: tl.constexpr):
+    """A (d,) vector (an RMSNorm weight) as float32 pieces (D0,), (D1,)."""
+    c0, c1 = tl.arange(0, D0), D0 + tl.arange(0, D1)
+    w0 = tl.load(ptr + c0, mask=c0 < d, other=0.0)
+    w1 = tl.load(ptr + c1, mask=c1 < d, other=0.0)
+    return w0.to(tl.float32), w1.to(tl.float32)
 
 
 @triton.jit
@@ -78,6 +173,18 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _dot_rows(a0, a1, b0, b1, PRECISION: tl.constexpr):
+    """The (R, R') products of the rows of a with the rows of b over d, both in pieces: a·bᵀ."""
+    return _dot(a0, tl.trans(b0), PRECISION) + _dot(a1, tl.trans(b1), PRECISION)
+
+
+@triton.jit
+def _row_dot(a0, a1, b0, b1):
+    """Σ_d a·b per row of two piecewise tiles, (R,)."""
+    return tl.sum(a0 * b0, 1) + tl.sum(a1 * b1, 1)
+
+
+@triton.jit
 def _online_step(scores, m, l):  # noqa: E741
     """One tile of an online softmax: the new running max, the rescale of what was summed so far, the tile's
     unnormalised probabilities and the new running sum."""
@@ -88,20 +195,22 @@ def _online_step(scores, m, l):  # noqa: E741
 
 
 @triton.jit
-def _rms_scale(x, weight, dmask, d, eps):
-    """x · rsqrt(mean(x²) + eps) · weight over the last dimension of a (rows, BLOCK_D) tile (padding zero)."""
-    inverse = 1.0 / tl.sqrt(tl.sum(x * x, 1) / d + eps)
-    return x * inverse[:, None] * weight[None, :], inverse
+def _rms_scale(x0, x1, w0, w1, d, eps):
+    """RMSNorm(x)·w over the d columns of a piecewise tile (padding zero)."""
+    inverse = 1.0 / tl.sqrt(_row_dot(x0, x1, x0, x1) / d + eps)
+    return x0 * inverse[:, None] * w0[None, :], x1 * inverse[:, None] * w1[None, :]
 
 
 @triton.jit
-def _rms_backward(grad, x, weight, d, eps):
-    """Gradient of y = RMSNorm(x)·weight with respect to x, and (grad ⊙ normed) for the weight's gradient."""
-    inverse = 1.0 / tl.sqrt(tl.sum(x * x, 1) / d + eps)
-    normed = x * inverse[:, None]
-    grad_normed = grad * weight[None, :]
-    mean = tl.sum(grad_normed * normed, 1) / d
-    return (grad_normed - normed * mean[:, None]) * inverse[:, None], grad * normed
+def _rms_backward(grad0, grad1, x0, x1, w0, w1, d, eps):
+    """The gradient of y = RMSNorm(x)·w with respect to x, and the column sums of grad ⊙ RMSNorm(x) (the
+    weight's gradient from these rows), for piecewise tiles."""
+    inverse = 1.0 / tl.sqrt(_row_dot(x0, x1, x0, x1) / d + eps)
+    n0, n1 = x0 * inverse[:, None], x1 * inverse[:, None]  # RMSNorm(x)
+    g0, g1 = grad0 * w0[None, :], grad1 * w1[None, :]
+    mean = _row_dot(g0, g1, n0, n1) / d
+    dx0, dx1 = (g0 - n0 * mean[:, None]) * inverse[:, None], (g1 - n1 * mean[:, None]) * inverse[:, None]
+    return dx0, dx1, tl.sum(grad0 * n0, 0), tl.sum(grad1 * n1, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,48 +219,62 @@ def _rms_backward(grad, x, weight, d, eps):
 
 
 @triton.jit
-def _streams_kernel(
+def _contrast_streams_kernel(
     q,  # (G, N, d)
-    embed,  # (h, S, n, d)
-    streams,  # out: (G, S·n, d)
+    embed,  # E±, (h, S, n, d)
+    streams,  # out: T±, (G, S·n, d)
     h,
     H,
     p,
     d,
     S: tl.constexpr,
     POOLED: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
-    g, block = tl.program_id(0), tl.program_id(1)  # head g = b·h + head, a block of contrast tokens
+    """Steps 1–2: T± = E± + the r×r average pool of q, for a block of contrast tokens of head g."""
+    g, block = tl.program_id(0), tl.program_id(1)
     n, r = p * p, H // p
     j = block * BLOCK_J + tl.arange(0, BLOCK_J)  # contrast tokens, row-major on the p×p grid
-    dims = tl.arange(0, BLOCK_D)
-    tile = (j < n)[:, None] & (dims < d)[None, :]
-    pooled = tl.zeros((BLOCK_J, BLOCK_D), dtype=tl.float32)
+    ok = j < n
+    pooled0 = tl.zeros((BLOCK_J, D0), tl.float32)
+    pooled1 = tl.zeros((BLOCK_J, D1), tl.float32)
     if POOLED:
         corner = (j // p) * r * H + (j % p) * r  # the first token of each r×r window
         for t in range(0, r * r):
-            token = corner + (t // r) * H + t % r
-            pooled += tl.load(q + (g * H * H + token[:, None]) * d + dims[None, :], mask=tile, other=0.0).to(tl.float32)
-        pooled = pooled / (r * r)
+            x0, x1 = _load(q + _head_start(g, H * H, d), corner + (t // r) * H + t % r, ok, d, d, D0, D1)
+            pooled0 += x0.to(tl.float32)
+            pooled1 += x1.to(tl.float32)
+        pooled0, pooled1 = pooled0 / (r * r), pooled1 / (r * r)
     for s in tl.static_range(S):
-        e = tl.load(embed + (((g % h) * S + s) * n + j[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-        place = streams + (g * S * n + s * n + j[:, None]) * d + dims[None, :]
-        tl.store(place, (pooled + e.to(tl.float32)).to(streams.dtype.element_ty), mask=tile)
+        e0, e1 = _load(embed + _head_start((g % h) * S + s, n, d), j, ok, d, d, D0, D1)
+        t0, t1 = pooled0 + e0.to(tl.float32), pooled1 + e1.to(tl.float32)
+        _store(streams + _head_start(g * S + s, n, d), j, ok, d, d, t0, t1, D0, D1)
 
 
-@triton.autotune(configs=_STAGE1_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF"])
 @triton.jit
-def _stage1_kernel(
-    streams,  # (G, rows, d): T⁺ rows [0, n), T⁻ rows [n, 2n)
+def _stage1_step(t0, t1, k0, k1, v0, v1, key_ok, m, l, acc0, acc1, scale, PRECISION: tl.constexpr):  # noqa: E741
+    """One key tile of Stage I for one stream: the online softmax of T·kᵀ/√d and its product with v."""
+    scores = tl.where(key_ok[None, :], _dot_rows(t0, t1, k0, k1, PRECISION) * scale, float("-inf"))
+    m, alpha, probs, l = _online_step(scores, m, l)  # noqa: E741
+    probs = probs.to(v0.dtype)
+    acc0 = acc0 * alpha[:, None] + _dot(probs, v0, PRECISION)
+    acc1 = acc1 * alpha[:, None] + _dot(probs, v1, PRECISION)
+    return m, l, acc0, acc1
+
+
+@triton.autotune(configs=_STAGE1_FORWARD_BLOCKS, key=["N", "n", "D0", "D1", "DIFF"])
+@triton.jit
+def _stage1_forward_kernel(
+    streams,  # T±, (G, rows, d): T⁺ rows [0, n), T⁻ rows [n, 2n)
     k,  # (G, N, d)
     v,  # (G, N, d)
     lam,  # λ₁, a 0-d tensor (any pointer when not DIFF)
     norm,  # (d,) RMSNorm weight (any pointer when not DIFF)
-    values,  # out: V̂, (G, n, d)
-    reads,  # out when SAVE: R⁺, R⁻ in float32, (G, m1, d)
-    lse,  # out when SAVE: the rows' log-sum-exp over the keys, float32, (G, m1)
+    v_hat,  # out: V̂, (G, n, d)
+    reads,  # out: R±, float32 (G, m1, d)
+    lse,  # out: the log-sum-exp of each contrast row's scores, float32 (G, m1)
     N,
     n,
     d,
@@ -160,135 +283,68 @@ def _stage1_kernel(
     eps,
     out_scale,
     DIFF: tl.constexpr,
-    SAVE: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Step 4, forward: a block of contrast tokens of both streams against all N keys of head g."""
     g, block = tl.program_id(0), tl.program_id(1)
     i = block * BLOCK_M + tl.arange(0, BLOCK_M)  # contrast tokens
-    dims = tl.arange(0, BLOCK_D)
-    imask, dmask = i < n, dims < d
-    tile = imask[:, None] & dmask[None, :]
-    t_pos = tl.load(streams + (g * rows + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
+    ok = i < n
+    streams, k, v = streams + _head_start(g, rows, d), k + _head_start(g, N, d), v + _head_start(g, N, d)
+    t_pos0, t_pos1 = _load(streams, i, ok, d, d, D0, D1)
     m_pos = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_pos = tl.zeros((BLOCK_M,), tl.float32)
-    acc_pos = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    acc_pos0, acc_pos1 = tl.zeros((BLOCK_M, D0), tl.float32), tl.zeros((BLOCK_M, D1), tl.float32)
     if DIFF:
-        t_neg = tl.load(streams + (g * rows + n + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
+        t_neg0, t_neg1 = _load(streams, n + i, ok, d, d, D0, D1)
         m_neg = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_neg = tl.zeros((BLOCK_M,), tl.float32)
-        acc_neg = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        acc_neg0, acc_neg1 = tl.zeros((BLOCK_M, D0), tl.float32), tl.zeros((BLOCK_M, D1), tl.float32)
     for start in range(0, N, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        kmask = keys < N
-        k_t = tl.load(k + (g * N + keys[None, :]) * d + dims[:, None], mask=kmask[None, :] & dmask[:, None], other=0.0)
-        v_tile = tl.load(
-            v + (g * N + keys[:, None]) * d + dims[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0
+        key_ok = keys < N
+        k0, k1 = _load(k, keys, key_ok, d, d, D0, D1)
+        v0, v1 = _load(v, keys, key_ok, d, d, D0, D1)
+        m_pos, l_pos, acc_pos0, acc_pos1 = _stage1_step(
+            t_pos0, t_pos1, k0, k1, v0, v1, key_ok, m_pos, l_pos, acc_pos0, acc_pos1, scale, PRECISION
         )
-        scores = _dot(t_pos, k_t, PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-        scores = tl.where(kmask[None, :], scores, float("-inf"))
-        m_pos, alpha, probs, l_pos = _online_step(scores, m_pos, l_pos)
-        acc_pos = acc_pos * alpha[:, None] + _dot(probs.to(v_tile.dtype), v_tile, PRECISION)
         if DIFF:
-            scores = _dot(t_neg, k_t, PRECISION) * scale
-            scores = tl.where(kmask[None, :], scores, float("-inf"))
-            m_neg, alpha, probs, l_neg = _online_step(scores, m_neg, l_neg)
-            acc_neg = acc_neg * alpha[:, None] + _dot(probs.to(v_tile.dtype), v_tile, PRECISION)
-    read_pos = acc_pos / l_pos[:, None]  # R⁺ = softmax(T⁺kᵀ/√d)·v, (BLOCK_M, BLOCK_D)
-    result = read_pos
+            m_neg, l_neg, acc_neg0, acc_neg1 = _stage1_step(
+                t_neg0, t_neg1, k0, k1, v0, v1, key_ok, m_neg, l_neg, acc_neg0, acc_neg1, scale, PRECISION
+            )
+    m1 = 2 * n if DIFF else n
+    reads, lse = reads + _head_start(g, m1, d), lse + _head_start(g, m1, 1)
+    r_pos0, r_pos1 = acc_pos0 / l_pos[:, None], acc_pos1 / l_pos[:, None]  # R⁺ = softmax(T⁺kᵀ/√d)·v
+    _store(reads, i, ok, d, d, r_pos0, r_pos1, D0, D1)
+    tl.store(lse + i, m_pos + tl.log(l_pos), mask=ok)
     if DIFF:
-        read_neg = acc_neg / l_neg[:, None]
-        weight = tl.load(norm + dims, mask=dmask, other=0.0).to(tl.float32) * out_scale
-        result, _ = _rms_scale(read_pos - tl.load(lam).to(tl.float32) * read_neg, weight, dmask, d, eps)
-    tl.store(values + (g * n + i[:, None]) * d + dims[None, :], result.to(values.dtype.element_ty), mask=tile)
-    if SAVE:
-        m1 = 2 * n if DIFF else n
-        tl.store(reads + (g * m1 + i[:, None]) * d + dims[None, :], read_pos, mask=tile)
-        tl.store(lse + g * m1 + i, m_pos + tl.log(l_pos), mask=imask)
-        if DIFF:
-            tl.store(reads + (g * m1 + n + i[:, None]) * d + dims[None, :], read_neg, mask=tile)
-            tl.store(lse + g * m1 + n + i, m_neg + tl.log(l_neg), mask=imask)
-
-
-@triton.jit
-def _stage2_pass(
-    q_tile,
-    streams,
-    values,
-    g,
-    n,
-    d,
-    rows,
-    scale,
-    lam,
-    DIFF: tl.constexpr,
-    JOINT: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Stage II's online softmax of a query tile over the n contrast columns of T⁺ (and T⁻), reading V̂.
-    Returns (O⁺, O⁻, m⁺, l⁺, m⁻, l⁻) unnormalised: with JOINT the two streams share max and sum (m⁻, l⁻ are
-    then m⁺, l⁺). Unless SPLIT, a joint softmax weighs V̂ once by S⁺ − λ₂S⁻ (O⁺ holds the difference)."""
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < d
-    m_pos = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    l_pos = tl.zeros((BLOCK_N,), tl.float32)
-    acc_pos = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    m_neg = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    l_neg = tl.zeros((BLOCK_N,), tl.float32)
-    acc_neg = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for start in range(0, n, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        cmask = cols < n
-        t_mask = dmask[:, None] & cmask[None, :]
-        t_pos = tl.load(streams + (g * rows + cols[None, :]) * d + dims[:, None], mask=t_mask, other=0.0)
-        v_tile = tl.load(
-            values + (g * n + cols[:, None]) * d + dims[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0
+        r_neg0, r_neg1 = acc_neg0 / l_neg[:, None], acc_neg1 / l_neg[:, None]
+        _store(reads, n + i, ok, d, d, r_neg0, r_neg1, D0, D1)
+        tl.store(lse + n + i, m_neg + tl.log(l_neg), mask=ok)
+        lam1 = tl.load(lam).to(tl.float32)
+        w0, w1 = _load_vector(norm, d, D0, D1)
+        r_pos0, r_pos1 = _rms_scale(
+            r_pos0 - lam1 * r_neg0, r_pos1 - lam1 * r_neg1, w0 * out_scale, w1 * out_scale, d, eps
         )
-        s_pos = tl.where(cmask[None, :], _dot(q_tile, t_pos, PRECISION) * scale, float("-inf"))
-        if DIFF:
-            t_neg = tl.load(streams + (g * rows + n + cols[None, :]) * d + dims[:, None], mask=t_mask, other=0.0)
-            s_neg = _dot(q_tile, t_neg, PRECISION) * scale
-            s_neg = tl.where(cmask[None, :], s_neg, float("-inf"))
-            if JOINT:
-                m_new = tl.maximum(m_pos, tl.maximum(tl.max(s_pos, 1), tl.max(s_neg, 1)))
-                alpha = tl.exp(m_pos - m_new)
-                p_pos, p_neg = tl.exp(s_pos - m_new[:, None]), tl.exp(s_neg - m_new[:, None])
-                l_pos = l_pos * alpha + tl.sum(p_pos, 1) + tl.sum(p_neg, 1)
-                m_pos = m_new
-                if SPLIT:
-                    acc_pos = acc_pos * alpha[:, None] + _dot(p_pos.to(v_tile.dtype), v_tile, PRECISION)
-                    acc_neg = acc_neg * alpha[:, None] + _dot(p_neg.to(v_tile.dtype), v_tile, PRECISION)
-                else:
-                    weights = (p_pos - lam * p_neg).to(v_tile.dtype)
-                    acc_pos = acc_pos * alpha[:, None] + _dot(weights, v_tile, PRECISION)
-            else:
-                m_pos, alpha, p_pos, l_pos = _online_step(s_pos, m_pos, l_pos)
-                acc_pos = acc_pos * alpha[:, None] + _dot(p_pos.to(v_tile.dtype), v_tile, PRECISION)
-                m_neg, alpha, p_neg, l_neg = _online_step(s_neg, m_neg, l_neg)
-                acc_neg = acc_neg * alpha[:, None] + _dot(p_neg.to(v_tile.dtype), v_tile, PRECISION)
-        else:
-            m_pos, alpha, p_pos, l_pos = _online_step(s_pos, m_pos, l_pos)
-            acc_pos = acc_pos * alpha[:, None] + _dot(p_pos.to(v_tile.dtype), v_tile, PRECISION)
-    if JOINT:
-        m_neg, l_neg = m_pos, l_pos
-    return acc_pos, acc_neg, m_pos, l_pos, m_neg, l_neg
+    _store(v_hat + _head_start(g, n, d), i, ok, d, d, r_pos0, r_pos1, D0, D1)
 
 
-@triton.autotune(configs=_STAGE2_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"], restore_value=["result"])
+@triton.autotune(configs=_STAGE2_FORWARD_BLOCKS, key=["N", "n", "D0", "D1", "DIFF", "JOINT"], restore_value=["result"])
 @triton.jit
-def _stage2_kernel(
+def _stage2_forward_kernel(
     q,  # (G, N, d)
-    streams,  # (G, rows, d)
-    values,  # V̂, (G, n, d)
+    streams,  # T±, (G, rows, d)
+    v_hat,  # V̂, (G, n, d)
     lam,  # λ₂ (0-d)
     norm,  # (d,)
-    result,  # in/out: (B, N, C), the convolution's output; the attention is added
+    result,  # in/out: (B, N, C), the convolution's output; Y is added
+    out_pos,  # out: O, or O⁺ for two softmaxes, (G, N, d)
+    out_neg,  # out for two softmaxes: O⁻, (G, N, d)
+    lse_pos,  # out: the log-sum-exp of each query's scores (of S⁺ for two softmaxes), float32 (G, N)
+    lse_neg,  # out for two softmaxes: that of S⁻, float32 (G, N)
     N,
     n,
     d,
@@ -300,29 +356,67 @@ def _stage2_kernel(
     DIFF: tl.constexpr,
     JOINT: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """Step 5, forward: a block of queries of head g against its n contrast columns (both streams)."""
     g, block = tl.program_id(0), tl.program_id(1)
     i = block * BLOCK_N + tl.arange(0, BLOCK_N)  # queries
-    dims = tl.arange(0, BLOCK_D)
-    imask, dmask = i < N, dims < d
-    tile = imask[:, None] & dmask[None, :]
-    q_tile = tl.load(q + (g * N + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
+    ok = i < N
+    streams, v_hat = streams + _head_start(g, rows, d), v_hat + _head_start(g, n, d)
+    q0, q1 = _load(q + _head_start(g, N, d), i, ok, d, d, D0, D1)
     lam2 = tl.load(lam).to(tl.float32) if DIFF else 0.0
-    acc_pos, acc_neg, _, l_pos, _, l_neg = _stage2_pass(
-        q_tile, streams, values, g, n, d, rows, scale, lam2, DIFF, JOINT, False, PRECISION, BLOCK_N, BLOCK_C, BLOCK_D
-    )
-    out = acc_pos / l_pos[:, None]  # joint: (S⁺ − λ₂S⁻)·V̂ already
+    m_pos = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    l_pos = tl.zeros((BLOCK_N,), tl.float32)
+    acc_pos0, acc_pos1 = tl.zeros((BLOCK_N, D0), tl.float32), tl.zeros((BLOCK_N, D1), tl.float32)
+    m_neg = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    l_neg = tl.zeros((BLOCK_N,), tl.float32)
+    acc_neg0, acc_neg1 = tl.zeros((BLOCK_N, D0), tl.float32), tl.zeros((BLOCK_N, D1), tl.float32)
+    for start in range(0, n, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        col_ok = cols < n
+        t_pos0, t_pos1 = _load(streams, cols, col_ok, d, d, D0, D1)
+        v0, v1 = _load(v_hat, cols, col_ok, d, d, D0, D1)
+        s_pos = tl.where(col_ok[None, :], _dot_rows(q0, q1, t_pos0, t_pos1, PRECISION) * scale, float("-inf"))
+        if DIFF:
+            t_neg0, t_neg1 = _load(streams, n + cols, col_ok, d, d, D0, D1)
+            s_neg = tl.where(col_ok[None, :], _dot_rows(q0, q1, t_neg0, t_neg1, PRECISION) * scale, float("-inf"))
+            if JOINT:  # one softmax over both streams: one product of P⁺ − λ₂P⁻ with V̂
+                m_new = tl.maximum(m_pos, tl.maximum(tl.max(s_pos, 1), tl.max(s_neg, 1)))
+                alpha = tl.exp(m_pos - m_new)
+                p_pos, p_neg = tl.exp(s_pos - m_new[:, None]), tl.exp(s_neg - m_new[:, None])
+                l_pos = l_pos * alpha + tl.sum(p_pos, 1) + tl.sum(p_neg, 1)
+                m_pos = m_new
+                weights = (p_pos - lam2 * p_neg).to(v0.dtype)
+                acc_pos0 = acc_pos0 * alpha[:, None] + _dot(weights, v0, PRECISION)
+                acc_pos1 = acc_pos1 * alpha[:, None] + _dot(weights, v1, PRECISION)
+            else:
+                m_pos, alpha, p_pos, l_pos = _online_step(s_pos, m_pos, l_pos)
+                acc_pos0 = acc_pos0 * alpha[:, None] + _dot(p_pos.to(v0.dtype), v0, PRECISION)
+                acc_pos1 = acc_pos1 * alpha[:, None] + _dot(p_pos.to(v0.dtype), v1, PRECISION)
+                m_neg, alpha, p_neg, l_neg = _online_step(s_neg, m_neg, l_neg)
+                acc_neg0 = acc_neg0 * alpha[:, None] + _dot(p_neg.to(v0.dtype), v0, PRECISION)
+                acc_neg1 = acc_neg1 * alpha[:, None] + _dot(p_neg.to(v0.dtype), v1, PRECISION)
+        else:
+            m_pos, alpha, p_pos, l_pos = _online_step(s_pos, m_pos, l_pos)
+            acc_pos0 = acc_pos0 * alpha[:, None] + _dot(p_pos.to(v0.dtype), v0, PRECISION)
+            acc_pos1 = acc_pos1 * alpha[:, None] + _dot(p_pos.to(v0.dtype), v1, PRECISION)
+    o0, o1 = acc_pos0 / l_pos[:, None], acc_pos1 / l_pos[:, None]  # O (joint: (P⁺ − λ₂P⁻)·V̂ already), or O⁺
+    _store(out_pos + _head_start(g, N, d), i, ok, d, d, o0, o1, D0, D1)
+    tl.store(lse_pos + _head_start(g, N, 1) + i, m_pos + tl.log(l_pos), mask=ok)
     if DIFF:
         if not JOINT:
-            out = out - lam2 * acc_neg / l_neg[:, None]
-        weight = tl.load(norm + dims, mask=dmask, other=0.0).to(tl.float32) * out_scale
-        out, _ = _rms_scale(out, weight, dmask, d, eps)
-    place = result + ((g // h) * N + i[:, None]) * (h * d) + (g % h) * d + dims[None, :]
-    out += tl.load(place, mask=tile, other=0.0).to(tl.float32)
-    tl.store(place, out.to(result.dtype.element_ty), mask=tile)
+            o_neg0, o_neg1 = acc_neg0 / l_neg[:, None], acc_neg1 / l_neg[:, None]
+            _store(out_neg + _head_start(g, N, d), i, ok, d, d, o_neg0, o_neg1, D0, D1)
+            tl.store(lse_neg + _head_start(g, N, 1) + i, m_neg + tl.log(l_neg), mask=ok)
+            o0, o1 = o0 - lam2 * o_neg0, o1 - lam2 * o_neg1
+        w0, w1 = _load_vector(norm, d, D0, D1)
+        o0, o1 = _rms_scale(o0, o1, w0 * out_scale, w1 * out_scale, d, eps)  # Y
+    result = result + _image_head_start(g, N, h, h * d, d)
+    y0, y1 = _load(result, i, ok, h * d, d, D0, D1)
+    _store(result, i, ok, h * d, d, o0 + y0.to(tl.float32), o1 + y1.to(tl.float32), D0, D1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -331,20 +425,25 @@ def _stage2_kernel(
 
 
 @triton.autotune(
-    configs=_STAGE2_ROWS_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"], reset_to_zero=["grad_lam", "grad_norm"]
+    configs=_STAGE2_BACKWARD_BLOCKS,
+    key=["N", "n", "D0", "D1", "DIFF", "JOINT"],
+    reset_to_zero=["grad_streams", "grad_v_hat", "grad_lam", "grad_norm"],
 )
 @triton.jit
-def _stage2_rows_kernel(
+def _stage2_backward_kernel(
     q,  # (G, N, d)
-    streams,  # (G, rows, d)
-    values,  # V̂, (G, n, d)
+    streams,  # T±, (G, rows, d)
+    v_hat,  # V̂, (G, n, d)
     lam,  # λ₂
     norm,  # (d,)
+    out_pos,  # the forward's O (O⁺), (G, N, d)
+    out_neg,  # the forward's O⁻ for two softmaxes, (G, N, d)
+    lse_pos,  # the forward's log-sum-exps, float32 (G, N)
+    lse_neg,  # those of S⁻ for two softmaxes, float32 (G, N)
     grad,  # dY, (B, N, C)
-    grad_q,  # out: dq of Stage II in the (B, N, 3C) gradient of the qkv projection
-    grad_out,  # out: dO, the gradient of (S⁺ − λ₂S⁻)·V̂, float32 (G, N, d)
-    lse,  # out: float32 (G, N, 2): per query the log-sum-exp of each stream (joint: the same twice)
-    delta,  # out: float32 (G, N, 2): per query and stream Σ_j S_ij·dS_ij, the softmax backward's row term
+    grad_qkv,  # out: dq of Stage II into the (B, N, 3C) gradient of the qkv projection
+    grad_streams,  # += dT± of Stage II, float32 (G, m2, d)
+    grad_v_hat,  # += dV̂, float32 (G, n, d)
     grad_lam,  # += dλ₂ (float32, 1 element)
     grad_norm,  # += the norm weight's gradient (float32, d)
     N,
@@ -358,146 +457,97 @@ def _stage2_rows_kernel(
     DIFF: tl.constexpr,
     JOINT: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """Step 5, backward, a dQ pass: a block of queries of head g against its n contrast columns."""
     g, block = tl.program_id(0), tl.program_id(1)
-    i = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    imask, dmask = i < N, dims < d
-    tile = imask[:, None] & dmask[None, :]
-    q_tile = tl.load(q + (g * N + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    lam2 = tl.load(lam).to(tl.float32) if DIFF else 0.0
-    acc_pos, acc_neg, m_pos, l_pos, m_neg, l_neg = _stage2_pass(
-        q_tile, streams, values, g, n, d, rows, scale, lam2, DIFF, JOINT, True, PRECISION, BLOCK_N, BLOCK_C, BLOCK_D
-    )
-    out_pos = acc_pos / l_pos[:, None]  # S⁺·V̂
-    place = ((g // h) * N + i[:, None]) * (h * d) + (g % h) * d + dims[None, :]
-    grad_tile = tl.load(grad + place, mask=tile, other=0.0).to(tl.float32)
-    if DIFF:
-        out_neg = acc_neg / l_neg[:, None]  # S⁻·V̂
-        weight = tl.load(norm + dims, mask=dmask, other=0.0).to(tl.float32) * out_scale
-        grad_tile, weight_terms = _rms_backward(grad_tile, out_pos - lam2 * out_neg, weight, d, eps)
-        tl.atomic_add(grad_norm + dims, tl.sum(weight_terms, 0) * out_scale, mask=dmask)
-        tl.atomic_add(grad_lam, -tl.sum(tl.sum(grad_tile * out_neg, 1), 0))  # dλ₂ = −Σ dO·(S⁻V̂)
-        delta_neg = -lam2 * tl.sum(grad_tile * out_neg, 1)  # dS⁻ = −λ₂·dW
-        delta_pos = tl.sum(grad_tile * out_pos, 1)
-        if JOINT:  # one softmax: one row term, Σ over both streams
-            delta_pos += delta_neg
-            delta_neg = delta_pos
-        lse_pos, lse_neg = m_pos + tl.log(l_pos), m_neg + tl.log(l_neg)
-    else:
-        delta_pos = tl.sum(grad_tile * out_pos, 1)
-        delta_neg = delta_pos
-        lse_pos = m_pos + tl.log(l_pos)
-        lse_neg = lse_pos
-    tl.store(grad_out + (g * N + i[:, None]) * d + dims[None, :], grad_tile, mask=tile)
-    tl.store(lse + (g * N + i) * 2, lse_pos, mask=imask)
-    tl.store(lse + (g * N + i) * 2 + 1, lse_neg, mask=imask)
-    tl.store(delta + (g * N + i) * 2, delta_pos, mask=imask)
-    tl.store(delta + (g * N + i) * 2 + 1, delta_neg, mask=imask)
-
-    # dq = Σ_j dS_ij·T_j/√d over both streams, the probabilities recomputed from the log-sum-exps.
-    grad_o = grad_tile.to(values.dtype.element_ty)
-    acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    i = block * BLOCK_N + tl.arange(0, BLOCK_N)  # queries
+    ok = i < N
+    streams, v_hat = streams + _head_start(g, rows, d), v_hat + _head_start(g, n, d)
+    m2 = 2 * n if DIFF else n
+    grad_streams, grad_v_hat = grad_streams + _head_start(g, m2, d), grad_v_hat + _head_start(g, n, d)
+    q0, q1 = _load(q + _head_start(g, N, d), i, ok, d, d, D0, D1)
+    dy0, dy1 = _load(grad + _image_head_start(g, N, h, h * d, d), i, ok, h * d, d, D0, D1)
+    o0, o1 = _load(out_pos + _head_start(g, N, d), i, ok, d, d, D0, D1)
+    dy0, dy1, o0, o1 = dy0.to(tl.float32), dy1.to(tl.float32), o0.to(tl.float32), o1.to(tl.float32)
+    row_lse_pos = tl.load(lse_pos + _head_start(g, N, 1) + i, mask=ok, other=0.0)
+    row_lse_neg = row_lse_pos  # a joint softmax has one
+    lam2 = 0.0
+    if DIFF:  # Y = (1 − λ_init)·RMSNorm(O): dO from dY and the saved O
+        lam2 = tl.load(lam).to(tl.float32)
+        x0, x1 = o0, o1
+        if not JOINT:  # O = O⁺ − λ₂O⁻
+            o_neg0, o_neg1 = _load(out_neg + _head_start(g, N, d), i, ok, d, d, D0, D1)
+            o_neg0, o_neg1 = o_neg0.to(tl.float32), o_neg1.to(tl.float32)
+            x0, x1 = o0 - lam2 * o_neg0, o1 - lam2 * o_neg1
+            row_lse_neg = tl.load(lse_neg + _head_start(g, N, 1) + i, mask=ok, other=0.0)
+        w0, w1 = _load_vector(norm, d, D0, D1)
+        dy0, dy1, dw0, dw1 = _rms_backward(dy0, dy1, x0, x1, w0 * out_scale, w1 * out_scale, d, eps)
+        c0, c1 = tl.arange(0, D0), D0 + tl.arange(0, D1)
+        tl.atomic_add(grad_norm + c0, dw0 * out_scale, mask=c0 < d)
+        tl.atomic_add(grad_norm + c1, dw1 * out_scale, mask=c1 < d)
+    # The softmax's row terms Σ_j P_ij·dP_ij: dO·O for one softmax (dP⁺ = dW, dP⁻ = −λ₂dW, W = P⁺ − λ₂P⁻);
+    # for two softmaxes one per stream, dO·O⁺ and −λ₂·dO·O⁻.
+    delta_pos = _row_dot(dy0, dy1, o0, o1)
+    delta_neg = delta_pos
+    if DIFF and not JOINT:
+        delta_neg = -lam2 * _row_dot(dy0, dy1, o_neg0, o_neg1)
+    do0, do1 = dy0.to(q0.dtype), dy1.to(q0.dtype)  # dO, as the products' operand
+    dq0, dq1 = tl.zeros((BLOCK_N, D0), tl.float32), tl.zeros((BLOCK_N, D1), tl.float32)
+    lam_terms = tl.zeros((BLOCK_N,), tl.float32)  # Σ_j dW_ij·P⁻_ij: dλ₂ = −Σ dO·(P⁻V̂)
     for start in range(0, n, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        cmask = cols < n
-        t_mask = cmask[:, None] & dmask[None, :]
-        t_pos = tl.load(streams + (g * rows + cols[:, None]) * d + dims[None, :], mask=t_mask, other=0.0)
-        v_tile = tl.load(values + (g * n + cols[:, None]) * d + dims[None, :], mask=t_mask, other=0.0)
-        grad_w = _dot(grad_o, tl.trans(v_tile), PRECISION)  # dW, (BLOCK_N, BLOCK_C)
-        s_pos = _dot(q_tile, tl.trans(t_pos), PRECISION) * scale
-        p_pos = tl.where(cmask[None, :], tl.exp(s_pos - lse_pos[:, None]), 0.0)
-        ds = p_pos * (grad_w - delta_pos[:, None])
-        acc += _dot(ds.to(t_pos.dtype), t_pos, PRECISION)
-        if DIFF:
-            t_neg = tl.load(streams + (g * rows + n + cols[:, None]) * d + dims[None, :], mask=t_mask, other=0.0)
-            s_neg = _dot(q_tile, tl.trans(t_neg), PRECISION) * scale
-            p_neg = tl.where(cmask[None, :], tl.exp(s_neg - lse_neg[:, None]), 0.0)
-            ds = p_neg * (-lam2 * grad_w - delta_neg[:, None])
-            acc += _dot(ds.to(t_neg.dtype), t_neg, PRECISION)
-    q_place = ((g // h) * N + i[:, None]) * (3 * h * d) + (g % h) * d + dims[None, :]
-    tl.store(grad_q + q_place, (acc * scale).to(grad_q.dtype.element_ty), mask=tile)
-
-
-@triton.autotune(configs=_STAGE2_COLUMNS_CONFIGS, key=["N", "n", "BLOCK_D", "DIFF", "JOINT"])
-@triton.jit
-def _stage2_columns_kernel(
-    q,  # (G, N, d)
-    streams,  # (G, rows, d)
-    values,  # V̂, (G, n, d)
-    lam,  # λ₂
-    grad_out,  # dO, float32 (G, N, d)
-    lse,  # float32 (G, N, 2)
-    delta,  # float32 (G, N, 2)
-    grad_values,  # out: dV̂, float32 (G, n, d)
-    grad_streams,  # out: dT± of Stage II, float32 (G, m2, d)
-    N,
-    n,
-    d,
-    rows,
-    scale,
-    DIFF: tl.constexpr,
-    JOINT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    g, block = tl.program_id(0), tl.program_id(1)
-    j = block * BLOCK_M + tl.arange(0, BLOCK_M)  # contrast tokens
-    dims = tl.arange(0, BLOCK_D)
-    jmask, dmask = j < n, dims < d
-    tile = jmask[:, None] & dmask[None, :]
-    t_pos = tl.load(streams + (g * rows + j[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    v_tile = tl.load(values + (g * n + j[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    lam2 = tl.load(lam).to(tl.float32) if DIFF else 0.0
-    acc_values = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    acc_pos = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    acc_neg = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    if DIFF:
-        t_neg = tl.load(streams + (g * rows + n + j[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    for start in range(0, N, BLOCK_N):
-        i = start + tl.arange(0, BLOCK_N)
-        imask = i < N
-        q_mask = imask[:, None] & dmask[None, :]
-        q_tile = tl.load(q + (g * N + i[:, None]) * d + dims[None, :], mask=q_mask, other=0.0)
-        grad_o = tl.load(grad_out + (g * N + i[:, None]) * d + dims[None, :], mask=q_mask, other=0.0)
-        grad_o = grad_o.to(v_tile.dtype)
-        lse_pos = tl.load(lse + (g * N + i) * 2, mask=imask, other=0.0)
-        delta_pos = tl.load(delta + (g * N + i) * 2, mask=imask, other=0.0)
-        grad_w = _dot(grad_o, tl.trans(v_tile), PRECISION)  # dW, (BLOCK_N, BLOCK_M)
-        s_pos = _dot(q_tile, tl.trans(t_pos), PRECISION) * scale
-        p_pos = tl.where(imask[:, None], tl.exp(s_pos - lse_pos[:, None]), 0.0)
+        col_ok = cols < n
+        both_ok = ok[:, None] & col_ok[None, :]
+        t_pos0, t_pos1 = _load(streams, cols, col_ok, d, d, D0, D1)
+        v0, v1 = _load(v_hat, cols, col_ok, d, d, D0, D1)
+        scores = _dot_rows(q0, q1, t_pos0, t_pos1, PRECISION) * scale
+        p_pos = tl.where(both_ok, tl.exp(scores - row_lse_pos[:, None]), 0.0)  # P⁺, (BLOCK_N, BLOCK_C)
+        grad_w = _dot_rows(do0, do1, v0, v1, PRECISION)  # dW = dO·V̂ᵀ
+        ds = (p_pos * (grad_w - delta_pos[:, None])).to(q0.dtype)  # dS⁺
+        dq0 += _dot(ds, t_pos0, PRECISION)
+        dq1 += _dot(ds, t_pos1, PRECISION)
+        ds_t = tl.trans(ds)
+        _atomic_add(
+            grad_streams, cols, col_ok, d, d, _dot(ds_t, q0, PRECISION) * scale, _dot(ds_t, q1, PRECISION) * scale,
+            D0, D1,
+        )  # fmt: skip
         weights = p_pos
-        ds = p_pos * (grad_w - delta_pos[:, None])
-        acc_pos += _dot(tl.trans(ds.to(q_tile.dtype)), q_tile, PRECISION)
         if DIFF:
-            lse_neg = tl.load(lse + (g * N + i) * 2 + 1, mask=imask, other=0.0)
-            delta_neg = tl.load(delta + (g * N + i) * 2 + 1, mask=imask, other=0.0)
-            s_neg = _dot(q_tile, tl.trans(t_neg), PRECISION) * scale
-            p_neg = tl.where(imask[:, None], tl.exp(s_neg - lse_neg[:, None]), 0.0)
-            weights = p_pos - lam2 * p_neg  # S⁺ − λ₂S⁻
-            ds = p_neg * (-lam2 * grad_w - delta_neg[:, None])
-            acc_neg += _dot(tl.trans(ds.to(q_tile.dtype)), q_tile, PRECISION)
-        acc_values += _dot(tl.trans(weights.to(grad_o.dtype)), grad_o, PRECISION)
-    m2 = 2 * n if DIFF else n
-    tl.store(grad_values + (g * n + j[:, None]) * d + dims[None, :], acc_values, mask=tile)
-    tl.store(grad_streams + (g * m2 + j[:, None]) * d + dims[None, :], acc_pos * scale, mask=tile)
+            t_neg0, t_neg1 = _load(streams, n + cols, col_ok, d, d, D0, D1)
+            scores = _dot_rows(q0, q1, t_neg0, t_neg1, PRECISION) * scale
+            p_neg = tl.where(both_ok, tl.exp(scores - row_lse_neg[:, None]), 0.0)  # P⁻
+            lam_terms += tl.sum(grad_w * p_neg, 1)
+            weights = p_pos - lam2 * p_neg  # W
+            ds = (p_neg * (-lam2 * grad_w - delta_neg[:, None])).to(q0.dtype)  # dS⁻
+            dq0 += _dot(ds, t_neg0, PRECISION)
+            dq1 += _dot(ds, t_neg1, PRECISION)
+            ds_t = tl.trans(ds)
+            _atomic_add(
+                grad_streams, n + cols, col_ok, d, d, _dot(ds_t, q0, PRECISION) * scale,
+                _dot(ds_t, q1, PRECISION) * scale, D0, D1,
+            )  # fmt: skip
+        weights_t = tl.trans(weights.to(q0.dtype))
+        _atomic_add(
+            grad_v_hat, cols, col_ok, d, d, _dot(weights_t, do0, PRECISION), _dot(weights_t, do1, PRECISION), D0, D1
+        )
+    grad_q = grad_qkv + _image_head_start(g, N, h, 3 * h * d, d)
+    _store(grad_q, i, ok, 3 * h * d, d, dq0 * scale, dq1 * scale, D0, D1)
     if DIFF:
-        tl.store(grad_streams + (g * m2 + n + j[:, None]) * d + dims[None, :], acc_neg * scale, mask=tile)
+        tl.atomic_add(grad_lam, -tl.sum(lam_terms, 0))
 
 
 @triton.jit
-def _stage1_norm_kernel(
+def _stage1_norm_backward_kernel(
     reads,  # R±, float32 (G, m1, d)
-    grad_values,  # dV̂, float32 (G, n, d)
+    grad_v_hat,  # dV̂, float32 (G, n, d)
     lam,  # λ₁
     norm,  # (d,)
     grad_reads,  # out: dR±, float32 (G, m1, d)
-    delta,  # out: Σ_d dR·R per contrast row, float32 (G, m1)
+    delta,  # out: Σ_d dR·R per contrast row (the softmax's row term), float32 (G, m1)
     grad_lam,  # += dλ₁
     grad_norm,  # += the norm weight's gradient (d)
     n,
@@ -505,42 +555,51 @@ def _stage1_norm_kernel(
     eps,
     out_scale,
     DIFF: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
+    """Step 4's V̂ = (1 − λ_init)·RMSNorm(R⁺ − λ₁R⁻), backward: for a block of contrast tokens of head g."""
     g, block = tl.program_id(0), tl.program_id(1)
     i = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    imask, dmask = i < n, dims < d
-    tile = imask[:, None] & dmask[None, :]
+    ok = i < n
     m1 = 2 * n if DIFF else n
-    grad_tile = tl.load(grad_values + (g * n + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    read_pos = tl.load(reads + (g * m1 + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
+    reads, grad_reads, delta = (
+        reads + _head_start(g, m1, d),
+        grad_reads + _head_start(g, m1, d),
+        delta + _head_start(g, m1, 1),
+    )
+    grad0, grad1 = _load(grad_v_hat + _head_start(g, n, d), i, ok, d, d, D0, D1)
+    r_pos0, r_pos1 = _load(reads, i, ok, d, d, D0, D1)
     if DIFF:
-        read_neg = tl.load(reads + (g * m1 + n + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
+        r_neg0, r_neg1 = _load(reads, n + i, ok, d, d, D0, D1)
         lam1 = tl.load(lam).to(tl.float32)
-        weight = tl.load(norm + dims, mask=dmask, other=0.0).to(tl.float32) * out_scale
-        grad_tile, weight_terms = _rms_backward(grad_tile, read_pos - lam1 * read_neg, weight, d, eps)
-        tl.atomic_add(grad_norm + dims, tl.sum(weight_terms, 0) * out_scale, mask=dmask)
-        tl.atomic_add(grad_lam, -tl.sum(tl.sum(grad_tile * read_neg, 1), 0))
-        grad_neg = -lam1 * grad_tile
-        tl.store(grad_reads + (g * m1 + n + i[:, None]) * d + dims[None, :], grad_neg, mask=tile)
-        tl.store(delta + g * m1 + n + i, tl.sum(grad_neg * read_neg, 1), mask=imask)
-    tl.store(grad_reads + (g * m1 + i[:, None]) * d + dims[None, :], grad_tile, mask=tile)
-    tl.store(delta + g * m1 + i, tl.sum(grad_tile * read_pos, 1), mask=imask)
+        w0, w1 = _load_vector(norm, d, D0, D1)
+        x0, x1 = r_pos0 - lam1 * r_neg0, r_pos1 - lam1 * r_neg1
+        grad0, grad1, dw0, dw1 = _rms_backward(grad0, grad1, x0, x1, w0 * out_scale, w1 * out_scale, d, eps)
+        c0, c1 = tl.arange(0, D0), D0 + tl.arange(0, D1)
+        tl.atomic_add(grad_norm + c0, dw0 * out_scale, mask=c0 < d)
+        tl.atomic_add(grad_norm + c1, dw1 * out_scale, mask=c1 < d)
+        tl.atomic_add(grad_lam, -tl.sum(_row_dot(grad0, grad1, r_neg0, r_neg1), 0))  # dλ₁ = −Σ dR⁺·R⁻
+        neg0, neg1 = -lam1 * grad0, -lam1 * grad1  # dR⁻
+        _store(grad_reads, n + i, ok, d, d, neg0, neg1, D0, D1)
+        tl.store(delta + n + i, _row_dot(neg0, neg1, r_neg0, r_neg1), mask=ok)
+    _store(grad_reads, i, ok, d, d, grad0, grad1, D0, D1)
+    tl.store(delta + i, _row_dot(grad0, grad1, r_pos0, r_pos1), mask=ok)
 
 
-@triton.autotune(configs=_STAGE1_KEYS_CONFIGS, key=["N", "m1", "BLOCK_D"])
+@triton.autotune(configs=_STAGE1_BACKWARD_BLOCKS, key=["N", "m1", "D0", "D1"], reset_to_zero=["grad_streams"])
 @triton.jit
-def _stage1_keys_kernel(
-    streams,  # (G, rows, d)
+def _stage1_backward_kernel(
+    streams,  # T±, (G, rows, d)
     k,  # (G, N, d)
     v,  # (G, N, d)
     grad_reads,  # dR±, float32 (G, m1, d)
-    lse,  # float32 (G, m1)
+    lse,  # the forward's log-sum-exps, float32 (G, m1)
     delta,  # float32 (G, m1)
     grad_local,  # the convolution's gradient of v, (B, N, C) memory
-    grad_qkv,  # out: dk and dv = Stage I's + the convolution's, in (B, N, 3C)
+    grad_qkv,  # out: dk and dv (Stage I's + the convolution's) into (B, N, 3C)
+    grad_streams,  # += dT± of Stage I, float32 (G, m1, d)
     N,
     m1,
     d,
@@ -548,91 +607,82 @@ def _stage1_keys_kernel(
     h,
     scale,
     PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Step 4, backward, a dK/dV pass: a block of keys of head g against its m1 contrast rows."""
     g, block = tl.program_id(0), tl.program_id(1)
     keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    kmask, dmask = keys < N, dims < d
-    tile = kmask[:, None] & dmask[None, :]
-    k_tile = tl.load(k + (g * N + keys[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    v_tile = tl.load(v + (g * N + keys[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    acc_k = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    acc_v = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    key_ok = keys < N
+    k0, k1 = _load(k + _head_start(g, N, d), keys, key_ok, d, d, D0, D1)
+    v0, v1 = _load(v + _head_start(g, N, d), keys, key_ok, d, d, D0, D1)
+    streams, grad_reads = streams + _head_start(g, rows, d), grad_reads + _head_start(g, m1, d)
+    lse, delta = lse + _head_start(g, m1, 1), delta + _head_start(g, m1, 1)
+    grad_streams = grad_streams + _head_start(g, m1, d)
+    dk0, dk1 = tl.zeros((BLOCK_N, D0), tl.float32), tl.zeros((BLOCK_N, D1), tl.float32)
+    dv0, dv1 = tl.zeros((BLOCK_N, D0), tl.float32), tl.zeros((BLOCK_N, D1), tl.float32)
     for start in range(0, m1, BLOCK_M):
         i = start + tl.arange(0, BLOCK_M)  # contrast rows of both streams
-        imask = i < m1
-        row_mask = imask[:, None] & dmask[None, :]
-        t_tile = tl.load(streams + (g * rows + i[:, None]) * d + dims[None, :], mask=row_mask, other=0.0)
-        grad_r = tl.load(grad_reads + (g * m1 + i[:, None]) * d + dims[None, :], mask=row_mask, other=0.0)
-        row_lse = tl.load(lse + g * m1 + i, mask=imask, other=0.0)
-        row_delta = tl.load(delta + g * m1 + i, mask=imask, other=0.0)
-        scores = _dot(t_tile, tl.trans(k_tile), PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-        probs = tl.where(imask[:, None], tl.exp(scores - row_lse[:, None]), 0.0)
-        grad_r = grad_r.to(v_tile.dtype)
-        acc_v += _dot(tl.trans(probs.to(v_tile.dtype)), grad_r, PRECISION)
-        grad_p = _dot(grad_r, tl.trans(v_tile), PRECISION)
-        ds = probs * (grad_p - row_delta[:, None])
-        acc_k += _dot(tl.trans(ds.to(t_tile.dtype)), t_tile, PRECISION)
-    b, head = g // h, g % h
-    local = tl.load(grad_local + (b * N + keys[:, None]) * (h * d) + head * d + dims[None, :], mask=tile, other=0.0)
-    place = grad_qkv + (b * N + keys[:, None]) * (3 * h * d) + head * d + dims[None, :]
-    tl.store(place + h * d, (acc_k * scale).to(grad_qkv.dtype.element_ty), mask=tile)
-    tl.store(place + 2 * h * d, (acc_v + local.to(tl.float32)).to(grad_qkv.dtype.element_ty), mask=tile)
+        ok = i < m1
+        t0, t1 = _load(streams, i, ok, d, d, D0, D1)
+        dr0, dr1 = _load(grad_reads, i, ok, d, d, D0, D1)
+        dr0, dr1 = dr0.to(v0.dtype), dr1.to(v0.dtype)
+        row_lse = tl.load(lse + i, mask=ok, other=0.0)
+        row_delta = tl.load(delta + i, mask=ok, other=0.0)
+        scores = _dot_rows(t0, t1, k0, k1, PRECISION) * scale  # (BLOCK_M, BLOCK_N)
+        probs = tl.where(ok[:, None] & key_ok[None, :], tl.exp(scores - row_lse[:, None]), 0.0)  # P
+        probs_t = tl.trans(probs.to(v0.dtype))
+        dv0 += _dot(probs_t, dr0, PRECISION)
+        dv1 += _dot(probs_t, dr1, PRECISION)
+        ds = (probs * (_dot_rows(dr0, dr1, v0, v1, PRECISION) - row_delta[:, None])).to(t0.dtype)  # dS
+        ds_t = tl.trans(ds)
+        dk0 += _dot(ds_t, t0, PRECISION)
+        dk1 += _dot(ds_t, t1, PRECISION)
+        _atomic_add(grad_streams, i, ok, d, d, _dot(ds, k0, PRECISION) * scale, _dot(ds, k1, PRECISION) * scale, D0, D1)
+    local0, local1 = _load(grad_local + _image_head_start(g, N, h, h * d, d), keys, key_ok, h * d, d, D0, D1)
+    grad_k = grad_qkv + _image_head_start(g, N, h, 3 * h * d, d) + h * d
+    _store(grad_k, keys, key_ok, 3 * h * d, d, dk0 * scale, dk1 * scale, D0, D1)
+    dv0, dv1 = dv0 + local0.to(tl.float32), dv1 + local1.to(tl.float32)
+    _store(grad_k + h * d, keys, key_ok, 3 * h * d, d, dv0, dv1, D0, D1)
 
 
-@triton.autotune(configs=_STAGE1_ROWS_CONFIGS, key=["N", "m1", "BLOCK_D"])
 @triton.jit
-def _stage1_rows_kernel(
-    streams,  # (G, rows, d)
-    k,  # (G, N, d)
-    v,  # (G, N, d)
-    grad_reads,  # dR±, float32 (G, m1, d)
-    lse,  # float32 (G, m1)
-    delta,  # float32 (G, m1)
-    grad_streams,  # out: dT± of Stage I, float32 (G, m1, d)
-    N,
-    m1,
+def _stream_gradient(
+    grad_stage1,
+    grad_stage2,
+    g,
+    s: tl.constexpr,
+    j,
+    ok,
+    n,
     d,
-    rows,
-    scale,
-    PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    M1: tl.constexpr,
+    M2: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
-    g, block = tl.program_id(0), tl.program_id(1)
-    i = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    imask, dmask = i < m1, dims < d
-    tile = imask[:, None] & dmask[None, :]
-    t_tile = tl.load(streams + (g * rows + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    grad_r = tl.load(grad_reads + (g * m1 + i[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-    row_lse = tl.load(lse + g * m1 + i, mask=imask, other=0.0)
-    row_delta = tl.load(delta + g * m1 + i, mask=imask, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(0, N, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        kmask = keys < N
-        k_mask = kmask[:, None] & dmask[None, :]
-        k_tile = tl.load(k + (g * N + keys[:, None]) * d + dims[None, :], mask=k_mask, other=0.0)
-        v_tile = tl.load(v + (g * N + keys[:, None]) * d + dims[None, :], mask=k_mask, other=0.0)
-        scores = _dot(t_tile, tl.trans(k_tile), PRECISION) * scale
-        probs = tl.where(kmask[None, :], tl.exp(scores - row_lse[:, None]), 0.0)
-        grad_p = _dot(grad_r.to(v_tile.dtype), tl.trans(v_tile), PRECISION)
-        ds = probs * (grad_p - row_delta[:, None])
-        acc += _dot(ds.to(k_tile.dtype), k_tile, PRECISION)
-    tl.store(grad_streams + (g * m1 + i[:, None]) * d + dims[None, :], acc * scale, mask=tile)
+    """dT of stream s (0: T⁺, 1: T⁻) of head g, contrast tokens j: the sum of both stages' shares (a stage that
+    does not read stream s has none)."""
+    grad0, grad1 = tl.zeros((BLOCK_J, D0), tl.float32), tl.zeros((BLOCK_J, D1), tl.float32)
+    if s < M1:
+        x0, x1 = _load(grad_stage1 + _head_start(g * M1 + s, n, d), j, ok, d, d, D0, D1)
+        grad0, grad1 = grad0 + x0, grad1 + x1
+    if s < M2:
+        x0, x1 = _load(grad_stage2 + _head_start(g * M2 + s, n, d), j, ok, d, d, D0, D1)
+        grad0, grad1 = grad0 + x0, grad1 + x1
+    return grad0, grad1
 
 
 @triton.jit
-def _streams_backward_kernel(
+def _contrast_streams_backward_kernel(
     grad_stage1,  # dT± of Stage I, float32 (G, m1, d)
     grad_stage2,  # dT± of Stage II, float32 (G, m2, d)
-    grad_embed,  # += dE±, float32 (h, S, n, d)
+    grad_embed,  # out: dE±, float32 (h, S, n, d)
     grad_qkv,  # in/out: (B, N, 3C); dq gains the pooling's share
+    B,
     h,
     H,
     p,
@@ -641,40 +691,43 @@ def _streams_backward_kernel(
     M1: tl.constexpr,  # streams in Stage I (1 or 2)
     M2: tl.constexpr,  # streams in Stage II
     POOLED: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
-    g, block = tl.program_id(0), tl.program_id(1)
+    """Steps 1–2, backward: for a block of contrast tokens of one head, over the B images, dE± (summed) and
+    dq through the pooling. Every token lies in one window: no two programs write the same dq."""
+    head, block = tl.program_id(0), tl.program_id(1)
     n, r = p * p, H // p
     j = block * BLOCK_J + tl.arange(0, BLOCK_J)
-    dims = tl.arange(0, BLOCK_D)
-    tile = (j < n)[:, None] & (dims < d)[None, :]
-    pooled = tl.zeros((BLOCK_J, BLOCK_D), tl.float32)
-    for s in tl.static_range(S):
-        grad = tl.zeros((BLOCK_J, BLOCK_D), tl.float32)
-        if s < M1:
-            grad += tl.load(grad_stage1 + ((g * M1 + s) * n + j[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-        if s < M2:
-            grad += tl.load(grad_stage2 + ((g * M2 + s) * n + j[:, None]) * d + dims[None, :], mask=tile, other=0.0)
-        tl.atomic_add(grad_embed + (((g % h) * S + s) * n + j[:, None]) * d + dims[None, :], grad, mask=tile)
-        pooled += grad
-    if POOLED:  # every token lies in one window: no two programs write the same dq
-        pooled = pooled / (r * r)
-        b, head = g // h, g % h
-        corner = (j // p) * r * H + (j % p) * r
-        for t in range(0, r * r):
-            token = corner + (t // r) * H + t % r
-            place = grad_qkv + (b * H * H + token[:, None]) * (3 * h * d) + head * d + dims[None, :]
-            value = tl.load(place, mask=tile, other=0.0).to(tl.float32) + pooled
-            tl.store(place, value.to(grad_qkv.dtype.element_ty), mask=tile)
+    ok = j < n
+    embed_pos0, embed_pos1 = tl.zeros((BLOCK_J, D0), tl.float32), tl.zeros((BLOCK_J, D1), tl.float32)
+    embed_neg0, embed_neg1 = tl.zeros((BLOCK_J, D0), tl.float32), tl.zeros((BLOCK_J, D1), tl.float32)
+    corner = (j // p) * r * H + (j % p) * r  # the first token of each r×r window
+    for b in range(0, B):
+        g = b * h + head
+        pooled0, pooled1 = _stream_gradient(grad_stage1, grad_stage2, g, 0, j, ok, n, d, M1, M2, D0, D1, BLOCK_J)
+        embed_pos0, embed_pos1 = embed_pos0 + pooled0, embed_pos1 + pooled1
+        if S == 2:
+            neg0, neg1 = _stream_gradient(grad_stage1, grad_stage2, g, 1, j, ok, n, d, M1, M2, D0, D1, BLOCK_J)
+            embed_neg0, embed_neg1 = embed_neg0 + neg0, embed_neg1 + neg1
+            pooled0, pooled1 = pooled0 + neg0, pooled1 + neg1
+        if POOLED:
+            grad_q = grad_qkv + _image_head_start(g, H * H, h, 3 * h * d, d)
+            pooled0, pooled1 = pooled0 / (r * r), pooled1 / (r * r)
+            for t in range(0, r * r):
+                token = corner + (t // r) * H + t % r
+                x0, x1 = _load(grad_q, token, ok, 3 * h * d, d, D0, D1)
+                x0, x1 = x0.to(tl.float32) + pooled0, x1.to(tl.float32) + pooled1
+                _store(grad_q, token, ok, 3 * h * d, d, x0, x1, D0, D1)
+    _store(grad_embed + _head_start(head * S, n, d), j, ok, d, d, embed_pos0, embed_pos1, D0, D1)
+    if S == 2:
+        _store(grad_embed + _head_start(head * S + 1, n, d), j, ok, d, d, embed_neg0, embed_neg1, D0, D1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-
-
-_TOKEN_BLOCK = 32  # contrast tokens per program of the element-wise kernels (streams, Stage I's norm)
 
 
 def _launch(kernel, grid):
@@ -708,59 +761,43 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 class _Shape:
-    """The sizes every launcher needs, from q, k, v (3, B, h, N, d) and the layout."""
+    """The sizes every launcher needs, from q, k, v `heads` (3, B, h, N, d) and the layout."""
 
-    def __init__(self, heads: Tensor, embed: Tensor, layout):
+    def __init__(self, heads: Tensor, layout):
         _, self.B, self.h, self.N, self.d = heads.shape
         self.G, self.C = self.B * self.h, self.h * self.d
         self.H, self.p = layout.grid_size, layout.contrast_grid
-        self.n, self.S = self.p**2, embed.shape[2]
+        self.n = self.p**2
+        self.S = 2 if layout.stage1_differential or layout.stage2_differential else 1  # streams: T⁺ (and T⁻)
         self.rows = self.S * self.n  # rows of the streams tensor
         self.m1, self.m2 = layout.stage1_rows, layout.stage2_cols
         self.scale, self.out_scale = self.d**-0.5, 1 - layout.lambda_init
-        self.block_d = max(16, triton.next_power_of_2(self.d))
+        self.D0, self.D1 = _head_pieces(self.d)
+        if self.N * 3 * self.C >= 2**31:  # offsets inside one image are 32-bit (see the module docstring)
+            raise ValueError(f"kernel='triton' takes at most 2^31 - 1 elements per image of the qkv gradient; "
+                             f"N·3C = {self.N}·{3 * self.C}: use kernel='aten'")  # fmt: skip
 
 
 def _with_dummy(t: Tensor | None, fallback: Tensor) -> Tensor:
     return fallback if t is None else t  # a pointer a kernel never reads (its switch is off)
 
 
-def _forward_streams(heads: Tensor, embed: Tensor, layout, shape: _Shape) -> Tensor:
-    streams = heads.new_empty(shape.G, shape.rows, shape.d)  # (G, S·n, d)
-    _launch(_streams_kernel, (shape.G, triton.cdiv(shape.n, _TOKEN_BLOCK)))(
-        heads[0], embed, streams, shape.h, shape.H, shape.p, shape.d, shape.S, layout.pooled_content, shape.block_d,
-        _TOKEN_BLOCK,
-    )  # fmt: skip
-    return streams
-
-
-def _forward_stage1(heads, streams, lambda1, norm1, layout, shape: _Shape, save: bool):
-    """V̂ (G, n, d) and, with `save`, R± (G, m1, d) and their log-sum-exps (G, m1), both float32."""
-    values = heads.new_empty(shape.G, shape.n, shape.d)
-    reads = heads.new_empty((shape.G, shape.m1, shape.d) if save else (0,), dtype=torch.float32)
-    lse = heads.new_empty((shape.G, shape.m1) if save else (0,), dtype=torch.float32)
-    _launch(_stage1_kernel, lambda meta: (shape.G, triton.cdiv(shape.n, meta["BLOCK_M"])))(
-        streams,
-        heads[1],
-        heads[2],
-        _with_dummy(lambda1, streams),
-        _with_dummy(norm1, streams),
-        values,
-        reads,
-        lse,
-        shape.N,
-        shape.n,
-        shape.d,
-        shape.rows,
-        shape.scale,
-        layout.eps,
-        shape.out_scale,
-        DIFF=layout.stage1_differential,
-        SAVE=save,
-        PRECISION=_precision(heads.dtype),
-        BLOCK_D=shape.block_d,
-    )
-    return values, reads, lse
+def saved_like(heads: Tensor, layout) -> list[Tensor]:
+    """Empty tensors of the shapes and dtypes of what `add_attention` saves for the backward (the operator's fake
+    kernel returns these): T± (G, S·n, d), V̂ (G, n, d), R± (G, m1, d) and Stage I's log-sum-exps (G, m1) in
+    float32, O (O⁺ and O⁻ for two softmaxes, flat (K·G·N·d)) in q's dtype and its log-sum-exps (K·G·N) in float32,
+    K = 1 or 2 softmaxes."""
+    s = _Shape(heads, layout)
+    two = layout.stage2_differential and not layout.joint_softmax  # Stage II's softmaxes
+    floats = {"dtype": torch.float32}
+    return [
+        heads.new_empty(s.G, s.rows, s.d),
+        heads.new_empty(s.G, s.n, s.d),
+        heads.new_empty(s.G, s.m1, s.d, **floats),
+        heads.new_empty(s.G, s.m1, **floats),
+        heads.new_empty((2 if two else 1) * s.G * s.N * s.d),
+        heads.new_empty((2 if two else 1) * s.G * s.N, **floats),
+    ]
 
 
 def add_attention(
@@ -772,38 +809,36 @@ def add_attention(
     norm1: Tensor | None,
     norm2: Tensor | None,
     layout,
-) -> None:
+) -> list[Tensor]:
     """Adds both attention stages of the VCA core, computed from q, k, v `heads` (3, B, h, N, d), into `result`
-    (B, N, C) (the depthwise convolution's output): the kernels of dit_vca::vca_core's forward."""
+    (B, N, C) (the depthwise convolution's output); returns what `attention_backward` needs besides the
+    operator's inputs (see `saved_like`; FlashAttention saves its output and log-sum-exps alike)."""
     _check_device(heads)
-    shape = _Shape(heads, embed, layout)
-    streams = _forward_streams(heads, embed, layout, shape)
-    values, _, _ = _forward_stage1(heads, streams, lambda1, norm1, layout, shape, save=False)
-    _launch(_stage2_kernel, lambda meta: (shape.G, triton.cdiv(shape.N, meta["BLOCK_N"])))(
-        heads[0],
-        streams,
-        values,
-        _with_dummy(lambda2, streams),
-        _with_dummy(norm2, streams),
-        result,
-        shape.N,
-        shape.n,
-        shape.d,
-        shape.rows,
-        shape.h,
-        shape.scale,
-        layout.eps,
-        shape.out_scale,
-        DIFF=layout.stage2_differential,
-        JOINT=layout.joint_softmax,
-        PRECISION=_precision(heads.dtype),
-        BLOCK_D=shape.block_d,
+    s = _Shape(heads, layout)
+    saved = saved_like(heads, layout)
+    streams, v_hat, reads, lse1, outs, lse2 = saved
+    precision = _precision(heads.dtype)
+    _launch(_contrast_streams_kernel, (s.G, triton.cdiv(s.n, _TOKEN_BLOCK)))(
+        heads[0], embed, streams, s.h, s.H, s.p, s.d, s.S, layout.pooled_content, s.D0, s.D1, _TOKEN_BLOCK
     )
+    _launch(_stage1_forward_kernel, lambda meta: (s.G, triton.cdiv(s.n, meta["BLOCK_M"])))(
+        streams, heads[1], heads[2], _with_dummy(lambda1, streams), _with_dummy(norm1, streams), v_hat, reads,
+        lse1, s.N, s.n, s.d, s.rows, s.scale, layout.eps, s.out_scale,
+        DIFF=layout.stage1_differential, PRECISION=precision, D0=s.D0, D1=s.D1,
+    )  # fmt: skip
+    outs, lse2 = outs.view(-1, s.G, s.N, s.d), lse2.view(-1, s.G, s.N)  # O (O⁺, O⁻), their log-sum-exps
+    _launch(_stage2_forward_kernel, lambda meta: (s.G, triton.cdiv(s.N, meta["BLOCK_N"])))(
+        heads[0], streams, v_hat, _with_dummy(lambda2, streams), _with_dummy(norm2, streams), result, outs[0],
+        outs[-1], lse2[0], lse2[-1], s.N, s.n, s.d, s.rows, s.h, s.scale, layout.eps, s.out_scale,
+        DIFF=layout.stage2_differential, JOINT=layout.joint_softmax, PRECISION=precision, D0=s.D0, D1=s.D1,
+    )  # fmt: skip
+    return saved
 
 
 def attention_backward(
     grad: Tensor,
     heads: Tensor,
+    saved: list[Tensor],
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -812,147 +847,92 @@ def attention_backward(
     grad_local: Tensor,
     layout,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-    """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result:
-    (the gradient of the qkv projection's output (B·N, 3C), the convolution's share `grad_local` (B, C, H, W)
-    of dv included; then dE±, dλ₁, dλ₂, d norm1, d norm2 in float32, None where a switch is off)."""
+    """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result and what
+    `add_attention` saved: (the gradient of the qkv projection's output (B·N, 3C), the convolution's share
+    `grad_local` (B, C, H, W) of dv included; then dE±, dλ₁, dλ₂, d norm1, d norm2 in float32, None where a
+    switch is off)."""
     _check_device(heads)
-    shape = _Shape(heads, embed, layout)
-    B, N, G, n, d, h = shape.B, shape.N, shape.G, shape.n, shape.d, shape.h
+    s = _Shape(heads, layout)
+    B, N, G, n, d, h = s.B, s.N, s.G, s.n, s.d, s.h
+    streams, v_hat, reads, lse1, outs, lse2 = saved
+    outs, lse2 = outs.view(-1, G, N, d), lse2.view(-1, G, N)
     precision = _precision(heads.dtype)
     floats = {"device": heads.device, "dtype": torch.float32}
-    grad_local = grad_local.permute(0, 2, 3, 1).reshape(B, N, shape.C)  # a view when channels-last
-
-    # Recomputed: the streams, V̂, R± and Stage I's log-sum-exps (n-row tensors).
-    streams = _forward_streams(heads, embed, layout, shape)
-    values, reads, lse1 = _forward_stage1(heads, streams, lambda1, norm1, layout, shape, save=True)
-
-    # Stage II: rows (dq, dO, the row statistics), then columns (dV̂, dT± of Stage II).
+    grad_local = grad_local.permute(0, 2, 3, 1).reshape(B, N, s.C)  # a view when channels-last
     # dλ₁, dλ₂, d norm1, d norm2: float32 atomic sums (each its own tensor: an operator's outputs never alias)
     grad_lambda1, grad_lambda2 = torch.zeros((), **floats), torch.zeros((), **floats)
     grad_norm1, grad_norm2 = torch.zeros(d, **floats), torch.zeros(d, **floats)
-    grad_qkv = heads.new_empty(B, N, 3 * shape.C)  # written by the kernels: dq, dk, dv in the projection's layout
-    grad_out = torch.empty(G, N, d, **floats)
-    stats = torch.empty(2, G, N, 2, **floats)  # log-sum-exps and row terms, per query and stream
-    _launch(_stage2_rows_kernel, lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"])))(
-        heads[0],
-        streams,
-        values,
-        _with_dummy(lambda2, streams),
-        _with_dummy(norm2, streams),
-        grad,
-        grad_qkv,
-        grad_out,
-        stats[0],
-        stats[1],
-        grad_lambda2,
-        grad_norm2,
-        N,
-        n,
-        d,
-        shape.rows,
-        h,
-        shape.scale,
-        layout.eps,
-        shape.out_scale,
-        DIFF=layout.stage2_differential,
-        JOINT=layout.joint_softmax,
-        PRECISION=precision,
-        BLOCK_D=shape.block_d,
-    )
-    grad_values = torch.empty(G, n, d, **floats)
-    grad_stage2 = torch.empty(G, shape.m2, d, **floats)
-    _launch(_stage2_columns_kernel, lambda meta: (G, triton.cdiv(n, meta["BLOCK_M"])))(
-        heads[0],
-        streams,
-        values,
-        _with_dummy(lambda2, streams),
-        grad_out,
-        stats[0],
-        stats[1],
-        grad_values,
-        grad_stage2,
-        N,
-        n,
-        d,
-        shape.rows,
-        shape.scale,
-        DIFF=layout.stage2_differential,
-        JOINT=layout.joint_softmax,
-        PRECISION=precision,
-        BLOCK_D=shape.block_d,
-    )
+    # The atomic sums of the stages' keys and values: dT± of Stage II, dV̂, dT± of Stage I; one zero fill.
+    sums = torch.zeros(G * (s.m2 + n + s.m1) * d, **floats)
+    grad_stage2 = sums[: G * s.m2 * d].view(G, s.m2, d)
+    grad_v_hat = sums[G * s.m2 * d : G * (s.m2 + n) * d].view(G, n, d)
+    grad_stage1 = sums[G * (s.m2 + n) * d :].view(G, s.m1, d)
+    grad_qkv = heads.new_empty(B, N, 3 * s.C)  # written by the kernels: dq, dk, dv in the projection's layout
 
-    # Stage I: its RMSNorm and λ₁, then per key block (dk, dv) and per contrast block (dT± of Stage I).
-    grad_reads = torch.empty(G, shape.m1, d, **floats)
-    delta1 = torch.empty(G, shape.m1, **floats)
-    _launch(_stage1_norm_kernel, (G, triton.cdiv(n, _TOKEN_BLOCK)))(
-        reads,
-        grad_values,
-        _with_dummy(lambda1, streams),
-        _with_dummy(norm1, streams),
-        grad_reads,
-        delta1,
-        grad_lambda1,
-        grad_norm1,
-        n,
-        d,
-        layout.eps,
-        shape.out_scale,
-        DIFF=layout.stage1_differential,
-        BLOCK_D=shape.block_d,
-        BLOCK_M=_TOKEN_BLOCK,
-    )
-    stage1 = (streams, heads[1], heads[2], grad_reads, lse1, delta1)
-    _launch(_stage1_keys_kernel, lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"])))(
-        *stage1,
-        grad_local,
-        grad_qkv,
-        N,
-        shape.m1,
-        d,
-        shape.rows,
-        h,
-        shape.scale,
-        PRECISION=precision,
-        BLOCK_D=shape.block_d,
-    )
-    grad_stage1 = torch.empty(G, shape.m1, d, **floats)
-    _launch(_stage1_rows_kernel, lambda meta: (G, triton.cdiv(shape.m1, meta["BLOCK_M"])))(
-        *stage1,
-        grad_stage1,
-        N,
-        shape.m1,
-        d,
-        shape.rows,
-        shape.scale,
-        PRECISION=precision,
-        BLOCK_D=shape.block_d,
-    )
-
-    # The streams: dE± (summed over the batch) and, through the pooling, dq.
-    grad_embed = torch.zeros(1, h, shape.S, n, d, **floats)
-    _launch(_streams_backward_kernel, (G, triton.cdiv(n, _TOKEN_BLOCK)))(
-        grad_stage1,
-        grad_stage2,
-        grad_embed,
-        grad_qkv,
-        h,
-        shape.H,
-        shape.p,
-        d,
-        S=shape.S,
-        M1=shape.m1 // n,
-        M2=shape.m2 // n,
-        POOLED=layout.pooled_content,
-        BLOCK_D=shape.block_d,
-        BLOCK_J=_TOKEN_BLOCK,
-    )
+    _launch(_stage2_backward_kernel, lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"])))(
+        heads[0], streams, v_hat, _with_dummy(lambda2, streams), _with_dummy(norm2, streams), outs[0], outs[-1],
+        lse2[0], lse2[-1], grad, grad_qkv, grad_stage2, grad_v_hat, grad_lambda2, grad_norm2, N, n, d, s.rows, h,
+        s.scale, layout.eps, s.out_scale,
+        DIFF=layout.stage2_differential, JOINT=layout.joint_softmax, PRECISION=precision, D0=s.D0, D1=s.D1,
+    )  # fmt: skip
+    grad_reads = torch.empty(G, s.m1, d, **floats)
+    delta1 = torch.empty(G, s.m1, **floats)
+    _launch(_stage1_norm_backward_kernel, (G, triton.cdiv(n, _TOKEN_BLOCK)))(
+        reads, grad_v_hat, _with_dummy(lambda1, streams), _with_dummy(norm1, streams), grad_reads, delta1,
+        grad_lambda1, grad_norm1, n, d, layout.eps, s.out_scale,
+        DIFF=layout.stage1_differential, D0=s.D0, D1=s.D1, BLOCK_M=_TOKEN_BLOCK,
+    )  # fmt: skip
+    _launch(_stage1_backward_kernel, lambda meta: (G, triton.cdiv(N, meta["BLOCK_N"])))(
+        streams, heads[1], heads[2], grad_reads, lse1, delta1, grad_local, grad_qkv, grad_stage1, N, s.m1, d,
+        s.rows, h, s.scale, PRECISION=precision, D0=s.D0, D1=s.D1,
+    )  # fmt: skip
+    grad_embed = torch.empty(1, h, s.S, n, d, **floats)
+    _launch(_contrast_streams_backward_kernel, (h, triton.cdiv(n, _TOKEN_BLOCK)))(
+        grad_stage1, grad_stage2, grad_embed, grad_qkv, B, h, s.H, s.p, d,
+        S=s.S, M1=s.m1 // n, M2=s.m2 // n, POOLED=layout.pooled_content, D0=s.D0, D1=s.D1, BLOCK_J=_TOKEN_BLOCK,
+        num_warps=_TOKEN_WARPS,
+    )  # fmt: skip
 
     return (
-        grad_qkv.view(B * N, 3 * shape.C),
+        grad_qkv.view(B * N, 3 * s.C),
         grad_embed,
         grad_lambda1 if layout.stage1_differential else None,
         grad_lambda2 if layout.stage2_differential else None,
         grad_norm1 if layout.stage1_differential else None,
         grad_norm2 if layout.stage2_differential else None,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tile products
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def tile_products(B: int, N: int, C: int, layout, blocks: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
+    """Multiply-adds of every tl.dot the kernels run for one core on tokens (B, N, C), per kernel: programs
+    (the launch grid) × loop trips × the products of one trip, on the padded tiles (blocks and D0 + D1 columns)
+    the GPU multiplies. `blocks`: each autotuned kernel's block sizes (by default its first configuration)."""
+    h = layout.num_heads
+    d, n, m1 = C // h, layout.contrast_grid**2, layout.stage1_rows
+    width, G = sum(_head_pieces(d)), B * h  # D0 + D1
+    diff2, two2 = layout.stage2_differential, layout.stage2_differential and not layout.joint_softmax
+    chosen = {name: dict(configs[0].kwargs) for name, configs in _AUTOTUNED.items()} | (blocks or {})
+    cdiv = triton.cdiv
+
+    b = chosen["_stage1_forward_kernel"]
+    streams1 = m1 // n  # each trip: scores and the product with v, per stream
+    stage1_forward = G * cdiv(n, b["BLOCK_M"]) * cdiv(N, b["BLOCK_N"]) * streams1 * 2 * b["BLOCK_M"] * b["BLOCK_N"]
+    b = chosen["_stage2_forward_kernel"]
+    per_trip = (2 if diff2 else 1) + (2 if two2 else 1)  # scores per stream, the value products
+    stage2_forward = G * cdiv(N, b["BLOCK_N"]) * cdiv(n, b["BLOCK_C"]) * per_trip * b["BLOCK_N"] * b["BLOCK_C"]
+    b = chosen["_stage2_backward_kernel"]
+    per_trip = 3 * (2 if diff2 else 1) + 2  # scores, dq, dT per stream; dW, dV̂
+    stage2_backward = G * cdiv(N, b["BLOCK_N"]) * cdiv(n, b["BLOCK_C"]) * per_trip * b["BLOCK_N"] * b["BLOCK_C"]
+    b = chosen["_stage1_backward_kernel"]
+    stage1_backward = G * cdiv(N, b["BLOCK_N"]) * cdiv(m1, b["BLOCK_M"]) * 5 * b["BLOCK_M"] * b["BLOCK_N"]
+    return {  # each product's third dimension is the head's padded width (or a block, of a product over d)
+        "_stage1_forward_kernel": stage1_forward * width,
+        "_stage2_forward_kernel": stage2_forward * width,
+        "_stage2_backward_kernel": stage2_backward * width,
+        "_stage1_backward_kernel": stage1_backward * width,
+    }

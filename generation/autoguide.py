@@ -24,5 +24,7 @@ def guide_mismatch(model: ExportDescription, guide: ExportDescription) -> tuple[
         ("model.input_size", model.model["input_size"], guide.model["input_size"]),
         ("num_classes", model.num_classes, guide.num_classes),
         ("latent_scale", model.latent_scale, guide.latent_scale),
+        ("latent_mean", model.latent_mean, guide.latent_mean),
+        ("latent_std", model.latent_std, guide.latent_std),
     ]
     return next(((name, ours, theirs) for name, ours, theirs in properties if ours != theirs), None)

@@ -38,7 +38,7 @@ from torch import nn
 from commands import CommandParser, UserError, run_command
 from dit_vca.attention import MultiHeadSelfAttention
 from dit_vca.diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
-from dit_vca.models import MODEL_SIZES, DiT, build_model_from_config, create_model
+from dit_vca.models import MODEL_SIZES, RECIPES, DiT, build_model_from_config, create_model
 from samplers.multistep import SCHEDULERS
 
 if TYPE_CHECKING:
@@ -142,7 +142,14 @@ def _check_convertible(model: DiT) -> None:
             "only the MHSA baseline can be converted to diffusers: DiTTransformer2DModel has no "
             "Visual-Contrast Attention (this model was built with attention='vca')"
         )
-    name = getattr(model, "config", {}).get("name", "DiT-")
+    config = getattr(model, "config", {})
+    changed = {key: config[key] for key, value in RECIPES["dit"].items() if config.get(key, value) != value}
+    if changed:
+        raise ConversionError(
+            f"block options {changed} cannot be converted: DiTTransformer2DModel has LayerNorm blocks, a GELU MLP "
+            f"and neither QK-norm nor RoPE"
+        )
+    name = config.get("name", "DiT-")
     if not name.startswith("DiT-"):
         raise ConversionError(
             f"{name} is a SiT (velocity) model; diffusers' DiT pipeline expects an epsilon (DDPM) model"

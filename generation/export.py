@@ -25,11 +25,12 @@ from atomic_files import atomic_output, write_json_atomic
 from commands import UserError
 from dit_vca.models import current_model_config
 from generation.run_layout import CHECKPOINT_PATTERN, CHECKPOINTS_FOLDER
+from generation.vae import LatentNormalization
 
 EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
-FORMAT_VERSION = 3  # 3: vae_path; 2 is read as 3 without it
+FORMAT_VERSION = 4  # 4: latent_mean, latent_std, class_names; 3: vae_path; 2 and 3 are read as 4 without what they lack
 SPACES = ("pixels", "latents")
 
 
@@ -75,19 +76,35 @@ class ExportDescription:
     vae: str | None = None  # latents only
     vae_path: str | None = None  # latents only, where the VAE was a local folder
     latent_scale: float | None = None  # latents only
+    latent_mean: list[float] | None = None  # latents only, per channel, where the latents were normalised by their
+    latent_std: list[float] | None = None  # statistics (generation.vae.LatentNormalization); None: scale only
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
     posthoc_ema: dict[str, Any] | None = None  # a post-hoc EMA reconstruction's sigma_rel, step and snapshots
+    class_names: list[str] | None = None  # of the training data's classes, where it had names (an image folder's)
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:
             raise ValueError(f"export space must be one of {SPACES}, got {self.space!r}")
         if self.space == "latents" and (self.vae is None or self.latent_scale is None):
             raise ValueError("an export in latent space needs vae and latent_scale")
+        if self.latent_mean is not None or self.latent_std is not None:
+            channels = self.latent_normalization.channels  # checks that both are given, of one length
+            if self.space != "latents" or channels != self.channels:
+                raise ValueError(
+                    f"latent_mean and latent_std ({channels} channels) need space 'latents' and one value per "
+                    f"channel of the model ({self.channels})"
+                )
 
     @property
     def in_pixel_space(self) -> bool:
         return self.space == "pixels"
+
+    @property
+    def latent_normalization(self) -> LatentNormalization:
+        """The map from VAE latents to the model's inputs (latent space only)."""
+        statistics = None if self.latent_mean is None else (tuple(self.latent_mean), tuple(self.latent_std))
+        return LatentNormalization(self.latent_scale, *(statistics or ()))
 
     @property
     def channels(self) -> int:
@@ -117,7 +134,7 @@ class ExportDescription:
                 latent_scale=data.get("latent_scale"),
                 model=current_model_config(values["model"]),
             )
-        elif version not in (2, FORMAT_VERSION):
+        elif version not in (2, 3, FORMAT_VERSION):
             raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)
 
@@ -146,6 +163,8 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
         ]
         if not description.in_pixel_space:
             facts.append(f"- Latent scale: {description.latent_scale:g}")
+            if description.latent_mean is not None:
+                facts.append("- Latents normalised per channel by the mean and std in config.json")
         if description.train_step is not None:
             facts.append(f"- EMA weights after {description.train_step:,} optimiser steps")
         if description.source is not None:

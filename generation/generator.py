@@ -62,7 +62,8 @@ def pixel_decoder(description: ExportDescription, vae: nn.Module | None) -> Deco
         raise ValueError("a model in latent space needs its VAE to be decoded")
     from generation.vae import decode_latents
 
-    return lambda z: decode_latents(vae, z, description.latent_scale)
+    normalization = description.latent_normalization
+    return lambda z: decode_latents(vae, z, normalization)
 
 
 class ImageGenerator:
@@ -70,11 +71,17 @@ class ImageGenerator:
 
     `precision` "bf16" runs the model and decoder under bf16 autocast ("tf32" is a process-wide switch, see
     `set_matmul_precision`). `model_evaluations` counts the sampler's calls of the (guided) model, summed over
-    `generate` calls.
+    `generate` calls. `class_names`: the classes' names where the training data had them (for grids), else None.
     """
 
     def __init__(
-        self, model: DiT, objective: Objective, decode: Decoder, num_classes: int, precision: str = "fp32"
+        self,
+        model: DiT,
+        objective: Objective,
+        decode: Decoder,
+        num_classes: int,
+        precision: str = "fp32",
+        class_names: list[str] | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
@@ -83,6 +90,7 @@ class ImageGenerator:
         self.decode = decode
         self.num_classes = num_classes
         self.precision = precision
+        self.class_names = class_names
         self.model_evaluations = 0
 
     @classmethod
@@ -94,19 +102,22 @@ class ImageGenerator:
         precision: str = "fp32",
         compile: bool = False,
         vca_kernel: str = "auto",
+        vae_option: str = "ImageGenerator.from_export(vae)",
     ) -> ImageGenerator:
         """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
         `compile` wraps the model in torch.compile (compiled on the first batch); `vca_kernel` ("auto", "aten",
-        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel)."""
+        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel). A VAE that cannot be
+        loaded names `vae_option` as the way to give another: this method's `vae` argument, or the option of the
+        command that calls it (sample.py: "--vae")."""
         description = export.description
         autoencoder = None
         if not description.in_pixel_space:
             from generation.vae import latent_downsampling, load_vae  # diffusers is slow to import: latents only
 
             autoencoder = (  # before the model: fails fast offline
-                load_vae(vae, device, option="--vae")
+                load_vae(vae, device, option=vae_option)
                 if vae is not None
-                else load_vae(description.vae, device, hint=description.vae_path, option="--vae")
+                else load_vae(description.vae, device, hint=description.vae_path, option=vae_option)
             )
             latent_side = description.model["input_size"]
             decoded = latent_side * latent_downsampling(autoencoder.config)
@@ -114,7 +125,7 @@ class ImageGenerator:
                 raise ExportError(
                     f"the VAE {vae or description.vae} decodes the model's {latent_side}x{latent_side} latents to "
                     f"{decoded} px images, but the export declares {description.image_size} px: use the VAE it "
-                    f"was trained with (sample.py --vae)"
+                    f"was trained with ({vae_option})"
                 )
         return cls(
             load_model(export, device, compile, vca_kernel),
@@ -122,6 +133,7 @@ class ImageGenerator:
             pixel_decoder(description, autoencoder),
             description.num_classes,
             precision,
+            description.class_names,
         )
 
     @property

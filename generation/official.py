@@ -21,7 +21,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,11 +235,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", help="architecture, e.g. DiT-XL/2 (default: read from the file name)")
     parser.add_argument("--image-size", type=int, help="image size in pixels (default: from the file name, else 256)")
     args = parser.parse_args(argv)
-    if args.out.exists():
-        raise SystemExit(f"--out {args.out} exists; choose a new folder")
-    export = official_export(args.ckpt, args.model, args.image_size)
-    write_export(args.out, export.weights, export.description)
-    print(f"wrote {args.out} ({export.description.model['name']}, {export.description.image_size} px)")
+    write_converted(args.out, lambda: official_export(args.ckpt, args.model, args.image_size))
+
+
+def write_converted(out: Path, convert: Callable[[], Export]) -> None:
+    """A converter command's last steps: refuse an existing `out` (before converting), convert, write the export
+    and say what was written."""
+    if out.exists():
+        raise SystemExit(f"--out {out} exists; choose a new folder")
+    export = convert()
+    write_export(out, export.weights, export.description)
+    print(f"wrote {out} ({export.description.model['name']}, {export.description.image_size} px)")
 
 
 def command() -> None:

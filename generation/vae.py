@@ -1,7 +1,9 @@
-"""The Stable-Diffusion autoencoder (diffusers `AutoencoderKL`): loading, encoding and decoding.
+"""The autoencoder (diffusers `AutoencoderKL`: the Stable-Diffusion VAEs, or any other latent channel count and
+downsampling, e.g. a 32-channel f16 one): loading, encoding and decoding.
 
-Latents seen by the model are `scale * z` with z drawn from the encoder's posterior; `scale` comes from the
-config (0.18215 for the SD VAEs), never from a constant here.
+Latents seen by the model are `scale * z` with z drawn from the encoder's posterior, or `scale * (z - mean) / std`
+per channel where the latents' statistics are used (`LatentNormalization`); `scale` comes from the config (0.18215
+for the SD VAEs), the statistics from the extracted latents (training.latents), never from a constant here.
 
 A VAE is named so that the name travels between folders and machines (generation.portable): by its hub id where
 one is known, also for a local folder (diffusers' `save_pretrained` keeps the id it was loaded from in the folder's
@@ -15,7 +17,8 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +42,44 @@ SD_VAE_ARCHITECTURE = dict(
     latent_channels=4,
     norm_num_groups=32,
 )
+
+
+@dataclass(frozen=True)
+class LatentNormalization:
+    """How VAE latents z (B, C, h, w) become what the model sees, x = scale · (z − mean_c) / std_c, and back.
+
+    Without statistics (mean and std None) it is the SD VAEs' x = scale · z. With them (LightningDiT's latent
+    normalisation, for autoencoders whose channels differ in offset and spread), every channel enters the model
+    centred and of similar spread; an export stores them, since sampling must invert the same map."""
+
+    scale: float
+    mean: tuple[float, ...] | None = None  # per channel
+    std: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mean is None) != (self.std is None) or (self.mean is not None and len(self.mean) != len(self.std)):
+            raise ValueError(f"latent mean {self.mean} and std {self.std} must both be given, one value per channel")
+
+    @property
+    def channels(self) -> int | None:
+        """The channel count the statistics are for, or None (any)."""
+        return None if self.mean is None else len(self.mean)
+
+    def _per_channel(self, values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)  # (C, 1, 1)
+
+    def to_model(self, z: torch.Tensor) -> torch.Tensor:
+        """Model-space latents of VAE latents: (..., C, h, w) -> (..., C, h, w)."""
+        if self.mean is not None:
+            z = (z - self._per_channel(self.mean, z)) / self._per_channel(self.std, z)
+        return self.scale * z
+
+    def from_model(self, x: torch.Tensor) -> torch.Tensor:
+        """VAE latents of model-space latents (..., C, h, w): the inverse of `to_model`."""
+        z = x / self.scale
+        if self.mean is not None:
+            z = z * self._per_channel(self.std, z) + self._per_channel(self.mean, z)
+        return z
 
 
 HUB_PROBE_SECONDS = 5.0  # one request to the hub's API before downloading (the downloads retry with back-off)
@@ -65,7 +106,8 @@ def load_vae(
     `hint` (a `PortableSource.path`) is loaded first when it exists and is the VAE `spec` names. A hub id is looked
     up in the local Hugging Face cache next; the network is only tried when the hub is not marked offline
     (HF_HUB_OFFLINE=1), and only once one request to the hub has answered, so offline runs fail at once, naming
-    the cause and `option`, the setting that chooses another VAE (vae.name for training, --vae for sampling).
+    the cause and `option`, the setting that chooses another VAE in the call that was made: vae.name for training,
+    --vae for sample.py, a function's argument such as "ImageGenerator.from_export(vae)" from Python (`_setting`).
     """
     spec = local_copy(spec, hint, _recorded_hub_id)
     folder = Path(spec).expanduser()
@@ -108,8 +150,14 @@ def _recorded_hub_id(folder: Path) -> str | None:
 
 
 def _setting(option: str, value: str) -> str:
-    """How a user sets `option` to `value`: `--vae VALUE` on a command line, `vae.name=VALUE` as an override."""
-    return f"{option} {value}" if option.startswith("--") else f"{option}={value}"
+    """How a user sets `option` to `value`: `--vae VALUE` on a command line, `vae.name=VALUE` as an override,
+    `ImageGenerator.from_export(vae='VALUE')` for the argument "ImageGenerator.from_export(vae)" of a Python call."""
+    if option.startswith("--"):
+        return f"{option} {value}"
+    if option.endswith(")"):
+        function, _, argument = option[:-1].partition("(")
+        return f"{function}({argument}={value!r})"
+    return f"{option}={value}"
 
 
 def latent_downsampling(vae_config: Mapping) -> int:
@@ -119,15 +167,16 @@ def latent_downsampling(vae_config: Mapping) -> int:
 
 @torch.no_grad()
 def encode_posterior(vae: AutoencoderKL, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and standard deviation of q(z | image) for images in [-1, 1]: (B, 3, H, W) -> 2 x (B, 4, H/8, W/8)."""
+    """Mean and standard deviation of q(z | image) for images in [-1, 1]: (B, 3, H, W) -> 2 x (B, C, H/f, W/f)
+    (C = vae.config.latent_channels, f = latent_downsampling)."""
     posterior = vae.encode(images).latent_dist
     return posterior.mean, posterior.std
 
 
 @torch.no_grad()
-def decode_latents(vae: AutoencoderKL, latents: torch.Tensor, scale: float) -> torch.Tensor:
-    """Images in [-1, 1] from model-space latents (B, 4, h, w) -> (B, 3, 8h, 8w)."""
-    return vae.decode(latents / scale).sample.clamp(-1, 1)
+def decode_latents(vae: AutoencoderKL, latents: torch.Tensor, normalization: LatentNormalization) -> torch.Tensor:
+    """Images in [-1, 1] from model-space latents (B, C, h, w) -> (B, 3, f·h, f·w)."""
+    return vae.decode(normalization.from_model(latents)).sample.clamp(-1, 1)
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -218,6 +267,6 @@ def _first_line(error: BaseException) -> str:
 
 
 @torch.no_grad()
-def sample_latents(vae: AutoencoderKL, images: torch.Tensor, scale: float) -> torch.Tensor:
-    """Model-space latents scale * z, z ~ q(z | image), for online encoding: (B, 3, H, W) -> (B, 4, H/8, W/8)."""
-    return scale * vae.encode(images).latent_dist.sample().float()
+def sample_latents(vae: AutoencoderKL, images: torch.Tensor, normalization: LatentNormalization) -> torch.Tensor:
+    """Model-space latents of z ~ q(z | image), for online encoding: (B, 3, H, W) -> (B, C, H/f, W/f)."""
+    return normalization.to_model(vae.encode(images).latent_dist.sample().float())

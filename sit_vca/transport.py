@@ -1,10 +1,12 @@
 """SiT's interpolant (transport) objective: x_t = alpha_t x_1 + sigma_t x_0 from noise x_0 (t = 0) to data x_1
 (t = 1) along the Linear, GVP or VP path; velocity, score or noise prediction; loss weights; conversions between
-the three predictions; and dispatch into the ODE/SDE samplers."""
+the three predictions; and dispatch into the ODE/SDE samplers. Training options of LightningDiT's recipe:
+logit-normal training times and the velocity-direction (cosine) loss."""
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dit_vca.losses import mean_flat
@@ -15,6 +17,7 @@ PREDICTIONS = ("velocity", "score", "noise")
 LOSS_WEIGHTS = (None, "velocity", "likelihood")
 DIFFUSION_FORMS = ("constant", "SBDM", "sigma", "linear", "decreasing", "increasing-decreasing")
 LAST_STEPS = ("Mean", "Tweedie", "Euler", None)
+TIME_DISTRIBUTIONS = ("uniform", "logit-normal")  # of the training times, on the training interval
 
 SDE_OPTIONS = ("diffusion_form", "diffusion_norm", "last_step", "last_step_size")
 SAMPLER_OPTIONS = {
@@ -155,6 +158,13 @@ PATHS = {"linear": LinearPath, "gvp": GVPPath, "vp": VPPath}
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def velocity_direction_loss(predicted: Tensor, target: Tensor) -> Tensor:
+    """LightningDiT's cosine loss (B,): 1 − cos(predicted, target) between the channel vectors of each latent pixel,
+    averaged over the pixels; it penalises a wrong direction of the velocity whatever its length. Inputs (B, C, ...).
+    """
+    return mean_flat(1 - F.cosine_similarity(predicted, target, dim=1))  # (B,)
+
+
 def _expand(t: Tensor, x: Tensor) -> Tensor:
     return t.view(-1, *([1] * (x.ndim - 1))).to(x.dtype)  # (B, 1, ..., 1)
 
@@ -165,12 +175,27 @@ class Transport:
     default_sampler = "dopri5"
     sampler_names = tuple(SAMPLER_OPTIONS)
 
-    def __init__(self, path: Path, prediction: str, loss_weight: str | None, train_eps: float, sample_eps: float):
+    def __init__(
+        self,
+        path: Path,
+        prediction: str,
+        loss_weight: str | None,
+        train_eps: float,
+        sample_eps: float,
+        time_distribution: str = "uniform",
+        logit_normal_location: float = 0.0,
+        logit_normal_scale: float = 1.0,
+        cosine_loss_weight: float = 0.0,
+    ):
         self.path = path
         self.prediction = prediction
         self.loss_weight = loss_weight
         self.train_eps = train_eps
         self.sample_eps = sample_eps
+        self.time_distribution = time_distribution
+        self.logit_normal_location = logit_normal_location
+        self.logit_normal_scale = logit_normal_scale
+        self.cosine_loss_weight = cosine_loss_weight
 
     # -- time intervals ---------------------------------------------------------------------------------------
 
@@ -206,20 +231,37 @@ class Transport:
 
     # -- training ----------------------------------------------------------------------------------------------
 
+    def training_times(self, batch: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """Training times (batch,) on the training interval [t0, t1]: uniform, or logit-normal, t0 + (t1 - t0) ·
+        sigmoid(m + s·z) with z ~ N(0, 1) (SD3's and LightningDiT's sampling, which concentrates the times in the
+        middle of the path; with t = 1 the data end here, m > 0 moves them towards the data, unlike SD3's m, whose
+        t is the noise level)."""
+        t0, t1 = self.interval(self.train_eps)
+        if self.time_distribution == "logit-normal":
+            z = torch.randn(batch, device=device, dtype=dtype)
+            unit = torch.sigmoid(self.logit_normal_location + self.logit_normal_scale * z)  # (B,)
+        else:
+            unit = torch.rand(batch, device=device, dtype=dtype)  # (B,)
+        return unit * (t1 - t0) + t0  # (B,)
+
     def training_losses(
         self, model: ModelFn, x1: Tensor, y: Tensor, t: Tensor | None = None, noise: Tensor | None = None
     ) -> dict[str, Tensor]:
-        """Per-sample loss (B,) for data x1: velocity models regress u_t; score and noise models regress
-        -x_0 / sigma_t and x_0 under the chosen loss weight. t defaults to uniform on the training interval."""
-        t0, t1 = self.interval(self.train_eps)
+        """Per-sample loss (B,) for data x1: velocity models regress u_t, plus `cosine_loss_weight` times the
+        velocity-direction loss (terms "mse" and "cosine" then come along); score and noise models regress
+        -x_0 / sigma_t and x_0 under the chosen loss weight. t defaults to `training_times`."""
         if t is None:
-            t = torch.rand(x1.shape[0], device=x1.device, dtype=x1.dtype) * (t1 - t0) + t0  # (B,)
+            t = self.training_times(x1.shape[0], x1.device, x1.dtype)  # (B,)
         x0 = torch.randn_like(x1) if noise is None else noise
         t_ = _expand(t, x1)
         x_t, u_t = self.path.interpolate(x0, x1, t_)
         output = self._prediction(model, x_t, t, y)  # (B, C, H, W)
         if self.prediction == "velocity":
-            return {"loss": mean_flat((output - u_t) ** 2)}
+            mse = mean_flat((output - u_t) ** 2)  # (B,)
+            if not self.cosine_loss_weight:
+                return {"loss": mse}
+            cosine = velocity_direction_loss(output, u_t)  # (B,)
+            return {"loss": mse + self.cosine_loss_weight * cosine, "mse": mse, "cosine": cosine}
         sigma_t = self.path.sigma(t_)[0]
         b_t = self.path.score_coefficient(t_)
         weight = {None: torch.ones_like(b_t), "velocity": (b_t / sigma_t) ** 2, "likelihood": b_t / sigma_t**2}[
@@ -385,9 +427,14 @@ def create_transport(
     loss_weight: str | None = None,
     train_eps: float | None = None,
     sample_eps: float | None = None,
+    time_distribution: str = "uniform",
+    logit_normal_location: float = 0.0,
+    logit_normal_scale: float = 1.0,
+    cosine_loss_weight: float = 0.0,
 ) -> Transport:
     """SiT's transport with its default epsilons: VP 1e-5 (train) / 1e-3 (sample); Linear or GVP with noise or
-    score prediction 1e-3 / 1e-3; Linear or GVP with velocity 0 / 0 (stable everywhere)."""
+    score prediction 1e-3 / 1e-3; Linear or GVP with velocity 0 / 0 (stable everywhere). The training options
+    (Transport.training_times, velocity_direction_loss) default to SiT's: uniform times, no cosine loss."""
     key = path.lower()
     if key not in PATHS:
         raise ValueError(f"unknown path {path!r}; expected one of {sorted(PATHS)} (case-insensitive)")
@@ -397,6 +444,12 @@ def create_transport(
         raise ValueError(f"unknown loss_weight {loss_weight!r}; expected one of {list(LOSS_WEIGHTS)}")
     if loss_weight is not None and prediction == "velocity":
         raise ValueError(f"loss_weight {loss_weight!r} applies to score or noise prediction, not velocity")
+    if time_distribution not in TIME_DISTRIBUTIONS:
+        raise ValueError(f"unknown time_distribution {time_distribution!r}; expected one of {list(TIME_DISTRIBUTIONS)}")
+    if not logit_normal_scale > 0:
+        raise ValueError(f"logit_normal_scale must be > 0, got {logit_normal_scale}")
+    if cosine_loss_weight < 0 or (cosine_loss_weight and prediction != "velocity"):
+        raise ValueError(f"cosine_loss_weight {cosine_loss_weight} needs to be >= 0 and prediction='velocity'")
     if key == "vp":
         default_train, default_sample = 1e-5, 1e-3
     elif prediction != "velocity":
@@ -409,4 +462,8 @@ def create_transport(
         loss_weight,
         default_train if train_eps is None else float(train_eps),
         default_sample if sample_eps is None else float(sample_eps),
+        time_distribution,
+        float(logit_normal_location),
+        float(logit_normal_scale),
+        float(cosine_loss_weight),
     )

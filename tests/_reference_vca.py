@@ -1,8 +1,9 @@
 """A slow, literal Visual-Contrast Attention written line by line from docs/VCA.md.
 
-One batch element and one head at a time, in float64, with adaptive average pooling, hand-written softmax and
-RMSNorm, and the two Stage-II softmaxes written out. It reads only the module's parameters and its documented
-switches, never its forward code, so it is an independent check of `VisualContrastAttention`.
+One batch element and one head at a time, in float64, in the notation and step numbers of docs/VCA.md, with
+adaptive average pooling, hand-written softmax and RMSNorm, and the two Stage-II softmaxes written out. It reads
+only the module's parameters and its documented switches, never its forward code, so it is an independent check
+of `VisualContrastAttention`.
 """
 
 import math
@@ -60,23 +61,23 @@ def reference_vca(module: VisualContrastAttention, x: Tensor, block_index: int) 
             t_neg = content + params["contrast_embed"][0, head, 1] if stages_differ else None
 
             # 4. Stage I
-            v_pos = softmax_rows(t_pos @ k.T / math.sqrt(d)) @ v  # (n, d)
+            r_pos = softmax_rows(t_pos @ k.T / math.sqrt(d)) @ v  # R⁺, (n, d)
             if options.stage1_differential:
-                v_neg = softmax_rows(t_neg @ k.T / math.sqrt(d)) @ v
-                v_hat = (1 - lam_init) * rms_norm(v_pos - lam("lambda1") * v_neg, params["norm1.weight"])
+                r_neg = softmax_rows(t_neg @ k.T / math.sqrt(d)) @ v
+                v_hat = (1 - lam_init) * rms_norm(r_pos - lam("lambda1") * r_neg, params["norm1.weight"])
             else:
-                v_hat = v_pos
+                v_hat = r_pos
 
             # 5. Stage II
             if options.stage2_differential:
                 if options.joint_softmax:
-                    s = softmax_rows(torch.cat([q @ t_pos.T, q @ t_neg.T], dim=1) / math.sqrt(d))  # (N, 2n)
-                    a = s[:, :n] - lam("lambda2") * s[:, n:]
+                    p_all = softmax_rows(torch.cat([q @ t_pos.T, q @ t_neg.T], dim=1) / math.sqrt(d))  # P, (N, 2n)
+                    w = p_all[:, :n] - lam("lambda2") * p_all[:, n:]  # W = P⁺ − λ₂P⁻
                 else:
-                    s_pos = softmax_rows(q @ t_pos.T / math.sqrt(d))  # (N, n)
-                    s_neg = softmax_rows(q @ t_neg.T / math.sqrt(d))
-                    a = s_pos - lam("lambda2") * s_neg
-                out[b, :, cols] = (1 - lam_init) * rms_norm(a @ v_hat, params["norm2.weight"])
+                    p_pos = softmax_rows(q @ t_pos.T / math.sqrt(d))  # P⁺, (N, n)
+                    p_neg = softmax_rows(q @ t_neg.T / math.sqrt(d))
+                    w = p_pos - lam("lambda2") * p_neg
+                out[b, :, cols] = (1 - lam_init) * rms_norm(w @ v_hat, params["norm2.weight"])  # Y
             else:
                 out[b, :, cols] = softmax_rows(q @ t_pos.T / math.sqrt(d)) @ v_hat
 

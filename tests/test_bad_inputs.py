@@ -192,6 +192,39 @@ CASES = [  # (id, command, arguments, text the one line must contain)
         [*ON_LATENTS, "data.latents={tmp}/images"],
         "data.latents={tmp}/images: {tmp}/images/manifest.json not found",
     ),
+    (
+        "latents-without-statistics",
+        "train",
+        [*ON_LATENTS, "data.latents={tmp}/latents-32", "vae.normalize=channels"],
+        "vae.normalize=channels, but {tmp}/latents-32/manifest.json has no per-channel statistics",
+    ),
+    (
+        "channel-statistics-of-images",
+        "train",
+        [*ON_IMAGES, "data.images={tmp}/images", "vae.normalize=channels"],
+        "'vae.normalize' is channels, but data.source=images: the per-channel statistics come from the extracted",
+    ),
+    # issue 41: LightningDiT's options that VCA's fused core does not apply yet, and ones that do not fit together
+    (
+        "vca-recipe-rope",
+        "train",
+        [*TRAIN, "model.recipe=lightning"],
+        "'model.rope' is on (by model.recipe=lightning), but VCA's fused core does not apply rope yet: set "
+        "model.rope=false or model.attention=mhsa",
+    ),
+    ("vca-qk-norm", "train", [*TRAIN, "model.qk_norm=true"], "'model.qk_norm' is on, but VCA's fused core"),
+    (
+        "rope-head-dim",
+        "train",
+        [*TRAIN, "model.attention=mhsa", "model.rope=true", "model.hidden_size=24", "model.num_heads=4"],
+        "'model.rope' needs a head dimension divisible by 4 (rows and columns of channel pairs); DiT-S/2 has 6",
+    ),
+    (
+        "cosine-loss-noise",
+        "train",
+        [*TRAIN, "model.name=SiT-S/2", "transport.prediction=noise", "transport.cosine_loss_weight=1"],
+        "'transport.cosine_loss_weight' is 1, but transport.prediction=noise: the velocity-direction loss needs",
+    ),
     ("latents-no-folders", "latents", ["--config", str(DIGITS)], "latent extraction needs data.images="),
     ("latents-bad-value", "latents", ["--config", str(DIGITS), "extract.batch_size=0"], "'extract.batch_size' is 0"),
     ("demo-num-samples", "demo", ["--out", "{tmp}/demo", "--num-samples", "0"], "--num-samples must be positive"),

@@ -7,9 +7,11 @@ import pytest
 from training.config import ConfigError, config_to_yaml, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+BASES = ("imagenet256.yaml", "lightning.yaml", "digits.yaml", "shapes.yaml")
 EXPERIMENTS = sorted(
-    path for path in CONFIGS.glob("*.yaml") if path.name not in ("imagenet256.yaml", "digits.yaml", "shapes.yaml")
+    path for path in CONFIGS.glob("*.yaml") if path.name not in BASES and not path.name.startswith("lightning-")
 )
+LIGHTNING = sorted(CONFIGS.glob("lightning-*.yaml"))
 
 
 def write(path: Path, text: str) -> Path:
@@ -66,6 +68,62 @@ def test_experiment_configs_share_the_paper_recipe(path):
     ) == {"base", "model"}
 
 
+@pytest.mark.parametrize("path", LIGHTNING, ids=lambda path: path.stem)
+def test_lightning_configs_carry_lightning_dits_published_recipe(path):
+    # hustvl/LightningDiT, configs/lightningdit_xl_vavae_f16d32.yaml (2725fed), read for these values.
+    config = load_config(path)
+    _, family, size_patch, attention = path.stem.split("-")
+    assert config.model.name.lower().replace("/", "").replace("-", "") == family + size_patch
+    assert (config.model.attention, config.model.recipe) == (attention, "lightning") == ("mhsa", "lightning")
+    assert config.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True)
+    train = config.train
+    assert (train.global_batch_size, train.lr, train.betas, train.weight_decay, train.max_steps) == (
+        1024,
+        2e-4,
+        [0.9, 0.95],
+        0.0,
+        80_000,
+    )
+    assert (train.ema_decay, train.warmup_steps, train.max_grad_norm) == (0.9999, 0, None)
+    transport = config.transport
+    assert (transport.path, transport.prediction, transport.time_distribution) == ("linear", "velocity", "logit-normal")
+    assert (transport.logit_normal_location, transport.logit_normal_scale, transport.cosine_loss_weight) == (0, 1, 1)
+    assert (config.vae.normalize, config.vae.scale) == ("channels", 1.0)  # latent_norm, latent_multiplier 1
+    assert {line.split(":")[0] for line in path.read_text().splitlines() if line and line[0] not in " #"} == {
+        "base",
+        "model",
+    }
+    families = {stem.split("-")[1] + "-" + stem.split("-")[2] for stem in (p.stem for p in LIGHTNING)}
+    assert families == {f"{family}-{size}2" for family in ("dit", "sit") for size in ("s", "b", "l", "xl")}
+
+
+def test_block_options_resolve_from_the_recipe_and_vca_refuses_what_its_core_lacks():
+    mhsa = CONFIGS / "lightning-sit-b2-mhsa.yaml"
+    assert load_config(mhsa, ["model.rope=false"]).model.block_options["rope"] is False  # a key beats the recipe
+    assert load_config(mhsa, ["model.recipe=dit", "model.mlp=swiglu"]).model.block_options == dict(
+        norm="layernorm", mlp="swiglu", qk_norm=False, rope=False
+    )
+    with pytest.raises(ConfigError, match=r"'model.rope' is on \(by model.recipe=lightning\), but VCA's fused core"):
+        load_config(mhsa, ["model.attention=vca"])
+    # RMSNorm and SwiGLU live outside the attention: VCA takes them
+    vca = load_config(mhsa, ["model.attention=vca", "model.rope=false"])
+    assert vca.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=False)
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_with_the_keys_default():
+    import yaml
+
+    from training.config import resume_conflict
+
+    config = load_config(CONFIGS / "digits.yaml")
+    saved = yaml.safe_load(config_to_yaml(config))
+    del saved["model"]["recipe"], saved["model"]["rope"], saved["transport"]["cosine_loss_weight"]
+    assert resume_conflict(config, yaml.safe_dump(saved)) is None
+    lightning = load_config(CONFIGS / "digits.yaml", ["model.recipe=lightning", "model.attention=mhsa"])
+    conflict = resume_conflict(lightning, yaml.safe_dump({**saved, "model": {**saved["model"], "attention": "mhsa"}}))
+    assert conflict == ("model.recipe", "dit", "lightning")
+
+
 def test_digits_config_matches_the_calibration():
     config = load_config(CONFIGS / "digits.yaml")
     assert (config.model.hidden_size, config.model.depth, config.model.num_heads) == (128, 4, 4)
@@ -116,7 +174,7 @@ def test_resolved_yaml_loads_back_to_the_same_config(tmp_path):
         (["train=3"], "'train' must be a section of keys"),
         (["model.attention=mha"], "'model.attention' is 'mha'; valid choices: vca, mhsa"),
         (["data.source=imagenet"], "valid choices: latents, images, digits, shapes"),
-        (["model.name=DiT-M/2"], "'model.name' is 'DiT-M/2'; valid choices: DiT-S/2, DiT-S/4"),
+        (["model.name=DiT-M/2"], "'model.name' is 'DiT-M/2'; valid choices: DiT-S/1, DiT-S/2, DiT-S/4"),
         (["train.lr"], "is not of the form section.key=value"),
     ],
 )

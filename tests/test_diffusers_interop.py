@@ -174,14 +174,18 @@ def test_dit_pipeline_follows_our_sampler_step_by_step(solver):
     torch.testing.assert_close(images, (decoded / 2 + 0.5).clamp(0, 1), rtol=1e-5, atol=1e-4)
 
 
-def test_vca_and_sit_models_are_refused():
+TINY_SIZES = dict(num_classes=NUM_CLASSES, depth=1, hidden_size=32, num_heads=2)
+
+
+def test_vca_sit_and_lightning_models_are_refused():
     with pytest.raises(ConversionError, match="only the MHSA baseline.*attention='vca'"):
         to_diffusers(tiny_dit(attention="vca"))
-    sit = create_sit_model(
-        "SiT-S/2", attention="mhsa", input_size=8, num_classes=NUM_CLASSES, depth=1, hidden_size=32, num_heads=2
-    )
+    sit = create_sit_model("SiT-S/2", attention="mhsa", input_size=8, **TINY_SIZES)
     with pytest.raises(ConversionError, match="SiT"):
         to_diffusers(sit)
+    # LightningDiT's block options have no place in diffusers' DiT block
+    with pytest.raises(ConversionError, match="block options {'norm': 'rmsnorm'} cannot be converted"):
+        to_diffusers(create_model("DiT-S/2", attention="mhsa", input_size=8, **TINY_SIZES, norm="rmsnorm"))
 
 
 def test_untied_embedders_cannot_go_back():

@@ -74,8 +74,10 @@ def test_description_round_trips_through_json(tmp_path):
     description = pixel_description(model, train_step=11)
     write_export(tmp_path, model.state_dict(), description)
     stored = json.loads((tmp_path / "config.json").read_text())
-    assert stored["format"] == 3 and stored["space"] == "pixels"
+    assert stored["format"] == 4 and stored["space"] == "pixels"
     assert read_export(tmp_path).description == description
+    del stored["latent_mean"], stored["latent_std"], stored["class_names"]  # format 3: written before these
+    assert ExportDescription.from_json({**stored, "format": 3}) == description
     del stored["vae_path"]  # format 2, written before the VAE's local folder was recorded: read the same
     assert ExportDescription.from_json({**stored, "format": 2}) == description
 

@@ -1,5 +1,8 @@
-"""VAE loading and latent extraction: local folders, offline errors, shards that survive kill -9."""
+"""VAE loading and latent extraction: local folders, offline errors, shards that survive kill -9, latent spaces of
+other channel counts with per-channel statistics."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -17,7 +20,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 from safetensors.torch import load_file
 
-from generation.vae import VAEUnavailableError, encode_posterior, load_vae
+from generation.vae import LatentNormalization, VAEUnavailableError, encode_posterior, load_vae
 from training.config import load_config
 from training.data import CorruptImageError, LatentShardDataset
 from training.latents import extract_latents, plan_shards, shard_name
@@ -31,6 +34,14 @@ TINY_VAE = dict(
     layers_per_block=1,
     latent_channels=4,
     norm_num_groups=8,
+)
+
+# A 32-channel autoencoder with 16x downsampling (five resolutions), as VA-VAE's f16d32 latent space.
+F16_VAE = dict(
+    down_block_types=("DownEncoderBlock2D",) * 5,
+    up_block_types=("UpDecoderBlock2D",) * 5,
+    block_out_channels=(8,) * 5,
+    latent_channels=32,
 )
 
 
@@ -403,3 +414,69 @@ def test_a_rerun_says_how_many_finished_shards_it_kept(tmp_path, vae_folder, sin
     assert f"{out}: kept 2 of 3 finished shards, encoding the other 1" in capsys.readouterr().out
     extract_latents(config, single_process)
     assert f"{out}: kept 3 of 3 finished shards, encoding the other 0" in capsys.readouterr().out
+
+
+def test_latent_normalization_is_the_per_channel_affine_map_and_its_inverse():
+    z = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    plain = LatentNormalization(0.5)
+    assert torch.equal(plain.to_model(z), 0.5 * z) and torch.equal(plain.from_model(z), z / 0.5)  # SD: scale only
+    normalization = LatentNormalization(2.0, (0.1, -1.0, 3.0), (0.5, 2.0, 4.0))
+    mean = torch.tensor([0.1, -1.0, 3.0], dtype=torch.float64).view(3, 1, 1)
+    std = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64).view(3, 1, 1)
+    torch.testing.assert_close(normalization.to_model(z), 2.0 * (z - mean) / std, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(normalization.from_model(normalization.to_model(z)), z, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(normalization.to_model(z[0]), normalization.to_model(z)[0])  # one latent (C, h, w)
+    with pytest.raises(ValueError, match="one value per channel"):
+        LatentNormalization(1.0, (0.0, 0.0), (1.0,))
+
+
+@pytest.mark.slow
+def test_a_32_channel_f16_autoencoder_trains_with_its_latent_statistics_saved_in_the_export(tmp_path, single_process):
+    """Another latent space through diffusers' AutoencoderKL: 32 channels, 16x downsampling (five resolutions),
+    latents normalised per channel by the statistics the extraction measured, which the export carries; SiT on the
+    lightning recipe (MHSA) with logit-normal times and the cosine loss on top."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from generation import ImageGenerator, load_export
+    from generation.autoguide import guide_mismatch
+    from training.data import read_manifest
+
+    torch.manual_seed(0)
+    AutoencoderKL(**{**TINY_VAE, **F16_VAE}).save_pretrained(tmp_path / "f16d32")
+    images = make_images(tmp_path / "images", per_class=3, size=64)
+    config = extraction_config(tmp_path, images, tmp_path / "latents", tmp_path / "f16d32", image_size=64)
+    out = extract_latents(load_config(config), single_process)
+    manifest = read_manifest(out)
+    assert (manifest["latent_channels"], manifest["latent_size"]) == (32, 4)
+    # The statistics of z = mean + std·eps over every stored latent (mirrors included), from the law of total
+    # variance in numpy: E[z] = E[mean], Var[z] = E[std²] + Var[mean].
+    shards = [load_file(out / shard_name(k)) for k in range(2)]
+    means = torch.cat([s["mean"] for s in shards]).double().numpy()  # (6, 2, 32, 4, 4)
+    stds = torch.cat([s["std"] for s in shards]).double().numpy()
+    expected_mean = means.mean(axis=(0, 1, 3, 4))
+    expected_std = np.sqrt((stds**2).mean(axis=(0, 1, 3, 4)) + means.var(axis=(0, 1, 3, 4)))
+    np.testing.assert_allclose(manifest["latent_mean"], expected_mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(manifest["latent_std"], expected_std, rtol=1e-12, atol=1e-12)
+
+    run = tmp_path / "run"
+    arguments = ["--config", str(config), "data.source=latents", "model.name=SiT-S/2", "model.attention=mhsa"]
+    arguments += ["model.recipe=lightning", "model.depth=1", "model.hidden_size=32", "model.num_heads=2"]
+    arguments += ["vae.scale=1.0", "vae.normalize=channels", "transport.time_distribution=logit-normal"]
+    arguments += ["transport.cosine_loss_weight=1.0", "train.max_steps=2", "log.trackers=[]", f"run.dir={run}"]
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    PartialState._reset_state()
+    try:
+        train_script.main(arguments)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    export = load_export(run)
+    description = export.description
+    assert (description.channels, description.image_size, description.model["rope"]) == (32, 64, True)
+    assert (description.latent_mean, description.latent_std) == (manifest["latent_mean"], manifest["latent_std"])
+    other = dataclasses.replace(description, latent_mean=[0.0] * 32)
+    assert guide_mismatch(description, other)[0] == "latent_mean"  # a guide must share the latent space
+    images = ImageGenerator.from_export(export).generate([0, 1], [0, 1], sampler="euler", steps=2)
+    assert images.shape == (2, 64, 64, 3)

@@ -86,7 +86,7 @@ def test_dit_s2_forward_flops():
 
 
 def test_names_and_defaults():
-    assert len(model_names("DiT")) == 12 and "DiT-XL/8" in model_names("DiT")
+    assert len(model_names("DiT")) == 16 and {"DiT-S/1", "DiT-XL/8"} <= set(model_names("DiT"))  # patch 1, 2, 4, 8
     with torch.device("meta"):
         dit = dit_vca.create_model("DiT-B/4")
         sit = sit_vca.create_model("SiT-B/4")

@@ -25,7 +25,7 @@ from generation.sample_file import (
     DamagedShardError,
     SampleFiles,
     SampleFilesError,
-    leading_images,
+    images_at,
     merge_shards,
     plan_shards,
     shard_reader,
@@ -138,7 +138,7 @@ def test_merge_shards_writes_a_standard_npz(tmp_path):
         assert merged["arr_0"].dtype == np.uint8 and merged["arr_1"].dtype == np.int64
         np.testing.assert_array_equal(merged["arr_0"], images)
         np.testing.assert_array_equal(merged["arr_1"], labels)
-    np.testing.assert_array_equal(leading_images(shards, images_of, 12), images[:12])
+    np.testing.assert_array_equal(images_at(shards, images_of, [0, 7, 22, 3]), images[[0, 7, 22, 3]])
     assert not list(tmp_path.glob(".*tmp*"))
 
 
@@ -237,7 +237,7 @@ def reference(export, tmp_path_factory) -> dict[str, np.ndarray]:
         return {"out": out, **{key: data[key] for key in data.files}}
 
 
-def test_output_layout(reference):
+def test_output_layout(reference, export):
     out = reference["out"]
     assert sorted(key for key in reference if key != "out") == ["arr_0", "arr_1"]
     images, labels = reference["arr_0"], reference["arr_1"]
@@ -250,7 +250,14 @@ def test_output_layout(reference):
     assert not SampleFiles(out).shards.exists() and not list(out.parent.glob(".*tmp*"))
     from PIL import Image
 
-    assert Image.open(out.with_suffix(".png")).size == (3 * 66 + 2, 3 * 66 + 2)  # 3x3 tiles of 64 + padding
+    from generation.images import class_grid_indices, save_class_grid
+
+    rows = class_grid_indices(labels, 9)  # --grid-size 9 of 4 classes: 3 rows (classes 0, 1, 2) of 3 samples
+    assert [(label, indices.tolist()) for label, indices in rows] == [(0, [0, 4, 8]), (1, [1, 5, 9]), (2, [2, 6, 10])]
+    expected = out.parent / "expected-grid.png"
+    title = f"{export}: guidance 2, {SAMPLING[1]}, {SAMPLING[3]} steps"
+    save_class_grid([(label, images[indices]) for label, indices in rows], expected, title)
+    assert np.array_equal(np.asarray(Image.open(out.with_suffix(".png"))), np.asarray(Image.open(expected)))
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["new_images"] == 16 and summary["images_per_process"] == [16]
     assert summary["settings"]["guidance"] == 2.0 and summary["precision"] == "fp32"  # the CPU default
@@ -447,7 +454,7 @@ def test_official_checkpoint_needs_a_valid_model_name(tmp_path):
     out = tmp_path / "s.npz"
     with pytest.raises(SystemExit, match="my-model.pt: name its architecture with --model"):
         sample.main(["--ckpt", str(checkpoint), "--out", str(out), "--num-samples", "4"])
-    with pytest.raises(SystemExit, match="--model 'DiT-XXL/2': expected one of DiT-S/2, "):
+    with pytest.raises(SystemExit, match="--model 'DiT-XXL/2': expected one of DiT-S/1, DiT-S/2, "):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-XXL/2", "--out", str(out), "--num-samples", "4"])
     with pytest.raises(SystemExit, match="my-model.pt has no final_layer.linear.weight"):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-S/2", "--out", str(out), "--num-samples", "4"])

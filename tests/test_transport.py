@@ -1,14 +1,18 @@
 """SiT's transport objective: paths, conversions between predictions, epsilons and losses against closed forms
-(SiT's published path formulas with autograd derivatives, and the optimal predictors for Gaussian data)."""
+(SiT's published path formulas with autograd derivatives, and the optimal predictors for Gaussian data), and
+LightningDiT's training options: logit-normal times against the closed-form law (scipy), the cosine loss."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from scipy.integrate import quad
+from scipy.stats import kstest, norm
 
 from _gaussian import MU, SHAPE, interpolant_optimal_model, path_coefficients
 from sit_vca import Transport, create_transport
-from sit_vca.transport import GVPPath, LinearPath, VPPath
+from sit_vca.transport import GVPPath, LinearPath, VPPath, velocity_direction_loss
 
 PATHS = ["linear", "gvp", "vp"]
 # Interior times; the end points are checked separately where a formula is finite there.
@@ -178,3 +182,98 @@ def test_learn_sigma_outputs_drop_the_extra_channels():
     loss_a = transport.training_losses(with_sigma, x1, None, t=TIMES[:3], noise=torch.zeros_like(x1))["loss"]
     loss_b = transport.training_losses(lambda *a: prediction, x1, None, t=TIMES[:3], noise=torch.zeros_like(x1))["loss"]
     torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+
+
+# -- LightningDiT's training options: logit-normal times and the velocity-direction loss ---------------------------
+
+
+def unit_times(transport: Transport, count: int) -> torch.Tensor:
+    """`count` training times of `transport`, mapped from its training interval onto [0, 1], in float64."""
+    t = transport.training_times(count, torch.device("cpu"), torch.float64)
+    t0, t1 = transport.interval(transport.train_eps)
+    return (t - t0) / (t1 - t0)
+
+
+def logit_normal_cdf(u, location: float, scale: float):
+    """P(U <= u) for U = sigmoid(location + scale·Z), Z ~ N(0, 1): Φ((logit u − location) / scale)."""
+    return norm.cdf((np.log(u) - np.log1p(-u) - location) / scale)
+
+
+def logit_normal_density(u: float, location: float, scale: float) -> float:
+    """d/du of `logit_normal_cdf`: φ((logit u − m) / s) / (s · u · (1 − u))."""
+    return norm.pdf((math.log(u / (1 - u)) - location) / scale) / (scale * u * (1 - u))
+
+
+@pytest.mark.parametrize("path, location, scale", [("linear", 0.0, 1.0), ("linear", 0.8, 0.5), ("vp", -1.0, 1.6)])
+def test_logit_normal_training_times_follow_the_closed_form_law(path, location, scale):
+    transport = create_transport(
+        path, time_distribution="logit-normal", logit_normal_location=location, logit_normal_scale=scale
+    )
+    torch.manual_seed(0)
+    u = unit_times(transport, 20_000).numpy()
+    assert 0 < u.min() and u.max() < 1
+    # Kolmogorov-Smirnov against the closed-form CDF: with the seed fixed the p-value is a fixed number; a wrong
+    # location, scale or direction (t = 1 is data) gives p ~ 0 at 20 000 draws.
+    assert kstest(u, lambda v: logit_normal_cdf(v, location, scale)).pvalue > 0.01
+    # The first two moments against the density integrated by quadrature, within 4 standard errors.
+    mean = quad(lambda v: v * logit_normal_density(v, location, scale), 0, 1)[0]
+    second = quad(lambda v: v * v * logit_normal_density(v, location, scale), 0, 1)[0]
+    standard_error = math.sqrt((second - mean**2) / len(u))
+    assert abs(u.mean() - mean) < 4 * standard_error
+    assert abs((u**2).mean() - second) < 4 * math.sqrt(((u**4).mean() - second**2) / len(u))
+
+
+def test_uniform_times_are_the_default_and_fail_the_logit_normal_law():
+    transport = create_transport("linear")
+    torch.manual_seed(0)
+    u = unit_times(transport, 20_000).numpy()
+    assert kstest(u, "uniform").pvalue > 0.01
+    assert kstest(u, lambda v: logit_normal_cdf(v, 0.0, 1.0)).pvalue < 1e-6  # the KS test above can fail
+
+
+def test_uniform_times_draw_the_same_numbers_as_before():
+    # Runs resumed across this change keep their random stream: uniform times are still one torch.rand call.
+    transport = create_transport("linear")
+    torch.manual_seed(3)
+    expected = torch.rand(7, dtype=torch.float64)
+    torch.manual_seed(3)
+    torch.testing.assert_close(
+        transport.training_times(7, torch.device("cpu"), torch.float64), expected, rtol=0, atol=0
+    )
+
+
+def test_velocity_direction_loss_is_one_minus_the_cosine_over_channels_per_pixel():
+    predicted, target = torch.randn(3, 4, 5, 6, dtype=torch.float64), torch.randn(3, 4, 5, 6, dtype=torch.float64)
+    p, u = predicted.numpy(), target.numpy()
+    cosine = (p * u).sum(1) / (np.linalg.norm(p, axis=1) * np.linalg.norm(u, axis=1))  # (3, 5, 6): one per pixel
+    expected = torch.from_numpy((1 - cosine).mean(axis=(1, 2)))
+    torch.testing.assert_close(velocity_direction_loss(predicted, target), expected, rtol=1e-12, atol=1e-12)
+    # The direction only: any positive length gives the same loss; the opposite direction gives 2, the same 0.
+    torch.testing.assert_close(velocity_direction_loss(2.5 * predicted, target), expected, rtol=1e-12, atol=1e-12)
+    assert velocity_direction_loss(-target, target).tolist() == pytest.approx([2.0] * 3)
+    assert velocity_direction_loss(3 * target, target).tolist() == pytest.approx([0.0] * 3, abs=1e-12)
+
+
+def test_training_loss_adds_the_weighted_direction_loss_to_the_velocity_mse():
+    transport = create_transport("linear", cosine_loss_weight=0.7)
+    x1 = torch.randn(25, *SHAPE, dtype=torch.float64)
+    noise, output = torch.randn_like(x1), torch.randn_like(x1)
+    terms = transport.training_losses(lambda x_t, t, y: output, x1, None, t=TIMES, noise=noise)
+    target = x1 - noise  # Linear path: u = x1 - x0
+    mse = ((output - target) ** 2).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(terms["mse"], mse, rtol=RTOL, atol=0)
+    torch.testing.assert_close(terms["cosine"], velocity_direction_loss(output, target), rtol=RTOL, atol=0)
+    torch.testing.assert_close(terms["loss"], mse + 0.7 * terms["cosine"], rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"time_distribution": "beta"}, "unknown time_distribution"),
+        ({"time_distribution": "logit-normal", "logit_normal_scale": 0.0}, "logit_normal_scale must be > 0"),
+        ({"prediction": "noise", "cosine_loss_weight": 1.0}, "prediction='velocity'"),
+    ],
+)
+def test_bad_training_options_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        create_transport(**kwargs)

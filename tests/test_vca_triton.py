@@ -8,13 +8,21 @@ they still cross every tile boundary of the interpreter's block sizes (16: sever
 tiles, the last one partial) and the padding of head dimensions that are not powers of two.
 """
 
+import dataclasses
+import importlib.util
 import itertools
+import math
+import sys
+import warnings
 from collections import Counter
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
+from dit_vca import vca_triton
 from dit_vca.attention import VCAOptions, VisualContrastAttention
 from dit_vca.vca_core import KernelLayout
 from test_attention import outputs_and_gradients, perturbed_vca, switch_ids
@@ -185,11 +193,12 @@ def test_triton_layer_dispatches_a_small_constant_number_of_aten_ops():
         counts[kernel, grid] = aten_compute_ops(module, torch.randn(batch, grid * grid, 32, device=DEVICE))
     (small, small_core), (large, large_core) = counts["triton", 4], counts["triton", 6]
     assert small == large and small_core == large_core, (small, large)
-    # Measured (CPU, torch 2.14): 51 for the whole layer, 26 of them the two λ scalars and their backward
-    # (outside the core) and the test's sum and its gradient; 18 inside the core's two operators: the qkv GEMM
+    # Measured (CPU, torch 2.14): 48 for the whole layer, 26 of them the two λ scalars and their backward
+    # (outside the core) and the test's sum and its gradient; 16 inside the core's two operators: the qkv GEMM
     # and its bias, the value image, the convolution; the convolution's backward and its bias's sum, the qkv
-    # backward's two GEMMs and bias sum, five zero-filled float32 accumulators of the kernels' atomic sums and
-    # the conv weight's gradient laid out as the weight. ATen's path: 156 (119 inside the core).
+    # backward's two GEMMs and bias sum, five zero-filled float32 accumulators of the kernels' atomic sums (λ₁,
+    # λ₂, two norm weights, the gradients of T± and V̂) and the conv weight's gradient laid out as the weight.
+    # ATen's path: 155 (123 inside the core).
     assert sum(small.values()) <= 52 and small_core <= 18, (small, small_core)
     aten, aten_core = counts["aten", 4]
     assert sum(aten.values()) >= 3 * sum(small.values()) - 10 and aten_core >= 5 * small_core, (aten, aten_core)
@@ -219,3 +228,120 @@ def test_triton_core_counts_the_products_it_runs():
             assert (
                 core_multiply_adds(vca, torch.empty(1, tokens, dim)) == products * n * tokens * dim + 9 * tokens * dim
             )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tile products: the backward's multiply-adds against the forward's, counted from the launches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def triton_layout(heads: int, grid: int, options: VCAOptions) -> KernelLayout:
+    """The core's layout for a layer of `heads` heads on grid×grid tokens, on the Triton path."""
+    p = grid // 2 if options.contrast_grid is None else options.contrast_grid
+    switches = (options.joint_softmax, options.stage1_differential, options.stage2_differential, options.pooled_content)
+    return KernelLayout(heads, grid, p, *switches, 0.2, 1e-5, recompute_qkv=False, stage2_sdpa=False, triton=True)
+
+
+def products_by_kernel(run) -> Counter:
+    """Multiply-adds of every tl.dot that Triton's interpreter executes during `run()`, by kernel: each call of
+    the interpreter's dot, (M, K) @ (K, N) tiles, counts M·K·N for the innermost `*_kernel` function on the
+    Python stack (the kernels call tl.dot through helpers)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    counts, dot = Counter(), InterpreterBuilder.create_dot
+
+    def counting_dot(self, a, b, *args):
+        frame = sys._getframe(1)
+        while not frame.f_code.co_name.endswith("_kernel"):
+            frame = frame.f_back
+        (m, k), n = a.data.shape, b.data.shape[1]
+        counts[frame.f_code.co_name] += m * k * n
+        return dot(self, a, b, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(InterpreterBuilder, "create_dot", counting_dot)
+        run()
+    return counts
+
+
+def compiled_block_choices() -> dict[str, list[dict]]:
+    """Each autotuned kernel's GPU configurations (block sizes), as the module declares them when not interpreted:
+    a second copy of dit_vca/vca_triton.py loaded with TRITON_INTERPRET=0 (it defines its kernels; nothing
+    compiles)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        spec = importlib.util.spec_from_file_location("vca_triton_compiled", vca_triton.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return {name: [dict(c.kwargs) for c in configs] for name, configs in module._AUTOTUNED.items()}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [VCAOptions(3), VCAOptions(3, joint_softmax=False, stage1_differential=False, pooled_content=False)],
+    ids=switch_ids,
+)
+def test_tile_products_count_what_the_kernels_run(options):
+    """vca_triton.tile_products (grid × loop trips × products per trip) against every tl.dot the interpreter runs
+    in one forward + backward: N = 36 tokens and n = 9 contrast tokens in tiles of 16 (partial tiles padded), d =
+    40 in pieces of 32 + 16; one softmax with both stages differential, and two softmaxes with Stage I plain."""
+    module = perturbed_vca(80, 2, 6, block_index=3, options=options)
+    module.kernel = "triton"
+    x = torch.randn(1, 36, 80, requires_grad=True)
+    counted = products_by_kernel(lambda: module(x).sum().backward())
+    assert counted == vca_triton.tile_products(1, 36, 80, triton_layout(2, 6, options)), counted
+
+
+def test_backward_runs_at_most_three_times_the_forwards_products():
+    """Issue 37's goal for DiT-XL/2's width (C = 1152, 16 heads, d = 72 in 64 + 16 columns) and for d = 64, at
+    N = 256 and 16384 tokens, n = 64 contrast tokens, every switch combination and every GPU configuration of
+    each kernel: the backward's tile products ≤ 3× the forward's. Default switches: 18 against 7 per n·N·d'."""
+    choices = compiled_block_choices()
+    combinations = [dict(zip(choices, blocks)) for blocks in itertools.product(*choices.values())]
+    ratios = []
+    for (C, heads), N, options in itertools.product(((1152, 16), (1024, 16)), (256, 16384), ALL_OPTIONS):
+        layout = triton_layout(heads, math.isqrt(N), dataclasses.replace(options, contrast_grid=8))
+        for blocks in combinations:
+            products = vca_triton.tile_products(1, N, C, layout, blocks)
+            forward = sum(count for kernel, count in products.items() if kernel.endswith("_forward_kernel"))
+            ratios.append(sum(products.values()) / forward - 1)
+    assert max(ratios) <= 3, max(ratios)
+    default = vca_triton.tile_products(1, 256, 1152, triton_layout(16, 16, VCAOptions(8)))
+    assert sum(default.values()) == 25 * 16 * 64 * 256 * 80  # 7 + 18 products of n·N·(64 + 16) per head
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 64-bit offsets
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _offsets_probe(out, g, N, h, width, d, length):
+    """Stores the kernels' offset helpers' results for head g (an argument: a launch of B·h programs is not
+    needed to see its arithmetic)."""
+    tl.store(out, vca_triton._head_start(g, length, d))
+    tl.store(out + 1, vca_triton._image_head_start(g, N, h, width, d))
+    tl.store(out + 2, g * length * d)  # the same product in the 32 bits of g, as the kernels had it
+
+
+def test_head_offsets_are_64_bit_past_two_to_the_31():
+    """The last head of DiT-XL/2 at N = 16384 tokens and B = 120 images: the offsets into head-major (G, N, d)
+    tensors (B·N·C = 2.26·10⁹ > 2³¹, from 114 images) and into the (B, N, 3C) gradient of the qkv projection
+    (6.8·10⁹; from 38 images) are exact; the same product in 32 bits wraps (the control: the interpreter shows
+    int32 overflow as the GPU has it)."""
+    B, h, N, d = 120, 16, 16384, 72
+    g = B * h - 1
+    out = torch.zeros(3, dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's overflow warning of the control
+        _offsets_probe[(1,)](out, g, N, h, 3 * h * d, d, N)
+    assert out[0] == g * N * d > 2**31 - 1
+    assert out[1] == (B - 1) * N * 3 * h * d + (h - 1) * d > 2**31
+    assert out[2] != g * N * d  # wrapped
+
+
+def test_an_image_past_two_to_the_31_elements_is_refused_in_one_line():
+    layout = triton_layout(16, 128, VCAOptions(8))  # N = 16384 tokens of C = 49152 channels: N·3C = 2.4·10⁹
+    heads = torch.empty(3, 1, 16, 2**14, 3 * 2**10, device="meta")
+    with pytest.raises(ValueError, match=r"^kernel='triton' takes at most 2\^31 - 1 elements per image"):
+        vca_triton.saved_like(heads, layout)

@@ -33,6 +33,8 @@ from training.repa import RepresentationAlignment, build_projector, check_encode
 if TYPE_CHECKING:  # diffusers is imported only where a VAE is loaded (generation.vae): pixel-space runs never need it
     from diffusers import AutoencoderKL
 
+    from training.preview import PreviewWeights
+
 
 @dataclass
 class TrainingParts:
@@ -45,11 +47,12 @@ class TrainingParts:
     scheduler: LambdaLR
     batches: ShardedBatches
     encoder: AutoencoderKL | None  # encodes images online (data.source=images); None otherwise
-    preview: ImageGenerator | None  # the EMA model, its objective and decoder: grids and FID (None: neither)
+    preview: ImageGenerator | None  # log.fid_weights' model, objective and decoder: grids and FID (None: neither)
     export: ExportDescription  # written with every checkpoint
     fid_extractor: Any  # Inception features for FID monitoring, or None
     alignment: RepresentationAlignment | None = None  # REPA (train.repa.encoder set); its projector is prepared
     posthoc_ema: PowerEMA | None = None  # power-function EMA profiles (train.posthoc_ema.sigma_rel set)
+    preview_weights: PreviewWeights | None = None  # what `preview` draws from (log.fid_weights), with `preview`
 
     @property
     def trained_modules(self) -> list[torch.nn.Module]:
@@ -90,6 +93,7 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
         class_dropout_prob=model.class_dropout_prob,
         learn_sigma=config.diffusion.learn_sigma if MODEL_FAMILIES[family].objective == "diffusion" else False,
         gradient_checkpointing=model.gradient_checkpointing,
+        **model.block_options,
     )
     if model.attention == "vca":
         arguments["vca"] = model.vca
@@ -117,12 +121,28 @@ def objective_spec(config: Config) -> dict[str, Any]:
         "loss_weight": transport.loss_weight,
         "train_eps": transport.train_eps,
         "sample_eps": transport.sample_eps,
+        "time_distribution": transport.time_distribution,
+        "logit_normal_location": transport.logit_normal_location,
+        "logit_normal_scale": transport.logit_normal_scale,
+        "cosine_loss_weight": transport.cosine_loss_weight,
     }
 
 
-def export_description(config: Config, model: DiT) -> ExportDescription:
-    """What sampling needs to rebuild the model and turn its outputs into images."""
+def class_names(dataset: Dataset) -> list[str] | None:
+    """The names of the classes where the data has them: an image folder's sub-folders (also through the manifest
+    of latents extracted from one); None for the built-in data."""
+    if isinstance(dataset, LatentShardDataset):
+        return list(dataset.manifest["classes"])
+    names = getattr(dataset, "classes", None)  # ImageFolderDataset
+    return list(names) if names is not None else None
+
+
+def export_description(config: Config, model: DiT, dataset: Dataset | None = None) -> ExportDescription:
+    """What sampling needs to rebuild the model and turn its outputs into images; the classes' names and the
+    latents' per-channel statistics (where vae.normalize=channels) come from `dataset`."""
     pixels = config.data.in_pixel_space
+    normalization = dataset.normalization if isinstance(dataset, LatentShardDataset) else None
+    mean, std = (normalization.mean, normalization.std) if normalization is not None else (None, None)
     return ExportDescription(
         model=dict(model.config),
         objective=objective_spec(config),
@@ -132,6 +152,9 @@ def export_description(config: Config, model: DiT) -> ExportDescription:
         vae=None if pixels else config.vae.name,
         vae_path=None if pixels else config.vae.path,
         latent_scale=None if pixels else config.vae.scale,
+        latent_mean=None if mean is None else list(mean),
+        latent_std=None if std is None else list(std),
+        class_names=None if dataset is None else class_names(dataset),
     )
 
 
@@ -159,7 +182,7 @@ def create_optimizer(
 def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     """Build and prepare every part. Data, VAE and FID reference come first, so that a missing file or an
     unavailable VAE or REPA encoder fails before the model is built; every process starts from identical weights."""
-    from training.preview import load_fid_extractor
+    from training.preview import PreviewWeights, load_fid_extractor
 
     if config.train.repa.enabled:
         check_encoder(config.train.repa)  # before the data is read
@@ -192,7 +215,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         model, config.train.posthoc_ema, config.train.global_batch_size, accelerator.device
     )
     objective = create_objective(objective_spec(config))
-    export = export_description(config, model)
+    export = export_description(config, model, dataset)
     projector = (
         build_projector(model.config["hidden_size"], config.train.repa.projector_dim, encoder.width)
         if encoder is not None
@@ -207,9 +230,16 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         model, projector, optimizer, scheduler = accelerator.prepare(model, projector, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
+    preview_weights = PreviewWeights(config.log.fid_weights, ema, posthoc_ema) if draws_previews(config) else None
     preview = (
-        ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
-        if draws_previews(config)
+        ImageGenerator(
+            preview_weights.module,
+            objective,
+            pixel_decoder(export, vae),
+            config.data.num_classes,
+            class_names=export.class_names,
+        )
+        if preview_weights is not None
         else None
     )
     alignment = (
@@ -228,4 +258,5 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         fid_extractor,
         alignment,
         posthoc_ema,
+        preview_weights,
     )

@@ -26,8 +26,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from commands import UserError
 from configs import UnknownConfigError, find_config
-from dit_vca.attention import VCA_KERNEL_SETTINGS, VCAOptions
+from dit_vca.attention import VCA_KERNEL_SETTINGS, VCA_PENDING_OPTIONS, VCAOptions
+from dit_vca.models import MLPS, NORMS, RECIPES, name_size, recipe_options
 from generation.vae import vae_source
+from sit_vca.transport import TIME_DISTRIBUTIONS
 from training.encoder_source import encoder_source
 
 BASE_KEY = "base"
@@ -67,6 +69,16 @@ class ModelConfig:
     hidden_size: int | None = _range(None, 1)
     num_heads: int | None = _range(None, 1)
     mlp_ratio: float | None = _range(None, 0.0, above=True)
+    recipe: str = _choice("dit", *RECIPES)  # block options preset: dit (2022), lightning (RMSNorm, SwiGLU, RoPE), ...
+    norm: str | None = _choice(None, None, *NORMS)  # block norms: layernorm (DiT) or rmsnorm; null: the recipe's
+    mlp: str | None = _choice(None, None, *MLPS)  # gelu (DiT) or swiglu (2/3 of the GELU width); null: the recipe's
+    qk_norm: bool | None = None  # RMSNorm of each head's queries and keys (MHSA only, for now); null: the recipe's
+    rope: bool | None = None  # 2-D rotary position embedding of queries and keys (MHSA only, for now); null: recipe's
+
+    @property
+    def block_options(self) -> dict[str, Any]:
+        """norm, mlp, qk_norm and rope as the backbone takes them: the recipe's, each replaced where set."""
+        return recipe_options(self.recipe, norm=self.norm, mlp=self.mlp, qk_norm=self.qk_norm, rope=self.rope)
 
 
 @dataclass
@@ -86,6 +98,10 @@ class TransportConfig:
     loss_weight: str | None = _choice(None, None, "velocity", "likelihood")
     train_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
     sample_eps: float | None = _range(None, 0.0, 1.0)
+    time_distribution: str = _choice("uniform", *TIME_DISTRIBUTIONS)  # of training times: uniform or logit-normal
+    logit_normal_location: float = _range(0.0, -math.inf)  # m of t = sigmoid(m + s·N(0, 1)); t = 1 is data
+    logit_normal_scale: float = _range(1.0, 0.0, above=True)  # s of the same
+    cosine_loss_weight: float = _range(0.0, 0.0)  # weight of the direction loss 1 - cos(v, u) (LightningDiT: 1); 0: off
 
 
 @dataclass
@@ -115,6 +131,8 @@ class VAEConfig:
     name: str | None = None  # hub id or a local folder written by save_pretrained (recorded by its hub id)
     path: str | None = None  # the local folder's absolute path, tried first where it exists; set from vae.name
     scale: float | None = _range(None, 0.0, above=True)  # latents are multiplied by this for the model
+    normalize: str = _choice("scale", "scale", "channels")  # channels: (z - mean) / std per channel first, with the
+    # statistics `python -m training.latents` measured (LightningDiT's latent norm; data.source=latents only)
 
 
 @dataclass
@@ -202,6 +220,8 @@ class LogConfig:
     fid_samples: int = _range(5000, 2)  # a covariance needs 2 samples (2048+ for a comparable FID)
     fid_reference: str | None = None  # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
     fid_inception: str | None = None  # Inception weights file or "bundled"; None: fid's default lookup
+    fid_weights: str = "ema"  # what grids and FID draw from: ema, raw (the trained weights), or sigma_rel=S (a
+    # profile of train.posthoc_ema.sigma_rel, its running average)
 
 
 @dataclass
@@ -254,13 +274,21 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     _check_values(config, prefix="")
     _check_model_name(config.model.name)
     _check_model_heads(config.model)
+    _check_block_options(config.model)
+    _check_transport(config)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(
             f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
         )
+    if config.vae.normalize == "channels" and config.data.source != "latents":
+        raise ConfigError(
+            f"'vae.normalize' is channels, but data.source={config.data.source}: the per-channel statistics come "
+            f"from the extracted latents (data.source=latents, python -m training.latents)"
+        )
     if config.vae.name is not None:  # named so that config.yaml works from another folder (generation.vae)
         source = vae_source(config.vae.name, config.vae.path)
         config.vae.name, config.vae.path = source.name, source.path
+    _check_fid_weights(config)
     if config.train.repa.enabled:
         _check_repa(config)
         repa = config.train.repa  # named so that config.yaml works from another folder (training.encoder_source)
@@ -283,30 +311,42 @@ RESUME_FIXED = (
     "model.hidden_size",
     "model.num_heads",
     "model.mlp_ratio",
+    "model.recipe",
+    "model.norm",
+    "model.mlp",
+    "model.qk_norm",
+    "model.rope",
     "diffusion",
     "transport",
     "data.source",
     "data.image_size",
     "data.num_classes",
     "vae.scale",
+    "vae.normalize",
     "train.seed",
 )
 
 
 def resume_conflict(config: Config, saved_yaml: str) -> tuple[str, Any, Any] | None:
     """The first RESUME_FIXED key whose value differs between `config` and a checkpoint's config.yaml, as
-    (key, checkpoint's value, this config's value), or None."""
-    saved, ours = yaml.safe_load(saved_yaml), config_to_dict(config)
+    (key, checkpoint's value, this config's value), or None. A key the checkpoint's config does not have (written
+    before the key existed) counts with the schema's default, which is what that run used."""
+    saved, ours, defaults = yaml.safe_load(saved_yaml), config_to_dict(config), config_to_dict(Config())
+    absent = object()
 
     def at(values: Any, key: str) -> Any:
         for part in key.split("."):
-            values = values.get(part) if isinstance(values, dict) else None
+            values = values.get(part, absent) if isinstance(values, dict) else absent
         return values
+
+    def saved_at(key: str) -> Any:
+        value = at(saved, key)
+        return at(defaults, key) if value is absent else value
 
     for group in RESUME_FIXED:
         for key in _leaf_keys(at(ours, group), group):
-            if at(saved, key) != at(ours, key):
-                return key, at(saved, key), at(ours, key)
+            if saved_at(key) != at(ours, key):
+                return key, saved_at(key), at(ours, key)
     return None
 
 
@@ -458,6 +498,32 @@ def _check_repa(config: Config) -> None:
         raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
 
 
+FID_WEIGHTS = ("ema", "raw")  # or "sigma_rel=S"
+
+
+def fid_weights_profile(setting: str) -> float | None:
+    """The sigma_rel that `log.fid_weights` names ("sigma_rel=0.05" -> 0.05), None for ema and raw."""
+    if setting in FID_WEIGHTS:
+        return None
+    return float(setting.removeprefix("sigma_rel="))
+
+
+def _check_fid_weights(config: Config) -> None:
+    """log.fid_weights is ema, raw, or sigma_rel=S with S a tracked post-hoc EMA profile."""
+    setting, tracked = config.log.fid_weights, config.train.posthoc_ema.sigma_rel
+    expected = f"expected ema, raw or sigma_rel=S with S one of train.posthoc_ema.sigma_rel={tracked}"
+    if setting in FID_WEIGHTS:
+        return
+    try:
+        sigma_rel = fid_weights_profile(setting) if setting.startswith("sigma_rel=") else None
+    except ValueError:
+        sigma_rel = None
+    if sigma_rel is None:
+        raise ConfigError(f"'log.fid_weights' is {setting!r}; {expected}")
+    if not any(math.isclose(sigma_rel, profile, rel_tol=1e-9) for profile in tracked):
+        raise ConfigError(f"'log.fid_weights' is {setting!r}, a profile this run does not track; {expected}")
+
+
 def _check_model_heads(model: ModelConfig) -> None:
     """The width splits into the heads (the backbone checks this too, but only once the data are loaded)."""
     from dit_vca.models import name_size
@@ -468,6 +534,37 @@ def _check_model_heads(model: ModelConfig) -> None:
         raise ConfigError(
             f"'model.num_heads' is {heads}, but {model.name} with model.hidden_size={width} cannot be split into "
             f"{heads} heads; expected a divisor of {width}"
+        )
+
+
+def _check_block_options(model: ModelConfig) -> None:
+    """VCA refuses the attention options its fused core does not apply yet (dit_vca.attention), whether set or
+    switched on by the recipe; RoPE needs a head dimension that splits into two axes of channel pairs."""
+    options = model.block_options
+    if model.attention == "vca":
+        for key in VCA_PENDING_OPTIONS:
+            if options[key]:
+                source = "" if getattr(model, key) else f" (by model.recipe={model.recipe})"
+                raise ConfigError(
+                    f"'model.{key}' is on{source}, but VCA's fused core does not apply {key} yet: set "
+                    f"model.{key}=false or model.attention=mhsa"
+                )
+    _, width, heads = name_size(model.name)[0]
+    head_dim = (model.hidden_size or width) // (model.num_heads or heads)
+    if options["rope"] and head_dim % 4:
+        raise ConfigError(
+            f"'model.rope' needs a head dimension divisible by 4 (rows and columns of channel pairs); "
+            f"{model.name} has {head_dim}: change model.hidden_size or model.num_heads, or set model.rope=false"
+        )
+
+
+def _check_transport(config: Config) -> None:
+    """The velocity-direction loss compares a predicted velocity with the target's direction."""
+    transport = config.transport
+    if transport.cosine_loss_weight and transport.prediction != "velocity":
+        raise ConfigError(
+            f"'transport.cosine_loss_weight' is {transport.cosine_loss_weight:g}, but transport.prediction="
+            f"{transport.prediction}: the velocity-direction loss needs transport.prediction=velocity"
         )
 
 

@@ -24,6 +24,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 # The evaluator's preprocessing: training images are cut exactly as the ADM reference batches were.
 from commands import UserError
 from fid.preprocess import DECODE_ERRORS, center_crop_adm, to_rgb
+from generation.vae import LatentNormalization
 from training.config import Config
 
 LATENT_MANIFEST = "manifest.json"
@@ -167,7 +168,8 @@ def read_manifest(root: str | Path) -> dict:
 
 
 class LatentShardDataset(_EpochSeeded):
-    """Pre-extracted posteriors; each item is a fresh sample scale * (mean + std * eps) of a random flip.
+    """Pre-extracted posteriors; each item is a fresh sample z = mean + std * eps of a random flip, in model space
+    (`normalization`: scale * z, or with `per_channel` scale * (z - mean_c) / std_c by the manifest's statistics).
 
     Shards hold "mean" and "std" of shape (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped
     image), "labels" (n,) and (format 2) "indices" (n,), each latent's position in the image folder.
@@ -176,7 +178,13 @@ class LatentShardDataset(_EpochSeeded):
     """
 
     def __init__(
-        self, root: str | Path, scale: float, random_flip: bool, seed: int = 0, images: ImageFolderDataset | None = None
+        self,
+        root: str | Path,
+        scale: float,
+        random_flip: bool,
+        seed: int = 0,
+        images: ImageFolderDataset | None = None,
+        per_channel: bool = False,
     ) -> None:
         super().__init__(seed)
         self.images = images
@@ -184,7 +192,15 @@ class LatentShardDataset(_EpochSeeded):
         self.manifest = read_manifest(root)
         self.files = [self.root / shard["file"] for shard in self.manifest["shards"]]
         self.offsets = np.cumsum([0] + [shard["count"] for shard in self.manifest["shards"]]).tolist()
-        self.scale = scale
+        statistics = ()
+        if per_channel:
+            if "latent_mean" not in self.manifest:
+                raise DataMismatchError(
+                    f"vae.normalize=channels, but {self.root / LATENT_MANIFEST} has no per-channel statistics "
+                    f"(extracted by an earlier version): extract the latents again into a new data.latents folder"
+                )
+            statistics = (tuple(self.manifest["latent_mean"]), tuple(self.manifest["latent_std"]))
+        self.normalization = LatentNormalization(scale, *statistics)
         self.random_flip = random_flip
         self._open: dict[int, object] = {}  # shard index -> safe_open handle, opened lazily in each worker
 
@@ -230,10 +246,11 @@ class LatentShardDataset(_EpochSeeded):
                 f"extract the latents again"
             )
         label = int(tensors.get_slice("labels")[row])
+        latent = self.normalization.to_model(latent)  # (C, h, w)
         if self.images is None:
-            return self.scale * latent, label
+            return latent, label
         image = self.images[int(tensors.get_slice("indices")[row])][0]  # (3, S, S) in [-1, 1]
-        return self.scale * latent, label, image.flip(-1) if flip else image
+        return latent, label, image.flip(-1) if flip else image
 
     def __getstate__(self) -> dict:
         # open file handles do not cross into worker processes; each worker reopens what it reads
@@ -384,6 +401,7 @@ def build_dataset(config: Config) -> Dataset:
         data.random_flip,
         seed=config.train.seed,
         images=paired_images(config) if config.train.repa.enabled else None,
+        per_channel=config.vae.normalize == "channels",
     )
     manifest = dataset.manifest
     if manifest["image_size"] != data.image_size:

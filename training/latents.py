@@ -2,11 +2,21 @@
 
     python -m training.latents --config configs/dit-s2-vca.yaml            # one process
     accelerate launch -m training.latents --config configs/dit-s2-vca.yaml  # shards spread over GPUs
+    srun docs/slurm/task.sh python -m training.latents --config ...         # over Slurm's tasks
+
+Several processes share the shards, or, where they would each run alone (a launch whose processes Accelerate does
+not see: no GPUs without train.cpu=true; srun's tasks without docs/slurm/task.sh), are refused in one line before
+any work (commands.check_launched_processes).
 
 Reads data.images, writes data.latents/shard-XXXXX.safetensors with the posterior mean and std of every
 image and of its mirror image and the image's index in data.images (so that REPA can pair each latent with its
 own image), then manifest.json once all shards exist. Each shard is written to a
 temporary file and renamed, so a killed run leaves only whole shards; rerunning skips them.
+
+The manifest also holds each channel's mean and standard deviation of the sampled latents z = mean + std·ε over
+every stored latent (mirror images included), for vae.normalize=channels: E[z] is the average of the posterior
+means, Var[z] = E[std²] + Var[mean] (the law of total variance), so no sampling is needed. Each shard records
+its sums, in float64 and of the values as stored, and the manifest adds them up.
 """
 
 from __future__ import annotations
@@ -24,12 +34,13 @@ from tqdm import tqdm
 
 from atomic_files import check_writable, write_text_atomic
 from atomic_files.shards import ShardFolder
-from commands import CommandParser, run_command
+from commands import CommandParser, check_launched_processes, run_command
 from generation.vae import encode_posterior, latent_downsampling, load_vae
 from training.config import Config, ConfigError, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples, loader_workers
 
-FORMAT_VERSION = 2  # 2: shards hold "indices", each latent's position in the image folder
+FORMAT_VERSION = 3  # 3: per-channel statistics; 2: shards hold "indices", each latent's position in the image folder
+STATISTICS_KEYS = ("channel_count", "channel_sum", "channel_square_sum")  # shard metadata (JSON), per channel
 
 
 def shard_name(index: int) -> str:
@@ -44,6 +55,7 @@ def plan_shards(num_images: int, shard_size: int) -> list[range]:
 def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     """Write the missing shards (spread over the processes), then (main process) the manifest. Returns the folder."""
     state = state or PartialState(cpu=config.train.cpu)
+    check_launched_processes(state.num_processes, "-m training.latents", "train.cpu=true")
     data = config.data
     if data.images is None or data.latents is None:
         raise ConfigError("latent extraction needs data.images=<image folder> and data.latents=<output folder>")
@@ -122,13 +134,36 @@ def _encode_shards(
         progress.update()
         if indices[-1] == shards[shard][-1]:  # last batch of this shard
             tensors = {key: torch.cat(values) for key, values in pending.items()}
-            metadata = {"skipped": str(skipped)}
+            metadata = {"skipped": str(skipped), **channel_sums(tensors["mean"], tensors["std"])}
             folder.write(
                 shard, lambda path, tensors=tensors, metadata=metadata: save_file(tensors, path, metadata=metadata)
             )
             progress.write(f"wrote {shard_name(shard)} ({len(tensors['labels'])} images, {skipped} skipped)")
             pending, skipped = {key: values[:1] for key, values in pending.items()}, 0
     progress.close()
+
+
+def channel_sums(mean: torch.Tensor, std: torch.Tensor) -> dict[str, str]:
+    """Shard metadata (JSON strings) from which the manifest derives each channel's statistics: the number of
+    values per channel, and per channel the sum of the posterior means and of E[z²] = mean² + std²; mean, std
+    (n, 2, C, h, w)."""
+    mean, std = mean.double().transpose(0, 2).flatten(1), std.double().transpose(0, 2).flatten(1)  # (C, n·2·h·w)
+    return {
+        "channel_count": json.dumps(mean.shape[1]),
+        "channel_sum": json.dumps(mean.sum(1).tolist()),
+        "channel_square_sum": json.dumps((mean.square() + std.square()).sum(1).tolist()),
+    }
+
+
+def channel_statistics(shard_metadata: Sequence[dict[str, str]]) -> tuple[list[float], list[float]]:
+    """(mean, std) per channel of the sampled latents over all shards, from their `channel_sums`."""
+    count = sum(json.loads(metadata["channel_count"]) for metadata in shard_metadata)
+    total = sum(torch.tensor(json.loads(metadata["channel_sum"]), dtype=torch.float64) for metadata in shard_metadata)
+    squares = sum(
+        torch.tensor(json.loads(metadata["channel_square_sum"]), dtype=torch.float64) for metadata in shard_metadata
+    )
+    mean = total / count
+    return mean.tolist(), (squares / count - mean.square()).clamp_min(0).sqrt().tolist()
 
 
 def _collate_with_kept(items: list) -> tuple:
@@ -142,17 +177,21 @@ def _chunks(indices: range, size: int) -> Iterator[list[int]]:
 
 
 def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: Config) -> None:
-    shards = []
+    shards, metadata = [], []
     for k in range(num_shards):
         with safe_open(out / shard_name(k), framework="pt") as tensors:
             shape = tensors.get_slice("mean").get_shape()  # [n, 2, C, h, w]
-            shards.append({"file": shard_name(k), "count": shape[0], "skipped": int(tensors.metadata()["skipped"])})
+            metadata.append(tensors.metadata())
+            shards.append({"file": shard_name(k), "count": shape[0], "skipped": int(metadata[-1]["skipped"])})
+    latent_mean, latent_std = channel_statistics(metadata)
     manifest = {
         "format": FORMAT_VERSION,
         "image_size": config.data.image_size,
         "vae": config.vae.name,
         "latent_channels": shape[2],
         "latent_size": shape[3],
+        "latent_mean": latent_mean,
+        "latent_std": latent_std,
         "dtype": config.extract.dtype,
         "classes": list(classes),
         "num_images": sum(s["count"] for s in shards),

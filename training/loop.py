@@ -2,14 +2,17 @@
 
 One optimiser step consumes `grad_accum_steps` micro-batches on every process. After the step the EMA is
 updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
-measured. A non-finite loss stops the run before anything is saved after it. A stop signal (SIGTERM, SIGUSR1,
-SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its metrics line and a
-checkpoint of it.
+measured; after a checkpoint (and after FID) the loss and FID curves are drawn to <run>/curves.png, at most once
+every CURVES_INTERVAL_S. A non-finite loss stops the run before anything is saved after it. A stop signal
+(SIGTERM, SIGUSR1, SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its
+metrics line and a checkpoint of it. A process of the run that dies ends the others with one line
+(PeerLostError) naming it and the checkpoint that stands.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,12 +28,13 @@ from training.build import TrainingParts
 from training.checkpoint import checkpoint_bytes, save_checkpoint, save_milestone_export
 from training.checkpoint_folders import checkpoint_name
 from training.config import Config, config_to_yaml
+from training.curves import draw_curves
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
 from training.posthoc_ema import drop_snapshots_after
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
-from training.stop_signals import StopSignals
+from training.stop_signals import PeerLostError, StopSignals, peer_lost
 from training.trackers import log_grid, tracker_state
 
 
@@ -39,6 +43,10 @@ class NonFiniteLossError(UserError):
 
 
 PROGRESS = ("step", "examples_seen", "metrics_window")  # what a resume takes from a saved state
+# A drawing of the curves costs ~0.3 CPU-s (~0.7 s more for matplotlib's first import): nothing between checkpoints
+# hours apart, but most of a test's or smoke run's time when they come every few seconds. Those are drawn once this
+# much time has passed since the launch or the last drawing.
+CURVES_INTERVAL_S = 60.0
 
 
 def say(accelerator: Accelerator, message: str, end: str = "\n") -> None:
@@ -98,16 +106,33 @@ class Trainer:
         self.saving_step: int | None = None  # the step of a checkpoint being written
         self.fid_log = JsonLines(run.fid)
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
+        self.curves_drawn_at = time.monotonic()  # the launch: see CURVES_INTERVAL_S
 
     def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
         stop = StopSignals(standing=self.standing)
+        progress = tqdm(
+            total=self.config.train.max_steps,
+            initial=self.state.step,
+            desc="training",
+            dynamic_ncols=True,
+            disable=not self.accelerator.is_main_process,
+        )
         try:
-            return self._fit(stop)
+            return self._fit(stop, progress)
+        except RuntimeError as error:  # a collective (gradients, the stop flag, a barrier) that lost its peer
+            peer = peer_lost(error)
+            if peer is None:
+                raise
+            raise PeerLostError(
+                f"lost the connection to the process of this run at {peer} after step {self.state.step}: that "
+                f"process or its node has ended (its own log says why); {self.kept()}: continue with --resume latest"
+            ) from None
         finally:
+            progress.close()  # before an error's line, which then starts a line of its own
             stop.restore()
 
-    def _fit(self, stop: StopSignals) -> str | None:
+    def _fit(self, stop: StopSignals, progress: tqdm) -> str | None:
         config, accelerator = self.config, self.accelerator
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
@@ -117,13 +142,6 @@ class Trainer:
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
             drop_snapshots_after(self.run.root, self.state.step)  # post-hoc EMA snapshots of an abandoned timeline
-        progress = tqdm(
-            total=max_steps,
-            initial=self.state.step,
-            desc="training",
-            dynamic_ncols=True,
-            disable=not accelerator.is_main_process,
-        )
         while self.state.step < max_steps:
             loss, grad_norm, skipped = self.train_step(stream)
             step = self.state.step
@@ -141,19 +159,21 @@ class Trainer:
             if log.export_every and step % log.export_every == 0:
                 self.stop_if_non_finite(metrics)
                 self.save_milestone()
-            if stopping or step % log.checkpoint_every == 0 or last:
+            checkpoint_due = step % log.checkpoint_every == 0 or last
+            if stopping or checkpoint_due:
                 self.stop_if_non_finite(metrics)
                 self.save_checkpoint(metrics)
-            if stopping:  # a grid or FID due at this step is left out: the scheduler's grace time is short
+            if stopping:  # a grid, FID or curves due at this step are left out: the scheduler's grace time is short
+                stop.hold_until_exit()  # the status is 75 from here, whatever signals come
                 self.say_stopped(stop)
-                progress.close()
                 end_processes(accelerator)
                 return stop.name()
+            if checkpoint_due:
+                self.save_curves()
             if log.sample_every and (step % log.sample_every == 0 or last):
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
                 self.measure_fid()
-        progress.close()
         end_processes(accelerator)
         return None
 
@@ -192,7 +212,7 @@ class Trainer:
             images = paired[0].to(accelerator.device, non_blocking=True) if paired else x  # before VAE encoding
             if self.parts.encoder is not None:
                 with accelerator.autocast():
-                    x = sample_latents(self.parts.encoder, x, self.config.vae.scale)  # (B, 4, h, w)
+                    x = sample_latents(self.parts.encoder, x, self.parts.export.latent_normalization)  # (B, C, h, w)
             with accelerator.accumulate(*self.parts.trained_modules):
                 loss, alignment = self.losses(x, y, images)
                 accelerator.backward(loss)
@@ -280,6 +300,13 @@ class Trainer:
         self.last_checkpoint, self.saving_step = str(path), None
         self.say(f"saved checkpoint {path}")
 
+    def save_curves(self) -> None:
+        """<run>/curves.png from the logs so far (after a checkpoint, and after FID, which comes later), unless it
+        was drawn less than CURVES_INTERVAL_S ago."""
+        if self.accelerator.is_main_process and time.monotonic() - self.curves_drawn_at >= CURVES_INTERVAL_S:
+            draw_curves(self.run.metrics, self.run.fid, self.run.curves, self.run.root.name)
+            self.curves_drawn_at = time.monotonic()
+
     def save_posthoc_snapshot(self) -> None:
         if self.accelerator.is_main_process:
             path = self.posthoc_ema.save_snapshot(self.run.root, self.state.step, self.parts.export)
@@ -296,12 +323,16 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.run.samples.mkdir(parents=True, exist_ok=True)
             grid = self.run.samples / f"{checkpoint_name(self.state.step)}.png"
+            log = self.config.log
+            title = f"step {self.state.step:,}, {self.parts.preview_weights.label}, guidance {log.sample_guidance:g}"
+            self.parts.preview_weights.refresh(self.accelerator.unwrap_model(self.model))
             with self.accelerator.autocast():
-                save_preview_grid(self.parts.preview, self.config.log, grid)
+                save_preview_grid(self.parts.preview, log, grid, title)
             log_grid(self.accelerator, grid, self.state.step)
         self.accelerator.wait_for_everyone()
 
     def measure_fid(self) -> None:
+        self.parts.preview_weights.refresh(self.accelerator.unwrap_model(self.model))
         with self.accelerator.autocast():
             fid = preview_fid(
                 self.parts.preview,
@@ -311,7 +342,12 @@ class Trainer:
                 self.accelerator.num_processes,
                 self.batches.loader.batch_size,
             )
+        log = self.config.log
         if self.accelerator.is_main_process:
-            self.fid_log.append({"step": self.state.step, "fid": fid, "samples": self.config.log.fid_samples})
+            self.fid_log.append(
+                {"step": self.state.step, "fid": fid, "samples": log.fid_samples, "weights": log.fid_weights}
+            )
             self.accelerator.log({"eval/fid": fid}, step=self.state.step)
-        self.say(f"step {self.state.step}: FID of {self.config.log.fid_samples} EMA samples {fid:.3f}")
+        label = self.parts.preview_weights.label
+        self.say(f"step {self.state.step}: FID of {log.fid_samples} samples of the {label} {fid:.3f}")
+        self.save_curves()

@@ -107,6 +107,15 @@ class PowerEMA:
         for gamma, average in zip(self.gammas, self.averages):
             torch._foreach_lerp_(average, current, 1.0 - step_decay(self.images, self.batch, gamma))
 
+    @torch.no_grad()
+    def copy_profile(self, sigma_rel: float, module: nn.Module) -> None:
+        """Load the running average of the tracked profile `sigma_rel` into `module` (a model of the same keys):
+        what grids and FID during training draw from with log.fid_weights=sigma_rel=S."""
+        index = min(range(len(self.sigma_rels)), key=lambda i: abs(self.sigma_rels[i] - sigma_rel))
+        state = module.state_dict()
+        for key, value in zip(self.keys, self.averages[index]):
+            state[key].copy_(value)
+
     def snapshot_due(self, step: int, last: bool) -> bool:
         return step % self.snapshot_every == 0 or last
 

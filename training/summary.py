@@ -1,7 +1,8 @@
 """What a training launch is about to do, said once before the first step (printed and kept as
 `<run>/startup.txt`): model and attention with their parameter counts (REPA's projector included, with a line of
-its own when REPA is on), the data, the batch geometry, precision, devices, the run directory and where the run
-resumes from."""
+its own when REPA is on), the data, the batch geometry, precision, devices, the run directory, where the run
+resumes from, what the EMA holds at the last step (with a warning when the run is too short for it:
+training.ema.describe_ema) and which weights the grids and FID draw from."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from dit_vca.models import name_size
+from dit_vca.models import RECIPES, name_size
 from training.build import TrainingParts
 from training.config import Config
+from training.ema import describe_ema
 from training.loop import TrainerState
 from training.repa import RepresentationAlignment
 
@@ -35,14 +37,18 @@ def attention_parameters(model: nn.Module) -> int:
 
 def describe_model(built: dict[str, Any]) -> str:
     """The model's name, with the sizes that were built where they are not the name's own (tiny test and demo
-    models override depth, width, heads or the MLP ratio): `built` is the model's `config`."""
+    models override depth, width, heads or the MLP ratio) and the block options that are not DiT's (RMSNorm,
+    SwiGLU, QK-norm, RoPE): `built` is the model's `config`."""
     (depth, width, heads), _ = name_size(built["name"])
     sizes = (built["depth"], built["hidden_size"], built["num_heads"], built["mlp_ratio"])
+    dit = RECIPES["dit"]  # config keys of the block options and DiT's values
+    changed = [value if isinstance(value, str) else key for key, value in built.items() if dit.get(key, value) != value]
+    options = f" with {', '.join(changed)}" if changed else ""
     if sizes == (depth, width, heads, 4.0):
-        return built["name"]
+        return built["name"] + options
     return (
-        f"{built['name']} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, MLP ratio {sizes[3]:g} "
-        f"(the name's: {depth}, {width}, {heads}, 4)"
+        f"{built['name']}{options} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, MLP ratio "
+        f"{sizes[3]:g} (the name's: {depth}, {width}, {heads}, 4)"
     )
 
 
@@ -139,7 +145,11 @@ def startup_summary(
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),
     }
+    rows["EMA"], warning = describe_ema(train, train.max_steps)
     if parts.posthoc_ema is not None:
         rows["post-hoc EMA"] = parts.posthoc_ema.describe(train.max_steps)
+    if parts.preview is not None:
+        rows["grids and FID"] = f"from the {parts.preview_weights.label} (log.fid_weights={config.log.fid_weights})"
     width = max(map(len, rows))
-    return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items())
+    warnings = f"warning: {warning}\n" if warning is not None else ""
+    return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items()) + warnings

@@ -1,0 +1,211 @@
+"""LightningDiT checkpoints (hustvl/LightningDiT) as exports of the shared backbone with MHSA.
+
+    python -m generation.lightning lightningdit.pt --model SiT-XL/1 --vae vae/my-f16d32 \
+        --latent-stats latents_stats.pt --out exports/lightning-xl1
+    python -m generation.lightning 1p0b.pt --model SiT-XL/1 --num-heads 24 ...   # LightningDiT-1p0B/1: wider
+
+LightningDiT's layout is the official DiT's plus, per option, what `lightning_options` reads from the keys:
+RMSNorm gains (`blocks.i.norm1.weight`, `norm2.weight`, `final_layer.norm_final.weight`), the SwiGLU matrices
+`blocks.i.mlp.w12` and `mlp.w3` (timm's GluMlp `mlp.fc1` and `mlp.fc2` here: same shapes, the gate the first half
+of w12's output), the QK-norm gains `attn.q_norm.weight` and `attn.k_norm.weight`, and the 2-D RoPE tables
+`feat_rope.freqs_cos` and `feat_rope.freqs_sin`, which the backbone computes from its shape: they are compared with
+its own (so a checkpoint of another rotation convention is refused) and dropped. Not supported, and refused by name:
+adaLN without shift (`wo_shift`, a 4C modulation) and QK-norm as LayerNorm (LightningDiT's choice when its blocks
+keep LayerNorm).
+
+LightningDiT trains rectified flow (SiT's Linear path, velocity prediction), so the model is a "SiT-" name, and
+normalises its latents per channel, (z − mean) / std times a multiplier (1): `--latent-stats` is the
+`latents_stats.pt` its training wrote ({"mean", "std"} of shape (1, C, 1, 1)), `--vae` a diffusers AutoencoderKL
+of that latent space. Files are read with weights_only=True (generation.official.load_state_dict).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from commands import CommandParser, run_command
+from dit_vca.models import build_model_from_config, model_family, name_size
+from dit_vca.rope import RotaryEmbedding2d
+from generation.export import Export, ExportDescription
+from generation.official import OfficialCheckpointError, check_fits, load_state_dict, write_converted
+
+RENAMES = {".mlp.w12.": ".mlp.fc1.", ".mlp.w3.": ".mlp.fc2."}  # LightningDiT's SwiGLU -> timm's GluMlp
+ROPE_TABLES = ("feat_rope.freqs_cos", "feat_rope.freqs_sin")
+# float32 tables against the backbone's float64-derived ones: LightningDiT rounds positions · ω in float32 before the
+# cosine (angles up to ~15 rad, one ulp ~1e-6), so equal tables agree to ~1e-5; another convention differs by O(1).
+ROPE_TOLERANCE = 1e-4
+SHAPE_KEYS = ("pos_embed", "final_layer.linear.weight", "y_embedder.embedding_table.weight")  # read for the config
+LIGHTNING_OBJECTIVE = {"kind": "transport", "path": "linear", "prediction": "velocity"}
+
+
+def lightning_options(state: dict[str, torch.Tensor], source: str) -> dict[str, object]:
+    """The block options (norm, mlp, qk_norm, rope) a LightningDiT state dict was trained with, from its keys."""
+    if "blocks.0.adaLN_modulation.1.weight" not in state or "x_embedder.proj.weight" not in state:
+        raise OfficialCheckpointError(f"{source} is not a DiT-layout state dict (no blocks.0.adaLN_modulation)")
+    width = state["x_embedder.proj.weight"].shape[0]
+    if state["blocks.0.adaLN_modulation.1.weight"].shape[0] != 6 * width:
+        raise OfficialCheckpointError(f"{source}: adaLN without shift (LightningDiT's wo_shift) is not supported")
+    if "blocks.0.attn.q_norm.bias" in state:
+        raise OfficialCheckpointError(f"{source}: QK-norm as LayerNorm is not supported (only as RMSNorm)")
+    return dict(
+        norm="rmsnorm" if "blocks.0.norm1.weight" in state else "layernorm",
+        mlp="swiglu" if "blocks.0.mlp.w12.weight" in state else "gelu",
+        qk_norm="blocks.0.attn.q_norm.weight" in state,
+        rope=ROPE_TABLES[0] in state,
+    )
+
+
+def lightning_model_config(
+    state: dict[str, torch.Tensor], name: str, source: str, num_heads: int | None = None
+) -> dict[str, object]:
+    """The backbone config (`model.config`) of a LightningDiT state dict for the name `name` (e.g. "SiT-XL/1"): its
+    patch size and, unless `num_heads` is given, its heads (which no shape tells); depth, width, channels, latent
+    side, classes and learn_sigma are read from the shapes, the block options from the keys."""
+    options = lightning_options(state, source)
+    (_, name_width, name_heads), patch = name_size(name)
+    width = state["x_embedder.proj.weight"].shape[0]
+    if num_heads is None and width != name_width:
+        raise OfficialCheckpointError(
+            f"{source} is {width} wide, {name} {name_width}: give its number of heads (--num-heads)"
+        )
+    missing = [key for key in SHAPE_KEYS if key not in state]
+    if missing:
+        raise OfficialCheckpointError(f"{source} has no {', '.join(missing)}: not a LightningDiT state dict")
+    in_channels = state["x_embedder.proj.weight"].shape[1]
+    tokens = state["pos_embed"].shape[1]
+    outputs = state["final_layer.linear.weight"].shape[0] // (patch * patch)
+    if math.isqrt(tokens) ** 2 != tokens or outputs not in (in_channels, 2 * in_channels):
+        raise OfficialCheckpointError(
+            f"{source} does not fit --model {name}: {tokens} tokens (not a square grid) or {outputs} output channels "
+            f"per pixel ({in_channels} or {2 * in_channels} expected)"
+        )
+    config = dict(
+        name=name,
+        attention="mhsa",
+        input_size=math.isqrt(tokens) * patch,
+        in_channels=in_channels,
+        num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1,  # the null class is the last row
+        learn_sigma=outputs == 2 * in_channels,
+        depth=len({key.split(".")[1] for key in state if key.startswith("blocks.")}),
+        hidden_size=width,
+        num_heads=name_heads if num_heads is None else num_heads,
+        **options,
+    )
+    with torch.device("meta"):
+        return build_model_from_config(config).config
+
+
+def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: str) -> dict[str, torch.Tensor]:
+    """The state dict of the backbone `config` from a LightningDiT one: SwiGLU keys renamed, the RoPE tables checked
+    against the backbone's own and dropped."""
+    converted = {}
+    for key, value in state.items():
+        for old, new in RENAMES.items():
+            key = key.replace(old, new)
+        converted[key] = value
+    if config["rope"]:
+        head_dim = config["hidden_size"] // config["num_heads"]
+        expected = RotaryEmbedding2d(head_dim, config["input_size"] // name_size(config["name"])[1])
+        for key, table in zip(ROPE_TABLES, (expected.cos, expected.sin)):
+            # LightningDiT's (N, d): each pair's value twice; ours (N, d/2): once per pair
+            found = converted.pop(key).float()
+            if found.shape != (table.shape[0], 2 * table.shape[1]) or not torch.allclose(
+                found, table.repeat_interleave(2, dim=1), atol=ROPE_TOLERANCE, rtol=0
+            ):
+                raise OfficialCheckpointError(
+                    f"{source}: {key} {tuple(found.shape)} is not the 2-D RoPE of dit_vca.rope for "
+                    f"{head_dim}-channel heads on a {int(math.isqrt(table.shape[0]))}-token grid side"
+                )
+    return converted
+
+
+def read_latent_stats(path: Path, channels: int) -> tuple[list[float], list[float]]:
+    """(mean, std) per channel from LightningDiT's latents_stats.pt ({"mean", "std"}, each C values in any shape)."""
+    stats = load_state_dict(path)  # a dict of tensors, read with weights_only=True
+    if set(stats) != {"mean", "std"} or stats["mean"].numel() != channels or stats["std"].numel() != channels:
+        raise OfficialCheckpointError(
+            f"--latent-stats {path}: expected {{'mean', 'std'}} with {channels} values each (the model's channels), "
+            f"found { ({key: tuple(value.shape) for key, value in stats.items()}) }"
+        )
+    if not bool((stats["std"] > 0).all()):
+        raise OfficialCheckpointError(f"--latent-stats {path}: every std must be > 0")
+    return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
+
+
+def lightning_export(
+    ckpt: str | Path,
+    model: str,
+    vae: str,
+    latent_stats: str | Path | None,
+    latent_scale: float = 1.0,
+    num_heads: int | None = None,
+) -> Export:
+    """A LightningDiT checkpoint as an in-memory export: the MHSA backbone with the checkpoint's block options, the
+    Linear velocity transport, latents decoded by `vae` after undoing the per-channel statistics (None: scale only)."""
+    from generation.vae import latent_downsampling, load_vae, vae_source
+
+    source = str(ckpt)
+    try:
+        family = model_family(model)
+    except ValueError as error:
+        raise OfficialCheckpointError(f"--model: {error}") from None
+    if family != "SiT":
+        raise OfficialCheckpointError(f"--model {model}: LightningDiT trains rectified flow; name its size as SiT-")
+    if not latent_scale > 0:
+        raise OfficialCheckpointError(f"--latent-scale {latent_scale}: expected a value > 0")
+    state = load_state_dict(Path(ckpt))
+    config = lightning_model_config(state, model, source, num_heads)
+    weights = backbone_state_dict(state, config, source)
+    autoencoder = load_vae(vae, option="--vae")  # fails before anything is written
+    if autoencoder.config.latent_channels != config["in_channels"]:
+        raise OfficialCheckpointError(
+            f"--vae {vae} has {autoencoder.config.latent_channels} latent channels, the checkpoint's model "
+            f"{config['in_channels']}"
+        )
+    mean, std = (
+        read_latent_stats(Path(latent_stats), config["in_channels"]) if latent_stats is not None else (None, None)
+    )
+    description = ExportDescription(
+        model=config,
+        objective=dict(LIGHTNING_OBJECTIVE),
+        space="latents",
+        image_size=config["input_size"] * latent_downsampling(autoencoder.config),
+        num_classes=config["num_classes"],
+        vae=vae_source(vae).name,
+        vae_path=vae_source(vae).path,
+        latent_scale=latent_scale,
+        latent_mean=mean,
+        latent_std=std,
+        source=source,
+    )
+    check_fits(description, weights, source)
+    return Export(description, weights)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = CommandParser(prog="python -m generation.lightning", description=__doc__)
+    parser.add_argument("ckpt", type=Path, help="a LightningDiT .pt (bare EMA state dict or training checkpoint)")
+    parser.add_argument("--model", required=True, help="the size, as a SiT name, e.g. SiT-XL/1 (LightningDiT-XL/1)")
+    parser.add_argument("--vae", required=True, help="diffusers AutoencoderKL folder or hub id of the latent space")
+    parser.add_argument("--latent-stats", type=Path, help="latents_stats.pt of the training latents (latent_norm)")
+    parser.add_argument("--latent-scale", type=float, default=1.0, help="LightningDiT's latent_multiplier (1.0)")
+    parser.add_argument("--num-heads", type=int, help="attention heads, where the width is not the name's")
+    parser.add_argument("--out", type=Path, required=True, help="export folder to write (must not exist yet)")
+    args = parser.parse_args(argv)
+    write_converted(
+        args.out,
+        lambda: lightning_export(args.ckpt, args.model, args.vae, args.latent_stats, args.latent_scale, args.num_heads),
+    )
+
+
+def command() -> None:
+    """`python -m generation.lightning`: one line, exit 2 on a user error."""
+    run_command(main)
+
+
+if __name__ == "__main__":
+    command()
