@@ -1,15 +1,16 @@
 """Which autotuning configurations of VCA's Triton kernels compile on this GPU with this Triton: the lookup.
 
 Triton's autotuner tries every configuration of a kernel on its first launch and skips only those that run out
-of resources; a configuration that does not compile raises, and training stops at its first step. Some do not:
-on sm_100 (B200) Triton 3.6 fails to compile two of `_stage2_rows_kernel`'s three configurations. The compile
+of resources; a configuration that does not compile raises, and training stops at its first step (Triton 3.6
+failed to compile two of the three configurations of an earlier Stage II backward kernel for sm_100). The compile
 matrix (`python -m bench.triton_compile`, docs/benchmarks.md) compiles every kernel in every configuration for
 every covered (GPU target, Triton version) without a GPU and writes the failures into `triton_exclusions.json`
 beside this module; `dit_vca.vca_triton` builds each kernel's autotuning list through `usable_configs`, which
 leaves them out.
 
-A target or version the matrix does not cover keeps every configuration: there the first-use check of the Triton
-core (a compile error or a wrong result falls back to the ATen core) is what protects a run. The table also
+A target or version the matrix does not cover keeps every configuration: there a configuration that does not
+compile stops the run, unless the first-use check of the Triton core (issue 37, item 2: a compile error or a wrong
+result falls back to the ATen core) catches it; `vca_kernel=aten` avoids the Triton core. The table also
 records a hash of each kernel's source and of its configuration list; tests/test_triton_compile.py fails when a
 kernel changes without a rerun of the matrix.
 """
