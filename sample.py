@@ -7,8 +7,9 @@
 
 `--ckpt` is an export folder, a checkpoint or run folder, an official DiT/SiT `.pt` (a path, or the bare name of a
 released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0` uint8 (N, H, W, 3), `arr_1`
-int64 labels), a preview grid `<out>.png` and `<out>.json` (settings and speed), never replacing files that an
-earlier sample.py run with other settings (unless --overwrite), or anything else, wrote. Given a run or checkpoint
+int64 labels), a preview grid `<out>.png` (one labelled row per class, the guidance in its title) and `<out>.json`
+(settings and speed), never replacing files that an earlier sample.py run with other settings (unless
+--overwrite), or anything else, wrote. Given a run or checkpoint
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
 (`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
 (generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
@@ -39,16 +40,17 @@ from typing import Any
 
 import numpy as np
 
-from atomic_files import check_writable, free_bytes, write_json_atomic
+from atomic_files import allocation_unit, check_writable, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import CommandParser, UserError, check_launched_processes, end_processes, run_command
+from dit_vca.model_options import VCA_KERNEL_SETTINGS
 from generation.protocols import PROTOCOLS
 from generation.sample_file import (
     DamagedShardError,
     SampleFiles,
     Shard,
     ShardPlan,
-    leading_images,
+    images_at,
     merge_shards,
     plan_shards,
     run_bytes,
@@ -56,9 +58,8 @@ from generation.sample_file import (
     shard_reader,
 )
 from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
+from samplers.catalogue import SAMPLERS
 
-# dit_vca.attention.VCA_KERNEL_SETTINGS, spelled out (tested equal): importing it would import torch for --help
-VCA_KERNEL_CHOICES = ("auto", "aten", "triton")
 SAMPLER_OPTIONS = (
     "eta",
     "clip_denoised",
@@ -93,9 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0)
     add("--per-proc-batch-size", type=int, default=32)
     add("--shard-size", type=int, default=256, help="samples per resumable shard file")
-    add("--grid-size", type=int, default=64, help="leading samples shown in the preview PNG (0: none)")
-    add("--sampler", help="sampler name (default: the objective's: DiT ddpm, SiT dopri5)")
-    add("--steps", type=int, help="sampling steps, counted as intervals (default: the sampler's)")
+    add(
+        "--grid-size",
+        type=int,
+        default=64,
+        help="about this many samples in the preview PNG, a row per class (0: none)",
+    )
+    add(
+        "--sampler",
+        help="sampler name, with its default --steps, by the checkpoint's objective: "
+        + "; ".join(f"{table.objective}: {table.describe()}" for table in SAMPLERS.values()),
+    )
+    add(
+        "--steps",
+        type=int,
+        help="sampling steps, counted as intervals (default: the sampler's, listed under --sampler; adaptive "
+        "solvers choose their own from --atol/--rtol)",
+    )
     add("--eta", type=float, help="DDIM eta")
     add("--clip-denoised", action="store_const", const=True, help="DDPM/DDIM: clamp the predicted x_0 to [-1, 1]")
     add("--atol", type=float, help="adaptive ODE solver atol")
@@ -123,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
     add(
         "--vca-kernel",
-        choices=VCA_KERNEL_CHOICES,
+        choices=VCA_KERNEL_SETTINGS,
         default="auto",
         help="VCA's core in ATen operations or Triton kernels (default auto: Triton on CUDA, ATen elsewhere)",
     )
@@ -202,7 +217,7 @@ def check_autoguidance_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--cfg-scale {args.cfg_scale} with --guide-ckpt: use one guidance, not both")
 
 
-def load_guide(args: argparse.Namespace, description, device) -> None:
+def load_guide(args: argparse.Namespace, description, device, precision: str) -> None:
     """Load --guide-ckpt onto `device` as args.guide, after checking in one line that it can guide the model."""
     from generation import ExportError, load_export
     from generation.autoguide import guide_mismatch
@@ -220,7 +235,7 @@ def load_guide(args: argparse.Namespace, description, device) -> None:
             f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
             f"model's objective, inputs and classes"
         )
-    args.guide = load_model(export, device, args.compile, args.vca_kernel)
+    args.guide = load_model(export, device, args.compile, args.vca_kernel, precision)
     args.guide_description = {"train_step": export.description.train_step, "source": export.description.source}
 
 
@@ -335,8 +350,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_against(export.description, args)
     check_disk_space(args, export.description.image_size, files)
     accelerator = create_accelerator(args)
+    from generation.generator import default_precision, set_matmul_precision
+
+    precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
+    set_matmul_precision(precision)  # before any model is loaded: the Triton core is checked for it
     if args.guide_ckpt is not None:
-        load_guide(args, export.description, accelerator.device)
+        load_guide(args, export.description, accelerator.device, precision)
     if "export" in settings and accelerator.is_main_process:  # once per job (Accelerate's print: once per node)
         print(
             f"sample.py: --ckpt {args.ckpt}: using {settings['export']} (training step {export.description.train_step})"
@@ -344,10 +363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.protocol and accelerator.is_main_process:
         print(describe_protocol(args))
     from generation import ImageGenerator
-    from generation.generator import default_precision, set_matmul_precision
 
-    precision = args.precision or default_precision(accelerator.device, accelerator.mixed_precision)
-    set_matmul_precision(precision)
     labels = SampleLabels(args.num_samples, export.description.num_classes, args.labels, args.seed)  # lazily
     shards = plan_shards(args.num_samples, args.shard_size)  # lazily, as the labels
     try:
@@ -358,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             precision=precision,
             compile=args.compile,
             vca_kernel=args.vca_kernel,
+            vae_option="--vae",
         )  # model and VAE load before the folder is claimed
     except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
         raise
@@ -395,28 +412,41 @@ def main(argv: Sequence[str] | None = None) -> None:
             "settings": settings,
             "precision": precision,
             "processes": accelerator.num_processes,
-            "new_images": new_images,
+            "new_images": new_images,  # sampled by this launch; the others were kept from earlier ones
+            "kept_images": args.num_samples - new_images,
             "images_per_process": per_process,
-            "seconds": round(seconds, 3),
-            "images_per_second": round(new_images / seconds, 3),
+            "seconds": round(seconds, 3) if new_images else None,  # no sampling, no speed to report
+            "images_per_second": round(new_images / seconds, 3) if new_images else None,
             "main_process_model_evaluations": generator.model_evaluations,
             "model": export.description.model,
             "source": export.description.source,
             "train_step": export.description.train_step,
             **({"guide": args.guide_description} if args.guide_ckpt is not None else {}),
         }
+        if not new_images and files.summary.exists():  # a launch that only merges (the last one was killed in
+            summary = None  # its merge): the summary of the launch that sampled, these settings', stays
         finish(args, folder, shards, labels, summary, generator)
-        print(
-            f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
-            f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)"
-        )
+        if new_images:
+            print(
+                f"sample.py: {new_images} images in {seconds:.1f} s ({new_images / seconds:.2f} images/s on "
+                f"{accelerator.num_processes} process(es)); wrote {args.out} ({args.num_samples} samples)"
+            )
+        else:
+            print(
+                f"sample.py: all {args.num_samples} samples were sampled by an earlier launch; merged into {args.out}"
+            )
 
 
 def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFiles) -> None:
     """Refuse a run whose samples cannot fit on the disk of --out, before the model is built or the shard folder
-    claimed: the shards and the merged .npz (`run_bytes`, about twice the images) are all on it until the merge
-    ends, less what a resumed run's finished shards (or a run --overwrite replaces) hold already."""
-    needed = run_bytes(args.num_samples, image_size, args.shard_size) - files.bytes_on_disk()
+    claimed: the shards and the merged .npz (`run_bytes`, about twice the images), the summary and the grid are all
+    on it until the merge ends, each file taking whole allocation units, less what a resumed run's finished shards
+    (or a run --overwrite replaces) hold already."""
+    from generation.images import grid_bytes
+
+    unit = allocation_unit(args.out.parent)
+    grid = grid_bytes(min(args.grid_size, args.num_samples), image_size)
+    needed = run_bytes(args.num_samples, image_size, args.shard_size, grid, unit) - files.bytes_on_disk(unit)
     free = free_bytes(args.out.parent)
     if needed > free:
         raise SystemExit(
@@ -439,13 +469,22 @@ def load_checkpoint(args: argparse.Namespace):
 
 def try_sampler(generator, labels: SampleLabels, args: argparse.Namespace) -> None:
     """Draw sample 0 once with every option (sampler, steps, eta, tolerances, guidance, decoder), so that an option
-    the sampler rejects fails here, before the shard folder is claimed: the cost of one sample of N."""
+    the sampler rejects, or a guidance scale too large for the model's float32 outputs (--cfg-scale 1e300: the
+    guided prediction overflows), fails here, before the shard folder is claimed: the cost of one sample of N."""
     from samplers.interface import SamplerOptionError
 
     try:
         generator.generate(labels[:1], sample_seeds(args.seed, range(1)), **generation_options(args))
     except SamplerOptionError as error:  # the samplers' own check of each option, naming it
         raise SystemExit(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
+    except FloatingPointError:  # generation.images.to_uint8: the images hold NaN or infinity
+        flag, scale = ("--guidance-scale", args.guidance_scale) if args.guide else ("--cfg-scale", args.cfg_scale)
+        if scale == 1:  # unguided: not an option's doing (the export's weights are checked finite)
+            raise
+        raise SystemExit(
+            f"{flag} {scale:g}: sample 0 comes out NaN or infinite at this scale; expected a scale at which the "
+            f"guided prediction stays finite (DiT and SiT publish 1.5 for FID, 4 for pictures)"
+        ) from None
     generator.model_evaluations = 0  # the summary counts the sampling work only
 
 
@@ -500,12 +539,12 @@ def finish(
     folder: ShardFolder,
     shards: ShardPlan,
     labels: SampleLabels,
-    summary: dict[str, Any],
+    summary: dict[str, Any] | None,
     generator,
 ) -> None:
-    """Write the summary, the preview grid and the merged .npz (last, so that it implies the other two), then drop
-    the shards. A damaged shard is named and sampled again (each sample is a function of its index)."""
-    from generation.images import save_grid
+    """Write the summary (None: keep the one there), the preview grid and the merged .npz (last, so that it implies
+    the other two), then drop the shards. A damaged shard is named and sampled again (each sample is a function of
+    its index)."""
 
     def repair(shard: Shard, error: DamagedShardError) -> np.ndarray:
         print(f"sample.py: {error}; sampling shard {shard.number} again")
@@ -515,12 +554,33 @@ def finish(
 
     files = SampleFiles(args.out)
     images_of = shard_reader(folder.folder, labels, repair)
-    write_json_atomic(files.summary, summary)
+    if summary is not None:
+        write_json_atomic(files.summary, summary)
     if args.grid_size:
-        save_grid(leading_images(shards, images_of, args.grid_size), files.grid)
+        save_grid(args, shards, images_of, labels, generator, files.grid)
     merge_shards(shards, images_of, labels[:], files.samples)
     shutil.rmtree(folder.folder)
     folder.release()
+
+
+def save_grid(args: argparse.Namespace, shards: ShardPlan, images_of, labels: SampleLabels, generator, path: Path):
+    """The preview PNG: about --grid-size samples in one labelled row per class (class names where the export has
+    them), chosen among the first --grid-size x classes samples so that the rows fill, under a title with the
+    guidance and the sampler."""
+    from generation.images import class_grid_indices, save_class_grid
+
+    rows = class_grid_indices(labels[: min(len(labels), args.grid_size * labels.num_classes)], args.grid_size)
+    images = images_at(shards, images_of, np.concatenate([indices for _, indices in rows]))
+    starts = np.cumsum([0] + [len(indices) for _, indices in rows])
+    guidance = (
+        f"autoguidance {args.guidance_scale:g} by {args.guide_ckpt}"
+        if args.guide_ckpt is not None
+        else f"guidance {args.cfg_scale:g}"
+    )
+    steps = f", {args.steps} steps" if args.steps is not None else ""
+    title = f"{args.ckpt}: {guidance}, {args.sampler or generator.objective.default_sampler}{steps}"
+    grid = [(label, images[start:stop]) for (label, _), start, stop in zip(rows, starts, starts[1:])]
+    save_class_grid(grid, path, title, generator.class_names)
 
 
 def command() -> None:

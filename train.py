@@ -5,11 +5,11 @@
     accelerate launch train.py --config configs/dit-s2-vca.yaml train.lr=2e-4 --resume latest
     python train.py --resume results/digits train.max_steps=4000                   # the run's own config.yaml
 
-Overrides are `section.key=value` (see training/config.py for every key). The run lives in run.dir
-(default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers), sample grids,
-checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every). Before the first
-step the launch prints what it will do (training.summary: model, data, batch geometry, precision, devices, resume
-point) and keeps it as startup.txt.
+Overrides are `section.key=value`; every key is listed below with its default (training/config.py). The run
+lives in run.dir (default results/<config name>): resolved config, metrics.jsonl, tracker logs (log.trackers),
+sample grids, checkpoints with an export that `sample.py` loads, and milestone exports (log.export_every). Before
+the first step the launch prints what it will do (training.summary: model, data, batch geometry, precision,
+devices, resume point) and keeps it as startup.txt.
 
 SIGTERM, SIGUSR1 or SIGINT (Slurm's preemption and time-limit signals, Ctrl-C) stop the run after the current
 optimiser step on every process, with a checkpoint; the command then exits with status 75 (STOPPED_STATUS),
@@ -35,7 +35,9 @@ from commands import CommandParser, run_command
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = CommandParser(prog="train.py", description=__doc__)
+    from training.config_help import describe_keys  # the config schema, without torch: --help answers at once
+
+    parser = CommandParser(prog="train.py", description=__doc__, epilog=describe_keys())
     parser.add_argument(
         "--config",
         help="experiment YAML: a path, or a shipped name like dit-s2-vca (a resume without it uses the run's own)",

@@ -7,6 +7,12 @@ command removes it with `remove_stale_temporaries` before writing again. `atomic
 folder (a training checkpoint). `atomic_files.shards` builds a resumable folder of shards on top (sample.py,
 latent extraction).
 
+A rename is only as durable as what it renames: after a crash of the machine (a lost node, a power cut) the file
+system may have kept the rename but not yet the file's bytes, leaving a complete-looking file that is cut or
+zero-filled. So `commit` flushes the temporary file (every file and folder of a temporary folder) to the disk with
+fsync before the rename, and the folder holding the target after it: a name that survives a crash names whole
+contents.
+
 A write that fails because the disk is full or the folder is read-only removes its temporary file and raises
 `OutputError`, one line naming the path (and, for a full disk, the bytes free and needed when known); the file
 it would have replaced is untouched. `check_writable` and `check_room` let a command find out before it starts.
@@ -20,6 +26,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,10 +37,12 @@ from commands import UserError
 
 __all__ = [
     "OutputError",
+    "allocation_unit",
     "atomic_folder",
     "atomic_output",
     "check_room",
     "check_writable",
+    "commit",
     "free_bytes",
     "output_error",
     "remove_if_stale",
@@ -41,12 +50,14 @@ __all__ = [
     "replace_folder",
     "staging_folder",
     "save_npz_atomic",
+    "sync_to_disk",
     "temporary_target",
     "write_json_atomic",
     "write_text_atomic",
 ]
 
 TEMPORARY_MARK = ".tmp-"
+STAGING_SUFFIX = ".tmp"  # of the hidden folder in which a folder's new contents are assembled (`staging_folder`)
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 LOW_SPACE_BYTES = 1 << 20  # a writer that fails with this little left (torch's reports no errno) ran out of room
@@ -67,11 +78,36 @@ def _temporary_name(path: Path, pid: int) -> Path:
 
 def commit(temporary: Path, target: Path) -> None:
     """Rename a complete temporary file or folder into place (one step on a POSIX file system), its files given
-    the mode the umask gives a new file (`file_mode`)."""
+    the mode the umask gives a new file (`file_mode`). Its contents are flushed to the disk first and the rename
+    after (`sync_to_disk`), so that a crash of the machine leaves the old target or the whole new one. Inside a
+    folder being assembled (a checkpoint's export, its trainer state) that is left to the folder's own commit,
+    which flushes everything in it at once (an fsync took 0.3 to 4 ms on this project's disk, by its load)."""
     mode = file_mode()
-    for file in [temporary] if not temporary.is_dir() else [path for path in temporary.rglob("*") if path.is_file()]:
-        os.chmod(file, mode)
+    entries = [temporary] if not temporary.is_dir() else [*temporary.rglob("*"), temporary]
+    entries = [entry for entry in entries if not entry.is_symlink()]
+    for entry in entries:
+        if entry.is_file() and stat.S_IMODE(entry.stat().st_mode) != mode:  # a file committed before keeps its mode,
+            os.chmod(entry, mode)  # and its inode clean: flushing it again costs next to nothing
+    durable = not _in_staging_folder(target)
+    for entry in entries if durable else []:
+        sync_to_disk(entry)  # the files' bytes and the folders' names, before the name that vouches for them
     os.replace(temporary, target)
+    if durable:
+        sync_to_disk(target.parent)  # the rename itself
+
+
+def sync_to_disk(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names in it durable: created, renamed, removed). A
+    file system that cannot sync a folder (EINVAL, ENOTSUP: some network and FUSE file systems) has nothing more
+    to flush for it."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP) or not path.is_dir():
+            raise
+    finally:
+        os.close(descriptor)
 
 
 def file_mode() -> int:
@@ -92,6 +128,15 @@ def free_bytes(path: str | os.PathLike) -> int:
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free
+
+
+def allocation_unit(path: str | os.PathLike) -> int:
+    """The file system's allocation unit at `path` (or its nearest existing parent): a file takes its size rounded
+    up to a multiple of it (statvfs's fragment size; 4096 on ext4, XFS and tmpfs)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return os.statvfs(path).f_frsize or 1
 
 
 def _sizes(needed: int | None, path: Path) -> str:
@@ -150,7 +195,12 @@ def atomic_output(path: str | os.PathLike, needed: int | None = None) -> Iterato
 def staging_folder(path: str | os.PathLike) -> Path:
     """The hidden folder beside `path` in which its new contents are assembled (see `replace_folder`)."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp")
+    return path.with_name(f".{path.name}{STAGING_SUFFIX}")
+
+
+def _in_staging_folder(path: Path) -> bool:
+    """Whether `path` lies inside a folder being assembled (`staging_folder`), whose own commit flushes it."""
+    return any(part.startswith(".") and part.endswith(STAGING_SUFFIX) for part in path.parent.parts)
 
 
 def replace_folder(temporary: Path, path: Path, needed: int | None = None) -> None:
@@ -192,10 +242,12 @@ def atomic_folder(path: str | os.PathLike, needed: int | None = None) -> Iterato
 def check_writable(folder: str | os.PathLike) -> None:
     """Raise OutputError now if files cannot be written in `folder` (or, when it does not exist yet, in its
     nearest existing parent, where it would be created), before a command spends time on work it could not
-    save. Nothing is left behind."""
-    folder = Path(folder).absolute()
+    save; also when the nearest existing path is a file, where no folder can be made. Nothing is left behind."""
+    wanted = folder = Path(folder).absolute()
     while not folder.exists():
         folder = folder.parent
+    if not folder.is_dir():
+        raise OutputError(f"cannot write in {wanted}: {folder} is a file, not a folder; choose another place")
     probe = folder / f".write-probe{TEMPORARY_MARK}{os.getpid()}"
     temporary = _temporary_name(probe, os.getpid())
     with _failing_as_output_error(folder, None):  # the error names the folder, never the probe's own files

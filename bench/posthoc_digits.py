@@ -14,14 +14,17 @@ the grid, and each is sampled class-balanced (DDIM 50 steps) without guidance an
 autoguided by the same run's classic-EMA export at 25 % of training (step 500: a short-trained, short-EMA version
 of itself) and guided by CFG at one more scale, so that autoguidance can be compared with CFG at the same
 classifier accuracy (per seed, CFG's FID interpolated along its accuracy curve). Scores are the demo's
-(bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
+(bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy. Every setting is a point
+of sweep.py (sampled by sample.py's code, scored by fid's against the real digits' statistics, written once to
+<out>/real-digits-<N>-statistics.npz), with the SVC's accuracy as its extra score.
 
 Cost: Inception sets it (about 17 images/s on the 2-core CPU this was run on, so about a minute per scoring of
 1000 samples): per run 2 classic + 2 x 5 sigma_rels + 3 autoguidance + 1 more CFG scale = 16 scorings, 96 for
 the 6 runs (about 1.7 h), besides 6-10 min of training per run; the reconstruction itself takes seconds.
 Resumable like bench.quality: runs in <out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/,
-one score JSON per scoring in <out>/scores/; a rerun skips what it scored before (same export, settings and
-identity). Report: bench/results/posthoc-digits.{json,md,png} (--quick: --out).
+each run's points in <out>/sweeps/<arm>-seed<k>/ (samples and one score JSON per point); a rerun skips what it
+scored before (same export, guidance and settings). Report: bench/results/posthoc-digits.{json,md,png} (--quick:
+--out).
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ from typing import Any
 import numpy as np
 
 from bench.quality import (
+    INCEPTION_BATCH,
+    SAMPLE_BATCH,
+    SAMPLE_SEED,
+    SAMPLERS,
     Arm,
     Budget,
     checkpoint_export,
     format_spread,
     parse_study_arguments,
     run_name,
-    score_export,
     spread,
     study_parser,
     train_record,
@@ -51,6 +57,7 @@ from bench.quality import (
 )
 from bench.repa_digits import QUICK as REPA_QUICK
 from bench.repa_digits import DigitsScorer
+from sweep import Point, Scoring, Sweep, posthoc_exports
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "digits.yaml"
@@ -97,54 +104,95 @@ def arms(budget: Budget) -> tuple[Arm, ...]:
     )
 
 
-def reconstructions(run_dir: Path, sigma_rels: Sequence[float], step: int) -> dict[float, Path]:
-    """The export of each sigma_rel at `step`, reconstructed where it is missing."""
-    from generation.export import EXPORT_CONFIG
-    from training.posthoc_ema import DEFAULT_OUT, export_folder, reconstruct
+def sample_options(budget: Budget, kind: str, num_classes: int) -> list[str]:
+    """sample.py's options for every point: bench.quality's deterministic sampler of the objective `kind` with the
+    budget's steps, class-balanced labels of seed SAMPLE_SEED in batches of SAMPLE_BATCH on the CPU (the batches
+    of bench.quality.score_export, which scored this study before sweep.py did), a grid of 12 rows of classes."""
+    return [
+        *("--sampler", SAMPLERS[kind], "--steps", str(budget.sampler_steps[kind])),
+        *("--seed", str(SAMPLE_SEED), "--labels", "balanced", "--per-proc-batch-size", str(SAMPLE_BATCH)),
+        *("--shard-size", str(4 * SAMPLE_BATCH), "--grid-size", str(12 * num_classes), "--cpu", "--precision", "fp32"),
+    ]
 
-    folders = {sigma_rel: export_folder(run_dir / DEFAULT_OUT, sigma_rel, step) for sigma_rel in sigma_rels}
-    missing = [sigma_rel for sigma_rel, folder in folders.items() if not (folder / EXPORT_CONFIG).is_file()]
-    if missing:
-        reconstruct(run_dir, missing, step)
-    return folders
+
+def real_statistics(scorer: DigitsScorer, out: Path) -> Path:
+    """The pool_3 statistics of the real digits the study compares with, as a REF file for sweep.py (once)."""
+    from fid import StatisticsFile, save_statistics
+
+    path = out / f"real-digits-{scorer.real_images}-statistics.npz"
+    if not path.is_file():
+        save_statistics(path, StatisticsFile(pool=scorer.real))
+    return path
+
+
+def run_sweep(
+    sweeper: Sweep, arm: Arm, seed: int, export: Path, scale: float, guide: Path | None = None, **what: Any
+) -> dict[str, Any]:
+    """One setting of one run as a point of its sweep, and the study's row of it (the arm, seed and setting, FID,
+    accuracy and what they were measured with)."""
+    label = "classic EMA" if what["ema"] == "classic" else f"sigma_rel {what['sigma_rel']:g}"
+    method = "autoguidance" if guide is not None else "cfg"
+    record = sweeper.score(Point(str(export), label, method, scale, None if guide is None else str(guide)))
+    scores = record["metrics"]
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "guidance": scale,
+        **what,
+        "method": method,
+        "fid": scores["fid"],
+        "accuracy": scores["accuracy"],
+        "inception_weights": record["inception_weights"],
+        "classifier_held_out_accuracy": scores["classifier_held_out_accuracy"],
+        "settings": record["scoring"],
+        "seconds": record["seconds"],
+    }
 
 
 def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[str, Any]:
     from bench._harness import save_results
+    from generation import read_export
 
     scorer = DigitsScorer(out, budget)
     runs = [(arm, seed) for arm in arms(budget) for seed in budget.seeds]
     run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, CONFIG) for arm, seed in runs}
     final, guide_step = budget.max_steps, round(GUIDE_FRACTION * budget.max_steps)
-    rows: list[dict[str, Any]] = []
+    description = read_export(checkpoint_export(next(iter(run_dirs.values())), final)).description
+    scoring = Scoring(str(real_statistics(scorer, out)), ("fid",), "bundled", INCEPTION_BATCH)
+    options = sample_options(budget, description.objective["kind"], description.num_classes)
 
-    def score(arm: Arm, seed: int, export: Path, label: str, guidance: float, guide: Path | None = None, **what):
-        identity = {"arm": arm.name, "seed": seed, "guidance": guidance, **what}
-        name = f"{run_name(arm, seed)}/{label}"
-        rows.append(
-            score_export(export, name, identity, budget.final_samples, True, budget, scorer, out, guidance, guide)
+    def extra_scores(images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+        classifier = scorer.classifier
+        return {
+            "accuracy": classifier.accuracy(images, labels),
+            "classifier_held_out_accuracy": classifier.held_out_accuracy,
+        }
+
+    sweeps = {
+        (arm.name, seed): Sweep(
+            out / "sweeps" / run_name(arm, seed), budget.final_samples, options, scoring, extra_scores, scorer.settings
         )
-
+        for arm, seed in runs
+    }
+    rows: list[dict[str, Any]] = []
     for arm, seed in runs:
-        run_dir = run_dirs[(arm.name, seed)]
+        run_dir, sweeper = run_dirs[(arm.name, seed)], sweeps[(arm.name, seed)]
         classic = checkpoint_export(run_dir, final)
         for scale in (1.0, grid.cfg_scale):
-            score(arm, seed, classic, f"classic-cfg{scale:g}", scale, ema="classic", method="cfg")
-        for sigma_rel, folder in reconstructions(run_dir, grid.sigma_rels, final).items():
+            rows.append(run_sweep(sweeper, arm, seed, classic, scale, ema="classic"))
+        for sigma_rel, folder in posthoc_exports(run_dir, grid.sigma_rels, final).items():
             for scale in (1.0, grid.cfg_scale):
-                label = f"sigma_rel-{sigma_rel:g}-cfg{scale:g}"
-                score(arm, seed, folder, label, scale, ema="posthoc", sigma_rel=sigma_rel, method="cfg")
+                rows.append(run_sweep(sweeper, arm, seed, folder, scale, ema="posthoc", sigma_rel=sigma_rel))
     best = best_sigma_rels(rows)
     for arm, seed in runs:
-        run_dir = run_dirs[(arm.name, seed)]
-        main = reconstructions(run_dir, [best[arm.name]], final)[best[arm.name]]
+        run_dir, sweeper = run_dirs[(arm.name, seed)], sweeps[(arm.name, seed)]
+        main = posthoc_exports(run_dir, [best[arm.name]], final)[best[arm.name]]
         guide = checkpoint_export(run_dir, guide_step)
         what = dict(ema="posthoc", sigma_rel=best[arm.name])
-        label = f"sigma_rel-{best[arm.name]:g}"  # not "best": a rerun with another seed can move the best
         for scale in grid.autoguidance_scales:
-            score(arm, seed, main, f"{label}-auto{scale:g}", scale, guide, **what, method="autoguidance")
+            rows.append(run_sweep(sweeper, arm, seed, main, scale, guide, **what))
         for scale in grid.more_cfg_scales:
-            score(arm, seed, main, f"{label}-cfg{scale:g}", scale, **what, method="cfg")
+            rows.append(run_sweep(sweeper, arm, seed, main, scale, **what))
     fits = {key: fit_records(run_dir, grid.sigma_rels, final) for key, run_dir in run_dirs.items()}
     results = summarise(rows, runs, budget, grid, best, guide_step, fits, out)
     markdown = render_markdown(results)
@@ -168,7 +216,7 @@ def fit_records(run_dir: Path, sigma_rels: Sequence[float], step: int) -> dict[f
 
     records = {
         sigma_rel: read_export(folder).description.posthoc_ema
-        for sigma_rel, folder in reconstructions(run_dir, sigma_rels, step).items()
+        for sigma_rel, folder in posthoc_exports(run_dir, sigma_rels, step).items()
     }
     return {s: {"relative_error": r["relative_error"], "condition": r["condition"]} for s, r in records.items()}
 

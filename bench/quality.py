@@ -324,7 +324,7 @@ def score_export(
     from atomic_files import save_npz_atomic, write_json_atomic
     from generation import ImageGenerator, read_export
     from generation.generator import load_model
-    from generation.images import save_grid
+    from generation.images import class_grid_indices, save_class_grid
     from generation.sample_plan import assign_labels, sample_seeds
 
     export = read_export(export_dir)
@@ -365,7 +365,11 @@ def score_export(
     samples = out / "samples" / f"{name}.npz"
     save_npz_atomic(samples, arr_0=images, arr_1=labels)
     if final:
-        save_grid(images[: 12 * export.description.num_classes], samples.with_suffix(".png"))
+        rows = [
+            (label, images[indices])
+            for label, indices in class_grid_indices(labels, 12 * export.description.num_classes)
+        ]
+        save_class_grid(rows, samples.with_suffix(".png"), f"{name}, guidance {guidance:g}")
     features = scorer.features(images)  # (N, 2048)
     fid_curve = scorer.fid(features[: budget.curve_samples])
     result = {

@@ -49,6 +49,7 @@ from bench._harness import (
     subplots,
     synchronize,
 )
+from bench.gpu_training import FIXED_GRID, TIME_GOALS
 from generation.objective import create_objective
 from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling
 from training.accelerator import create_accelerator
@@ -62,10 +63,7 @@ from training.run import RunDirectory
 ROOT = Path(__file__).resolve().parents[1]
 LATENT_CHANNELS = SD_VAE_ARCHITECTURE["latent_channels"]
 DOWNSAMPLING = latent_downsampling(SD_VAE_ARCHITECTURE)
-FIXED_GRID = 8
 QUICK_DEPTH = 2
-# The goals, VCA / MHSA time per training step (DiT-S/2, fp32, from latents): (image size, grid) -> limit.
-TIME_GOALS = {(256, None): 1.00, (512, None): 0.90, (512, FIXED_GRID): 0.67}
 # Block options of --options (Case.options): config overrides, by the name a case's label carries.
 BLOCK_OPTIONS = {
     "rope": ["model.rope=true"],
@@ -191,7 +189,7 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
             dataset = RandomExamples((LATENT_CHANNELS, latent_side, latent_side), pool=batch_size)
         model = build_model(config, LATENT_CHANNELS, latent_side)
         if config.train.compile:
-            model.compile()  # compiled on the first (warm-up) step, as in training.build
+            model.compile(fullgraph=True)  # compiled on the first (warm-up) step, as in training.build
         ema = create_ema(model, config.train).to(device)
         optimizer, scheduler = create_optimizer(model, config, device)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -8,34 +8,23 @@ VCA follows docs/VCA.md (Pu et al., NeurIPS 2025, "Linear Differential Vision Tr
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from commands import UserError
+from dit_vca.kernel_layout import KernelLayout
+from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
-from dit_vca.vca_core import KernelLayout, stage2_uses_sdpa, vca_core
+from dit_vca.vca_core import stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
-VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
-VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
+KERNEL_ATTRIBUTE = "VisualContrastAttention.kernel"  # how a refusal names the choice when no option made it
+TRITON_DEVICE_TYPES = ("cuda",)  # where the automatic choice (kernel None) runs the core on the Triton kernels
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported
 NORM_EPS = 1e-5  # of VCA's two RMSNorms
 QK_NORM_EPS = 1e-6  # of the RMSNorms of queries and keys (QK-norm), LightningDiT's
-
-
-@dataclass(frozen=True)
-class VCAOptions:
-    """Switches of Visual-Contrast Attention. The defaults are the released code; the others give the paper's
-    ablation rows (see VisualContrastAttention for what each switch turns off)."""
-
-    contrast_grid: int | None = None  # side p of the pooled p×p grid; None means H/2 (n = N/4)
-    joint_softmax: bool = True  # Stage II: one softmax over the 2n columns (released code) or two (paper text)
-    stage1_differential: bool = True
-    stage2_differential: bool = True
-    pooled_content: bool = True  # False: the streams are the embeddings E± alone
 
 
 def resolve_contrast_grid(grid_size: int, contrast_grid: int | None) -> int:
@@ -196,9 +185,15 @@ class VisualContrastAttention(nn.Module):
         under torch.compile, which treats it as opaque. Equal to `reference_forward` up to float rounding,
         outputs and gradients (tested). Under autocast the core computes in the autocast dtype, as nn.Linear
         would; the parameters' gradients come back in float32."""
-        options, device_type = self.options, x.device.type
+        device_type = x.device.type
         autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        return self.proj(self.core(x.to(dtype), self.runs_triton(x.device, dtype)))  # (B, N, C)
+
+    def core(self, x: Tensor, triton: bool) -> Tensor:
+        """The VCA core (dit_vca.vca_core) of tokens x (B, N, C), computed in x's dtype on the Triton kernels or
+        the ATen operations: the input of the output projection (B, N, C)."""
+        options = self.options
         layout = KernelLayout(
             self.num_heads,
             self.grid_size,
@@ -210,15 +205,15 @@ class VisualContrastAttention(nn.Module):
             self.lambda_init,
             NORM_EPS,
             self.recompute_qkv,
-            stage2_uses_sdpa(device_type) if self.stage2_sdpa is None else self.stage2_sdpa,
-            self.uses_triton(device_type),
+            stage2_uses_sdpa(x.device.type) if self.stage2_sdpa is None else self.stage2_sdpa,
+            triton,
             QK_NORM_EPS if self.q_norm is not None else None,
         )
         rope = None
         if self.rope is not None:
             rope = (self.rope.cos, self.rope.sin, self.contrast_rope.cos, self.contrast_rope.sin)
-        core = vca_core(
-            x.to(dtype),  # (B, N, C)
+        return vca_core(
+            x,  # (B, N, C)
             self.qkv.weight,
             self.qkv.bias,
             self.contrast_embed,
@@ -233,15 +228,30 @@ class VisualContrastAttention(nn.Module):
             k_norm=None if self.k_norm is None else self.k_norm.weight,
             rope=rope,
         )  # (B, N, C)
-        return self.proj(core)  # (B, N, C)
 
     def uses_triton(self, device_type: str) -> bool:
         """Whether the core runs on the Triton kernels for tensors of `device_type` (see `kernel`)."""
         if self.kernel is None:
-            return device_type == "cuda" and TRITON_INSTALLED
+            return device_type in TRITON_DEVICE_TYPES and TRITON_INSTALLED
         if self.kernel not in VCA_KERNELS:
             raise ValueError(f"VisualContrastAttention.kernel={self.kernel!r}; expected None or one of {VCA_KERNELS}")
         return self.kernel == "triton"
+
+    def runs_triton(self, device: torch.device, dtype: torch.dtype, option: str = KERNEL_ATTRIBUTE) -> bool:
+        """Whether a call on `device` computing in `dtype` runs the Triton core: the kernel choice (`uses_triton`),
+        then the first-use check of dit_vca.triton_check for this device, dtype, head dim and switches. A failed
+        check falls back to ATen when the choice was automatic, and is a UserError naming `option` when
+        `kernel` is "triton"."""
+        if not self.uses_triton(device.type):
+            return False
+        # Imported here: marking the check constant for Dynamo imports torch._dynamo (seconds), which a process that
+        # never runs the Triton core (the CPU, a config error) should not pay.
+        from dit_vca.triton_check import triton_core_passes
+
+        o = self.options
+        switches = (o.joint_softmax, o.stage1_differential, o.stage2_differential, o.pooled_content)
+        forced_by = option if self.kernel == "triton" else None
+        return triton_core_passes(device, dtype, self.head_dim, self.grid_size, self.contrast_grid, switches, forced_by)
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The readable path: VCA step by step in autograd-differentiated torch operations. It is the
@@ -297,24 +307,31 @@ class VisualContrastAttention(nn.Module):
         return self.proj(out + local.flatten(2).transpose(1, 2))  # (B, N, C)
 
 
-def set_vca_kernel(model: nn.Module, kernel: str, device: torch.device | str, option: str) -> None:
+def set_vca_kernel(
+    model: nn.Module, kernel: str, device: torch.device | str, option: str, dtype: torch.dtype | None = None
+) -> None:
     """Set `kernel` ("auto", "aten" or "triton"; see VisualContrastAttention.kernel) on every VCA module of
     `model`, which runs on `device`; MHSA modules have no such choice. A choice that cannot run there is a user
-    error naming `option` (train.vca_kernel, --vca-kernel) now, not a Triton failure in the first forward."""
+    error naming `option` (train.vca_kernel, --vca-kernel) now, not a Triton failure in the first forward. With
+    `dtype`, the dtype the core will compute in (the autocast dtype, else the model's), the Triton core's
+    first-use check (dit_vca.triton_check) runs now for every layer that will use it, before the model is
+    compiled: a failure falls back to ATen with a warning, or with "triton" is a user error naming `option`."""
     if kernel not in VCA_KERNEL_SETTINGS:
         raise UserError(f"{option} is {kernel!r}; valid choices: {', '.join(VCA_KERNEL_SETTINGS)}")
+    device = torch.device(device)
     if kernel == "triton":
-        device_type = torch.device(device).type
         if not TRITON_INSTALLED:
             raise UserError(f"{option} triton needs the triton package, which is not installed; use aten or auto")
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise UserError(
-                f"{option} triton on {device_type} needs a CUDA device or Triton's interpreter (TRITON_INTERPRET=1 in "
+                f"{option} triton on {device.type} needs a CUDA device or Triton's interpreter (TRITON_INTERPRET=1 in "
                 "the environment); use aten or auto"
             )
     for module in model.modules():
         if isinstance(module, VisualContrastAttention):
             module.kernel = None if kernel == "auto" else kernel
+            if dtype is not None:
+                module.runs_triton(device, dtype, option)
 
 
 def build_attention(

@@ -11,9 +11,10 @@ from torch import Tensor
 from dit_vca.losses import mean_flat
 from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
+from samplers.catalogue import DIFFUSION_SAMPLERS, MULTISTEP_SOLVERS
 from samplers.ddpm import ReverseStep
 from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
-from samplers.multistep import SCHEDULERS, multistep_solver
+from samplers.multistep import multistep_solver
 
 NUM_TIMESTEPS = 1000
 BETA_START = 1e-4  # for 1000 steps; scaled by 1000 / num_timesteps otherwise, as in improved DDPM
@@ -21,9 +22,6 @@ BETA_END = 0.02
 PIXEL_BIN_HALF_WIDTH = 1.0 / 255.0  # decoder NLL: data in [-1, 1] discretised to 256 levels
 PROBABILITY_FLOOR = 1e-12  # decoder NLL: bin probabilities below this count as this, as in ADM/DiT
 DECODER_CDFS = ("tanh", "exact")  # the official tanh approximation (default) or the exact normal CDF
-
-SAMPLER_OPTIONS = {"ddpm": ("clip_denoised",), "ddim": ("clip_denoised", "eta"), **{name: () for name in SCHEDULERS}}
-DEFAULT_STEPS = {"ddpm": 250, "ddim": 50, **{name: 20 for name in SCHEDULERS}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,8 +286,8 @@ class GaussianDiffusion:
 
     # -- sampling --------------------------------------------------------------------------------------------------
 
-    default_sampler = "ddpm"
-    sampler_names = tuple(SAMPLER_OPTIONS)
+    default_sampler = DIFFUSION_SAMPLERS.default
+    sampler_names = DIFFUSION_SAMPLERS.names
 
     def sample(
         self,
@@ -307,10 +305,10 @@ class GaussianDiffusion:
         option eta, default 0) or the deterministic multistep solvers "dpm++2m" and "unipc" (default 20 steps,
         spread over this process by diffusers' schedulers). Option clip_denoised (DDPM/DDIM) clamps predicted x_0
         to [-1, 1] (pixel data only)."""
-        check_sampler_request(sampler, options, SAMPLER_OPTIONS)
-        steps = DEFAULT_STEPS[sampler] if steps is None else steps
+        check_sampler_request(sampler, options, DIFFUSION_SAMPLERS.options)
+        steps = DIFFUSION_SAMPLERS.steps[sampler] if steps is None else steps
         with torch.no_grad():
-            if sampler in SCHEDULERS:
+            if sampler in MULTISTEP_SOLVERS:
                 return multistep_solver(model_fn, x_T, labels, self, solver=sampler, steps=steps, progress=progress)
             process = self.respaced(f"ddim{steps}" if sampler == "ddim" else str(steps))
             run = ddpm_samplers.ddim if sampler == "ddim" else ddpm_samplers.ddpm

@@ -3,8 +3,8 @@
 With attention="mhsa" the parameter layout is the official one (key for key, shape for shape), so official
 DiT checkpoints load with `load_state_dict`, and official SiT checkpoints into a SiT built with learn_sigma=True
 (they carry the unused variance half). The method and the conventions: docs/VCA.md. LightningDiT's block options
-(RMSNorm, SwiGLU, QK-norm, 2-D RoPE; `RECIPES`) are off by default; with them the layout is LightningDiT's, up to
-the names of the SwiGLU matrices (generation.lightning).
+(RMSNorm, SwiGLU, QK-norm, 2-D RoPE; their presets: `dit_vca.model_options.RECIPES`) are off by default; with them
+the layout is LightningDiT's, up to the names of the SwiGLU matrices (generation.lightning).
 """
 
 import math
@@ -14,13 +14,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import ATTENTION_KINDS, VCAOptions, build_attention, resolve_contrast_grid
+from .attention import ATTENTION_KINDS, build_attention, resolve_contrast_grid
+from .model_options import MLPS, NORMS, VCAOptions
 
 TIMESTEP_FREQUENCY_DIM = 256  # width of the sinusoidal timestep features
 MAX_PERIOD = 10_000  # longest period of the timestep and position sinusoids
 NORM_EPS = 1e-6  # LayerNorm eps of the official DiT (and of LightningDiT's RMSNorm)
-NORMS = ("layernorm", "rmsnorm")  # block_norm
-MLPS = ("gelu", "swiglu")  # feed_forward
 
 
 #################################################################################
@@ -296,27 +295,6 @@ class DiT(nn.Module):
 MODEL_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}  # depth, width, heads
 PATCH_SIZES = (1, 2, 4, 8)  # 1: LightningDiT's XL/1 on 16x16 latents of an f16 autoencoder
 
-# Architecture presets: the block options (create_backbone's norm, mlp, qk_norm, rope) that a recipe switches on.
-# "dit" is the 2022 DiT/SiT (the official layout); "lightning" LightningDiT's released model (RMSNorm, SwiGLU,
-# 2-D RoPE; its configs leave QK-norm off); "lightning-qknorm" the same with QK-norm, the whole set.
-RECIPES = {
-    "dit": dict(norm="layernorm", mlp="gelu", qk_norm=False, rope=False),
-    "lightning": dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True),
-    "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True),
-}
-
-
-def recipe_options(recipe: str, **overrides: object) -> dict[str, object]:
-    """The block options of `recipe`, each replaced by an override that is not None: e.g.
-    `create_model(name, attention="mhsa", **recipe_options("lightning", rope=False))`."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; expected one of {tuple(RECIPES)}")
-    unknown = overrides.keys() - RECIPES[recipe].keys()
-    if unknown:
-        raise ValueError(f"{sorted(unknown)} are not block options; expected {tuple(RECIPES[recipe])}")
-    return {key: default if overrides.get(key) is None else overrides[key] for key, default in RECIPES[recipe].items()}
-
-
 # Model configs written before VCAOptions became one section held its fields at the top level.
 LEGACY_VCA_KEYS = tuple(field.name for field in fields(VCAOptions))
 
@@ -387,7 +365,7 @@ def create_backbone(
     `dit_vca.attention`), or a dict of them; None means the defaults. depth, hidden_size, num_heads and
     mlp_ratio override the size given by the name (for tiny test and demo models). norm ("layernorm" |
     "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (in MHSA and in VCA's core) are the block options, DiT's by
-    default; `recipe_options` gives a recipe's set (RECIPES).
+    default; `dit_vca.model_options.recipe_options` gives a recipe's set (RECIPES).
     """
     if model_family(name) != family:
         raise ValueError(f"model name {name!r} is not a {family} name; valid names: {', '.join(model_names(family))}")

@@ -9,14 +9,11 @@ the operator's inputs and q, k, v; the backward recomputes both stages with thei
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from dit_vca.vca_core import KernelLayout
+from dit_vca.kernel_layout import KernelLayout
 
 
 def saved_like(heads: Tensor, layout: KernelLayout) -> list[Tensor]:

@@ -30,7 +30,6 @@ operations (VisualContrastAttention.reference_forward, the specification):
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -39,6 +38,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from dit_vca import vca_aten, vca_qk
+from dit_vca.kernel_layout import KernelLayout
 from dit_vca.vca_aten import sum_to_fp32
 from dit_vca.vca_qk import RopeTables
 
@@ -68,51 +68,6 @@ CORE_OPTIONAL_TENSORS = 6
 
 def stage2_uses_sdpa(device_type: str) -> bool:
     return STAGE2_SDPA.get(device_type, False)
-
-
-@dataclass(frozen=True)
-class KernelLayout:
-    """The static shape and switches the fused VCA core needs besides its tensors (scalar operator arguments)."""
-
-    num_heads: int
-    grid_size: int  # H (= W)
-    contrast_grid: int  # p, a divisor of H
-    joint_softmax: bool
-    stage1_differential: bool
-    stage2_differential: bool
-    pooled_content: bool
-    lambda_init: float
-    eps: float  # of both RMSNorms
-    recompute_qkv: bool  # recompute q, k, v in backward instead of saving them
-    stage2_sdpa: bool  # Stage II of the forward as SDPA calls (see STAGE2_SDPA)
-    triton: bool = False  # both attention stages on the Triton kernels of dit_vca.vca_triton
-    qk_norm_eps: float | None = None  # eps of QK-norm's RMSNorms of q and k (dit_vca.vca_qk); None: no QK-norm
-
-    def as_args(self) -> tuple:
-        """The fields in order: the scalar arguments of the operators."""
-        return (
-            self.num_heads,
-            self.grid_size,
-            self.contrast_grid,
-            self.joint_softmax,
-            self.stage1_differential,
-            self.stage2_differential,
-            self.pooled_content,
-            self.lambda_init,
-            self.eps,
-            self.recompute_qkv,
-            self.stage2_sdpa,
-            self.triton,
-            self.qk_norm_eps,
-        )
-
-    @property
-    def stage1_rows(self) -> int:  # contrast tokens that read the keys in Stage I: [T⁺; T⁻] or T⁺
-        return (2 if self.stage1_differential else 1) * self.contrast_grid**2
-
-    @property
-    def stage2_cols(self) -> int:  # contrast tokens that the queries read in Stage II
-        return (2 if self.stage2_differential else 1) * self.contrast_grid**2
 
 
 def vca_core(

@@ -18,17 +18,13 @@ q and k (element-wise work) rather than keeping q̃, k̃ beside them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dit_vca.kernel_layout import KernelLayout
 from dit_vca.rope import rotate_pairs
 from dit_vca.vca_aten import inverse_rms, pool_queries, rms_norm_backward
-
-if TYPE_CHECKING:
-    from dit_vca.vca_core import KernelLayout
 
 # RoPE's tables as the core takes them: cosines and sines (N, d/2) of the tokens' positions, then of the contrast
 # tokens' (n, d/2), the centres of their pooling cells (dit_vca.rope.grid_positions).

@@ -238,6 +238,7 @@ def evaluate(
     progress: bool = False,
     center_crop: int | None = None,
     skip_corrupt: bool = False,
+    extractor: InceptionFeatures | None = None,
 ) -> Evaluation:
     """Metrics of SAMPLES against REF; see `python -m fid --help` for the inputs accepted.
 
@@ -245,7 +246,9 @@ def evaluate(
     (the default) computes what the inputs allow (see `choose_metrics`).
     With `save_stats`, the samples' pool_3 and spatial statistics are written there (ADM format).
     `center_crop` and `skip_corrupt` apply to image folders (fid.inputs.FolderImages). Every check of the
-    arguments and of the inputs' headers comes before Inception is loaded.
+    arguments and of the inputs' headers comes before Inception is loaded. `extractor`: an Inception already
+    loaded (`load_inception`), used instead of `weights` and `device`, so that scoring many sets (sweep.py) loads
+    it once.
     """
     metrics = check_request(metrics, ref, save_stats, batch_size, center_crop)
     sample_input = open_input(resolve_input(samples), center_crop, skip_corrupt)
@@ -272,9 +275,14 @@ def evaluate(
             f"Inception Score split of {is_split_size}"
         )
 
-    extractor = None
-    if sample_plan.needs_images or (ref_plan and ref_plan.needs_images):
+    if not (sample_plan.needs_images or (ref_plan and ref_plan.needs_images)):
+        extractor = None  # stored statistics only
+    elif extractor is None:
         extractor = load_inception(weights, device, require_classifier="is" in metrics)
+    elif "is" in metrics and not extractor.has_classifier:
+        raise InputError(
+            f"the Inception Score needs Inception's 1008-class layer; {extractor.weights.description} has none"
+        )
     sample_features = _features_of(sample_input, sample_plan, extractor, batch_size, progress)
     ref_features = _features_of(ref_input, ref_plan, extractor, batch_size, progress) if ref_input else None
 

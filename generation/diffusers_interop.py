@@ -35,10 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from atomic_files import commit
 from commands import CommandParser, UserError, run_command
 from dit_vca.attention import MultiHeadSelfAttention
 from dit_vca.diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
-from dit_vca.models import MODEL_SIZES, RECIPES, DiT, build_model_from_config, create_model
+from dit_vca.model_options import RECIPES
+from dit_vca.models import MODEL_SIZES, DiT, build_model_from_config, create_model
 from samplers.multistep import SCHEDULERS
 
 if TYPE_CHECKING:
@@ -344,7 +346,7 @@ def convert(
         else:
             transformer.save_pretrained(staging / "transformer")
             scheduler.save_pretrained(staging / "scheduler")
-        os.replace(staging, out_dir)
+        commit(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote {out_dir}" + ("" if vae_name else " (transformer/ and scheduler/; add --vae for a pipeline)"))

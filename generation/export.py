@@ -12,7 +12,7 @@ Nothing here unpickles: weights are safetensors, the description is JSON.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,13 @@ from safetensors.torch import load_file, save_file
 from atomic_files import atomic_output, write_json_atomic
 from commands import UserError
 from dit_vca.models import current_model_config
-from generation.run_layout import CHECKPOINT_PATTERN, CHECKPOINTS_FOLDER
+from generation.run_layout import CHECKPOINTS_FOLDER, TRAINER_STATE, list_checkpoints
 from generation.vae import LatentNormalization
 
 EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
-FORMAT_VERSION = 4  # 4: latent_mean, latent_std; 3: vae_path; 2 and 3 are read as 4 without them
+FORMAT_VERSION = 4  # 4: latent_mean, latent_std, class_names; 3: vae_path; 2 and 3 are read as 4 without what they lack
 SPACES = ("pixels", "latents")
 
 
@@ -81,6 +81,7 @@ class ExportDescription:
     train_step: int | None = None  # optimiser steps behind the weights, when known
     source: str | None = None  # where the weights came from, for an export not written by training
     posthoc_ema: dict[str, Any] | None = None  # a post-hoc EMA reconstruction's sigma_rel, step and snapshots
+    class_names: list[str] | None = None  # of the training data's classes, where it had names (an image folder's)
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:
@@ -115,6 +116,21 @@ class ExportDescription:
         """Trained with label dropout, so classifier-free guidance is possible."""
         return float(self.model.get("class_dropout_prob", 0.0)) > 0
 
+    def located_in(self, folder: str | Path) -> ExportDescription:
+        """This description as read from the export `folder`: a relative local path in `vae` or `vae_path` (written
+        by hand; training writes absolute ones) names a folder relative to the export, not to the working
+        directory, and becomes absolute. `vae` counts as a path when it starts with "." or names a folder there;
+        otherwise it is a hub id ("owner/name")."""
+        base = Path(folder).resolve()
+        located = {}
+        for key in ("vae", "vae_path"):
+            value = getattr(self, key)
+            if value is None or Path(value).expanduser().is_absolute():
+                continue
+            if key == "vae_path" or value.startswith(".") or (base / value).is_dir():
+                located[key] = str((base / value).resolve())
+        return replace(self, **located)
+
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, **asdict(self)}
 
@@ -123,6 +139,11 @@ class ExportDescription:
         """Read the current layout, or the first one (a "data" section with "kind"), which earlier code wrote."""
         values = dict(values)
         version = values.pop("format", 1)
+        whole = isinstance(version, int) and not isinstance(version, bool)  # "3" or 3.0: written by hand
+        if whole and version > FORMAT_VERSION:
+            raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
+        if not whole or version < 1:
+            raise ValueError(f'"format" is {json.dumps(version)}; expected a whole number from 1 to {FORMAT_VERSION}')
         if version == 1:
             data = values.pop("data")
             values.update(
@@ -133,8 +154,6 @@ class ExportDescription:
                 latent_scale=data.get("latent_scale"),
                 model=current_model_config(values["model"]),
             )
-        elif version not in (2, 3, FORMAT_VERSION):
-            raise ValueError(f"export format {version} is newer than this code understands ({FORMAT_VERSION})")
         return cls(**values)
 
 
@@ -223,24 +242,21 @@ def write_export(folder: str | Path, weights: dict[str, torch.Tensor], descripti
 
 
 def find_export(path: str | Path) -> Path:
-    """The export folder of an export folder, a checkpoint folder, or a run directory (its newest checkpoint)."""
+    """The export folder of an export folder, a checkpoint folder, or a run directory (its newest complete
+    checkpoint, generation.run_layout.list_checkpoints)."""
     path = Path(path)
     candidates = [path, path / EXPORT_DIR]
-    checkpoints = path / CHECKPOINTS_FOLDER
-    if checkpoints.is_dir():
-        steps = sorted(
-            (int(match.group(1)), child)
-            for child in checkpoints.iterdir()
-            if (match := CHECKPOINT_PATTERN.match(child.name))
-        )
-        if steps:
-            candidates.append(steps[-1][1] / EXPORT_DIR)
+    checkpoints = list_checkpoints(path / CHECKPOINTS_FOLDER)  # complete ones only
+    if checkpoints:
+        candidates.append(checkpoints[-1] / EXPORT_DIR)
     for candidate in candidates:
         if (candidate / EXPORT_CONFIG).is_file() and (candidate / EXPORT_WEIGHTS).is_file():
             return candidate
+    exports = sorted((path / CHECKPOINTS_FOLDER).glob(f"step-*/{EXPORT_DIR}/{EXPORT_CONFIG}"))  # of incomplete ones
+    hint = f" ({exports[-1].parent} is in a checkpoint without {TRAINER_STATE}: pass it itself)" if exports else ""
     raise ExportError(
         f"no export at {path}: expected {EXPORT_WEIGHTS} and {EXPORT_CONFIG} in it, in its "
-        f"{EXPORT_DIR}/ folder, or in the newest checkpoint of a run directory"
+        f"{EXPORT_DIR}/ folder, or in the newest complete checkpoint of a run directory{hint}"
     )
 
 
@@ -248,7 +264,7 @@ def read_description(folder: str | Path) -> ExportDescription:
     """The description of an export folder (cheap: no weights are read)."""
     path = Path(folder) / EXPORT_CONFIG
     try:
-        return ExportDescription.from_json(json.loads(path.read_text()))
+        return ExportDescription.from_json(json.loads(path.read_text())).located_in(folder)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ExportError(f"{path} is not valid JSON ({error}); the export is damaged") from None
     except (KeyError, TypeError, ValueError) as error:

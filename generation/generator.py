@@ -25,6 +25,7 @@ from samplers import PerSampleNoise, autoguidance, classifier_free_guidance
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1] (B, 1 or 3, H, W)
 PRECISIONS = ("fp32", "tf32", "bf16")
+COMPUTE_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}  # what the model computes in
 
 
 def default_precision(device: torch.device, mixed_precision: str | None = None) -> str:
@@ -43,12 +44,17 @@ def set_matmul_precision(precision: str) -> None:
 
 
 def load_model(
-    export: Export, device: torch.device | str = "cpu", compile: bool = False, vca_kernel: str = "auto"
+    export: Export,
+    device: torch.device | str = "cpu",
+    compile: bool = False,
+    vca_kernel: str = "auto",
+    precision: str = "fp32",
 ) -> nn.Module:
     """The EMA network of an export on `device`, in eval mode without gradients, its VCA core on `vca_kernel`
-    (dit_vca.attention.set_vca_kernel); `compile` wraps it in torch.compile (compiled on the first batch)."""
+    (dit_vca.attention.set_vca_kernel, which checks the Triton core for `precision`'s dtype now, before any
+    compiling); `compile` wraps it in torch.compile (compiled on the first batch)."""
     model = build_model_from_config(export.description.model)
-    set_vca_kernel(model, vca_kernel, device, "--vca-kernel")
+    set_vca_kernel(model, vca_kernel, device, "--vca-kernel", COMPUTE_DTYPES[precision])
     model.load_state_dict(export.weights, strict=True)
     model = model.to(device).eval().requires_grad_(False)
     return torch.compile(model) if compile else model
@@ -71,11 +77,17 @@ class ImageGenerator:
 
     `precision` "bf16" runs the model and decoder under bf16 autocast ("tf32" is a process-wide switch, see
     `set_matmul_precision`). `model_evaluations` counts the sampler's calls of the (guided) model, summed over
-    `generate` calls.
+    `generate` calls. `class_names`: the classes' names where the training data had them (for grids), else None.
     """
 
     def __init__(
-        self, model: DiT, objective: Objective, decode: Decoder, num_classes: int, precision: str = "fp32"
+        self,
+        model: DiT,
+        objective: Objective,
+        decode: Decoder,
+        num_classes: int,
+        precision: str = "fp32",
+        class_names: list[str] | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
@@ -84,6 +96,7 @@ class ImageGenerator:
         self.decode = decode
         self.num_classes = num_classes
         self.precision = precision
+        self.class_names = class_names
         self.model_evaluations = 0
 
     @classmethod
@@ -95,34 +108,44 @@ class ImageGenerator:
         precision: str = "fp32",
         compile: bool = False,
         vca_kernel: str = "auto",
+        vae_option: str = "ImageGenerator.from_export(vae)",
     ) -> ImageGenerator:
         """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
         `compile` wraps the model in torch.compile (compiled on the first batch); `vca_kernel` ("auto", "aten",
-        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel)."""
+        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel). A VAE that cannot be
+        loaded names `vae_option` as the way to give another: this method's `vae` argument, or the option of the
+        command that calls it (sample.py: "--vae")."""
         description = export.description
         autoencoder = None
         if not description.in_pixel_space:
             from generation.vae import latent_downsampling, load_vae  # diffusers is slow to import: latents only
 
             autoencoder = (  # before the model: fails fast offline
-                load_vae(vae, device, option="--vae")
+                load_vae(vae, device, option=vae_option)
                 if vae is not None
-                else load_vae(description.vae, device, hint=description.vae_path, option="--vae")
+                else load_vae(description.vae, device, hint=description.vae_path, option=vae_option)
             )
+            channels = autoencoder.config.latent_channels
+            if channels != description.channels:  # else a convolution deep in the decoder names neither
+                raise ExportError(
+                    f"the VAE {vae or description.vae} has {channels} latent channels, but the model generates "
+                    f"{description.channels}: use a VAE with {description.channels} latent channels (sample.py --vae)"
+                )
             latent_side = description.model["input_size"]
             decoded = latent_side * latent_downsampling(autoencoder.config)
             if decoded != description.image_size:  # else it would sample images of another size without a word
                 raise ExportError(
                     f"the VAE {vae or description.vae} decodes the model's {latent_side}x{latent_side} latents to "
                     f"{decoded} px images, but the export declares {description.image_size} px: use the VAE it "
-                    f"was trained with (sample.py --vae)"
+                    f"was trained with ({vae_option})"
                 )
         return cls(
-            load_model(export, device, compile, vca_kernel),
+            load_model(export, device, compile, vca_kernel, precision),
             create_objective(description.objective),
             pixel_decoder(description, autoencoder),
             description.num_classes,
             precision,
+            description.class_names,
         )
 
     @property

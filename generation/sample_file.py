@@ -26,6 +26,8 @@ from commands import UserError
 SHARD_NAME = "shard-{:06d}.npz"  # shard k's file in <out>.shards/
 LABEL_BYTES = np.dtype(np.int64).itemsize  # a label, or a sample index, in a sample file
 NPZ_OVERHEAD_BYTES = 1024  # headers and zip records of an .npz of up to three arrays, at most (a shard: 748)
+RECORD_BYTES = 16 << 10  # the most a run's summary .json or its shard folder's settings.json takes (about 1.1 KiB)
+FOLDER_ENTRY_BYTES = 64  # a shard's entry in the shard folder (ext4: 24 bytes for 8 and its 16-character name)
 
 
 @dataclass(frozen=True)
@@ -98,12 +100,13 @@ class SampleFiles:
             remove_stale_temporaries(path)
         return self.samples.exists() and key is None
 
-    def bytes_on_disk(self) -> int:
-        """Bytes that the shard folder and the .npz hold now, which a run needs no free space for: a resumed run
-        keeps its finished shards, and once `claim` found the samples incomplete, an .npz is another run's that
-        --overwrite deletes (without it, `claim` refused)."""
+    def bytes_on_disk(self, unit: int = 1) -> int:
+        """Bytes that the shard folder and the .npz take now (each file rounded up to the disk's allocation `unit`),
+        which a run needs no free space for: a resumed run keeps its finished shards, and once `claim` found the
+        samples incomplete, an .npz is another run's that --overwrite deletes (without it, `claim` refused)."""
         shards = [entry.stat().st_size for entry in os.scandir(self.shards)] if self.shards.is_dir() else []
-        return sum(shards) + (self.samples.stat().st_size if self.samples.exists() else 0)
+        files = [*shards, *([self.samples.stat().st_size] if self.samples.exists() else [])]
+        return sum(allocated(size, unit) for size in files)
 
     def remove_other_run(self, settings: dict[str, Any]) -> list[Path]:
         """`sample.py --overwrite`: delete the .npz, grid and summary of a sample.py run with other settings
@@ -157,12 +160,26 @@ def plan_shards(num_samples: int, shard_size: int) -> ShardPlan:
     return ShardPlan(num_samples, shard_size)
 
 
-def run_bytes(num_samples: int, image_size: int, shard_size: int) -> int:
+def allocated(size: int, unit: int) -> int:
+    """The bytes a file of `size` bytes takes on a disk that allocates in multiples of `unit`."""
+    return -(-size // unit) * unit
+
+
+def run_bytes(num_samples: int, image_size: int, shard_size: int, grid_bytes: int = 0, unit: int = 1) -> int:
     """Disk bytes a sample run fills at its peak, the end of the merge: every shard (images, labels and indices)
-    and the merged .npz (images and labels), since the shards are removed only once the merge is complete."""
-    images = num_samples * image_size * image_size * 3  # (N, H, W, 3) uint8
-    shards = images + 2 * LABEL_BYTES * num_samples + len(plan_shards(num_samples, shard_size)) * NPZ_OVERHEAD_BYTES
-    return shards + images + LABEL_BYTES * num_samples + NPZ_OVERHEAD_BYTES
+    and the merged .npz (images and labels), since the shards are removed only once the merge is complete, with the
+    summary, the shard folder's settings record and the preview grid (`grid_bytes`) written before it; every file
+    rounded up to the disk's allocation `unit` (atomic_files.allocation_unit), the shard folder's entries too."""
+    image = image_size * image_size * 3  # (H, W, 3) uint8
+
+    def shard(count: int) -> int:
+        return allocated(count * (image + 2 * LABEL_BYTES) + NPZ_OVERHEAD_BYTES, unit)
+
+    full, rest = divmod(num_samples, shard_size)
+    shards = full * shard(shard_size) + (shard(rest) if rest else 0)
+    folder = allocated(len(plan_shards(num_samples, shard_size)) * FOLDER_ENTRY_BYTES, unit)
+    merged = allocated(num_samples * (image + LABEL_BYTES) + NPZ_OVERHEAD_BYTES, unit)
+    return shards + folder + merged + 2 * allocated(RECORD_BYTES, unit) + allocated(grid_bytes, unit)
 
 
 def save_shard(path: Path, shard: Shard, images: np.ndarray, labels: np.ndarray) -> None:
@@ -229,12 +246,14 @@ def merge_shards(
             np.lib.format.write_array(member, labels)
 
 
-def leading_images(shards: Iterable[Shard], images_of: Callable[[Shard], np.ndarray], count: int) -> np.ndarray:
-    """The first `count` samples, (count, H, W, 3) uint8, read from the leading shards (for the preview grid)."""
-    images, total = [], 0
-    for shard in shards:
-        if total >= count:
-            break
-        images.append(images_of(shard)[: count - total])
-        total += len(images[-1])
-    return np.concatenate(images)
+def images_at(shards: ShardPlan, images_of: Callable[[Shard], np.ndarray], indices: Sequence[int]) -> np.ndarray:
+    """The samples `indices` (in that order), (n, H, W, 3) uint8, for the preview grid: each shard that holds some
+    of them is read once and only those are kept (a grid's 64 samples may lie in 30 shards, 1.5 GB at 256 px)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    numbers = indices // shards.shard_size
+    picked: dict[int, np.ndarray] = {}
+    for number in np.unique(numbers).tolist():
+        images = images_of(shards[number])
+        for index in indices[numbers == number].tolist():
+            picked[index] = images[index - number * shards.shard_size]
+    return np.stack([picked[index] for index in indices.tolist()])

@@ -106,7 +106,8 @@ def load_vae(
     `hint` (a `PortableSource.path`) is loaded first when it exists and is the VAE `spec` names. A hub id is looked
     up in the local Hugging Face cache next; the network is only tried when the hub is not marked offline
     (HF_HUB_OFFLINE=1), and only once one request to the hub has answered, so offline runs fail at once, naming
-    the cause and `option`, the setting that chooses another VAE (vae.name for training, --vae for sampling).
+    the cause and `option`, the setting that chooses another VAE in the call that was made: vae.name for training,
+    --vae for sample.py, a function's argument such as "ImageGenerator.from_export(vae)" from Python (`_setting`).
     """
     spec = local_copy(spec, hint, _recorded_hub_id)
     folder = Path(spec).expanduser()
@@ -149,8 +150,14 @@ def _recorded_hub_id(folder: Path) -> str | None:
 
 
 def _setting(option: str, value: str) -> str:
-    """How a user sets `option` to `value`: `--vae VALUE` on a command line, `vae.name=VALUE` as an override."""
-    return f"{option} {value}" if option.startswith("--") else f"{option}={value}"
+    """How a user sets `option` to `value`: `--vae VALUE` on a command line, `vae.name=VALUE` as an override,
+    `ImageGenerator.from_export(vae='VALUE')` for the argument "ImageGenerator.from_export(vae)" of a Python call."""
+    if option.startswith("--"):
+        return f"{option} {value}"
+    if option.endswith(")"):
+        function, _, argument = option[:-1].partition("(")
+        return f"{function}({argument}={value!r})"
+    return f"{option}={value}"
 
 
 def latent_downsampling(vae_config: Mapping) -> int:

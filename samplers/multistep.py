@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from .catalogue import MULTISTEP_SOLVERS
 from .ddpm import DiscreteProcess
 from .interface import ModelFn, SampleResult, SamplerOptionError
 
@@ -54,9 +55,9 @@ def _unipc(**schedule) -> "SchedulerMixin":
     )
 
 
-# Sampler name -> the diffusers scheduler it runs, given the noise schedule as diffusers' keyword arguments
-# (num_train_timesteps and trained_betas, or beta_start, beta_end and beta_schedule).
-SCHEDULERS: dict[str, Callable[..., "SchedulerMixin"]] = {"dpm++2m": _dpm_solver_pp_2m, "unipc": _unipc}
+# Sampler name (samplers.catalogue, in its order) -> the diffusers scheduler it runs, given the noise schedule as
+# diffusers' keyword arguments (num_train_timesteps and trained_betas, or beta_start, beta_end and beta_schedule).
+SCHEDULERS: dict[str, Callable[..., "SchedulerMixin"]] = dict(zip(MULTISTEP_SOLVERS, (_dpm_solver_pp_2m, _unipc)))
 
 
 def multistep_solver(

@@ -10,13 +10,11 @@ from torch import Tensor
 from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
+from .catalogue import ADAPTIVE_METHODS
 from .interface import SampleResult, SamplerOptionError, batch_time
 from .noise import PerSampleNoise, standard_normal_like
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, ...), t (B,), y (B,)) -> dx/dt (B, ...)
-
-# torchdiffeq's adaptive-step Runge-Kutta methods (their error control uses atol/rtol).
-ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 
 
 def euler(

@@ -11,25 +11,16 @@ from torch import Tensor
 
 from dit_vca.losses import mean_flat
 from samplers import PerSampleNoise, SampleResult, ode, sde
+from samplers.catalogue import ADAPTIVE_METHODS, DEFAULT_ATOL, DEFAULT_RTOL, TRANSPORT_SAMPLERS
 from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
+from sit_vca.transport_options import TIME_DISTRIBUTIONS
 
 PREDICTIONS = ("velocity", "score", "noise")
 LOSS_WEIGHTS = (None, "velocity", "likelihood")
 DIFFUSION_FORMS = ("constant", "SBDM", "sigma", "linear", "decreasing", "increasing-decreasing")
 LAST_STEPS = ("Mean", "Tweedie", "Euler", None)
-TIME_DISTRIBUTIONS = ("uniform", "logit-normal")  # of the training times, on the training interval
 
-SDE_OPTIONS = ("diffusion_form", "diffusion_norm", "last_step", "last_step_size")
-SAMPLER_OPTIONS = {
-    "euler": (),
-    "heun": (),
-    **{method: ("atol", "rtol") for method in ode.ADAPTIVE_METHODS},
-    "sde-euler": SDE_OPTIONS,
-    "sde-heun": SDE_OPTIONS,
-}
-DEFAULT_STEPS = {"euler": 50, "heun": 50, "sde-euler": 250, "sde-heun": 250}
-# SiT's sampling defaults.
-DEFAULT_ATOL, DEFAULT_RTOL = 1e-6, 1e-3
+# SiT's sampling defaults (the adaptive solvers' tolerances: samplers.catalogue).
 DEFAULT_SDE = {"diffusion_form": "sigma", "diffusion_norm": 1.0, "last_step": "Mean", "last_step_size": 0.04}
 
 
@@ -172,8 +163,8 @@ def _expand(t: Tensor, x: Tensor) -> Tensor:
 class Transport:
     """Training loss and samplers of an interpolant model predicting velocity, score or noise along a path."""
 
-    default_sampler = "dopri5"
-    sampler_names = tuple(SAMPLER_OPTIONS)
+    default_sampler = TRANSPORT_SAMPLERS.default
+    sampler_names = TRANSPORT_SAMPLERS.names
 
     def __init__(
         self,
@@ -293,19 +284,19 @@ class Transport:
         "sde-euler"/"sde-heun" (default 250 steps counting the last step; options diffusion_form "sigma",
         diffusion_norm 1.0, last_step "Mean" | "Tweedie" | "Euler" | None, last_step_size 0.04). How these step
         counts relate to official SiT's `num_steps`: docs/VCA.md, "Conventions"."""
-        check_sampler_request(sampler, options, SAMPLER_OPTIONS)
-        if sampler in ode.ADAPTIVE_METHODS:
+        check_sampler_request(sampler, options, TRANSPORT_SAMPLERS.options)
+        if sampler in ADAPTIVE_METHODS:
             if steps is not None:
                 raise SamplerOptionError(
                     f"sampler {sampler!r} chooses its own steps; pass atol/rtol instead of steps={steps}"
                 )
         else:
-            steps = DEFAULT_STEPS[sampler] if steps is None else steps
+            steps = TRANSPORT_SAMPLERS.steps[sampler] if steps is None else steps
             if steps < 1:
                 raise SamplerOptionError(f"steps must be >= 1, got {steps}")
         velocity = self.velocity_fn(model_fn)
         with torch.no_grad():
-            if sampler in ode.ADAPTIVE_METHODS:
+            if sampler in ADAPTIVE_METHODS:
                 t0, t1 = self.interval(self.sample_eps)
                 return ode.adaptive(
                     velocity,

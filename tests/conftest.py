@@ -38,3 +38,16 @@ def preemption_reference(tmp_path_factory):
     done = launch([*TORCHRUN_TWO_PROCESSES, str(ROOT / "train.py"), *RUN, f"run.dir={run_dir}"])
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded like sample.py's subprocesses (so in-process runs match theirs bit for bit); Accelerate's
+    process state reset after the in-process run."""
+    from accelerate.state import PartialState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    PartialState._reset_state()

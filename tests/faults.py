@@ -12,6 +12,8 @@ Under torchrun (or any launcher) the same signals come from this file used as th
 
 FAULT_SIGNAL is "step:rank:SIGNAL[+SIGNAL...]:self|parent" (rank * for every rank; parent: the launcher); a number
 among the signals is a pause in seconds ("SIGINT+2.5+SIGINT": a second Ctrl-C 2.5 s after the first).
+FAULT_AT_EXIT="SIGNAL[+SIGNAL...]" makes the process send itself those signals as it exits, from its last atexit
+handler: what a scheduler's repeated signals meet when they come while the process shuts down.
 """
 
 from __future__ import annotations
@@ -119,9 +121,27 @@ class _Patch:
         setattr(owner, name, value)
 
 
+def signal_at_exit(names: Sequence[str]) -> None:
+    """Send this process `names` (signals, or pauses in seconds) from its last atexit handler."""
+    import atexit
+    import time
+
+    def send() -> None:
+        for name in names:
+            if name[0].isdigit():
+                time.sleep(float(name))
+            else:
+                os.kill(os.getpid(), getattr(signal, name))
+        time.sleep(0.1)  # a signal is handled between two bytecodes: let it be, before the interpreter goes on
+
+    atexit.register(send)  # registered first: runs last
+
+
 def main() -> None:
-    """Run train.py with the signal described by FAULT_SIGNAL (see the module docstring)."""
+    """Run train.py with the signals described by FAULT_SIGNAL and FAULT_AT_EXIT (see the module docstring)."""
     sys.path.insert(0, str(ROOT))
+    if os.environ.get("FAULT_AT_EXIT"):
+        signal_at_exit(os.environ["FAULT_AT_EXIT"].split("+"))
     step, rank, names, target = os.environ["FAULT_SIGNAL"].split(":")
     signal_at_step(_Patch, int(step), names.split("+"), None if rank == "*" else int(rank), target)
     import train

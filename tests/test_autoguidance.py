@@ -236,3 +236,33 @@ def test_a_protocol_with_a_guide_autoguides_instead_of_its_classifier_free_guida
         + ["--guide-ckpt", str(exports[1]), "--guidance-scale", "2"]
     )
     assert (args.cfg_scale, args.guidance_scale, args.guidance_channels, args.sampler) == (1.0, 2.0, 3, "ddpm")
+
+
+def test_sampling_md_compares_autoguidance_scales_with_cfg_scales_in_the_studys_figures():
+    """docs/sampling.md's "Autoguidance scales are not CFG scales" quotes the post-hoc EMA and autoguidance study
+    (bench/results/posthoc-digits.json, docs/evidence.md): every accuracy and FID it names is the study's."""
+    study = json.loads((REPO / "bench" / "results" / "posthoc-digits.json").read_text())["arms"]
+    text = (REPO / "docs" / "sampling.md").read_text()
+    prose = " ".join(text.split("**Autoguidance scales are not CFG scales.**", 1)[1].split("\n- **", 1)[0].split())
+
+    def figure(arm: str, method: str, scale: str, key: str) -> str:
+        value = study[arm]["settings"][f"sigma_rel 0.06 {method} {scale}"][key]["mean"]
+        return f"{100 * value:.1f}" if key == "accuracy" else f"{value:.2f}"
+
+    def both(method: str, scale: str, key: str = "accuracy") -> str:
+        return f"{figure('vca', method, scale, key)} / {figure('mhsa', method, scale, key)}"
+
+    quoted = [
+        f"autoguidance 1.5 reached {both('autoguidance', '1.5')} %",
+        f"what CFG 1.5 reached ({both('cfg', '1.5')} %)",
+        f"autoguidance 2 reached {both('autoguidance', '2')} %",
+        f"less than CFG 2 ({both('cfg', '2')} %)",
+        f"autoguidance 3 reached {both('autoguidance', '3')} %",
+        ", ".join(figure("vca", "autoguidance", scale, "fid") for scale in ("1.5", "2", "3"))
+        + " / "
+        + ", ".join(figure("mhsa", "autoguidance", scale, "fid") for scale in ("1.5", "2", "3")),
+        f"against CFG's {figure('vca', 'cfg', '1.5', 'fid')}, {figure('vca', 'cfg', '2', 'fid')} / "
+        f"{figure('mhsa', 'cfg', '1.5', 'fid')}, {figure('mhsa', 'cfg', '2', 'fid')} at 1.5 and 2",
+    ]
+    for fragment in quoted:
+        assert fragment in prose, fragment

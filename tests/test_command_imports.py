@@ -60,6 +60,12 @@ def imported_by(*command: str) -> tuple[int, set[str], str]:
         (("fid", "--help"), 0),
         (("fid", "samples.npz", "--no-such-option"), 2),
         (("fid.reference", "--help"), 0),
+        (("training.posthoc_ema", "--help"), 0),
+        (("training.posthoc_ema", "run", "--sigma-rel", "0.1", "--no-such-option"), 2),
+        (("sweep.py", "--help"), 0),
+        (("sweep.py", "--ckpt", "x", "--ref", "r.npz", "--out", "o", "--num-samples", "0"), 2),
+        (("generation.likelihood", "--help"), 0),
+        (("generation.likelihood", "--ckpt", "x", "--images", "i.npz", "--batch-size", "0"), 2),
     ],
 )
 def test_help_and_bad_arguments_import_not_even_torch(command, expected_status):
@@ -129,7 +135,7 @@ def test_a_good_config_is_checked_without_diffusers_or_timm():
     assert result.stdout.split() == ["['torch']"]
 
 
-@pytest.mark.parametrize("package", ["fid", "generation"])
+@pytest.mark.parametrize("package", ["fid", "generation", "dit_vca", "samplers"])
 def test_no_submodule_is_named_like_a_name_its_package_hands_on_lazily(package):
     """Importing a submodule makes it the package's attribute of its name, which would hide the function of that
     name that the package hands on from another module on first use."""

@@ -263,3 +263,80 @@ def test_malformed_yaml_is_one_line_with_the_place(tmp_path):
     bad = write(tmp_path / "bad.yaml", "train:\n  lr: 1\n\tema_decay: 2\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML \(.* at line 3, column 1\)$"):
         load_config(bad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py --help: every key of the schema, generated from the dataclasses
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def schema_leaves(schema, prefix=""):
+    """(dotted key, dataclasses.Field) of every leaf of the schema, walked here independently of the help code."""
+    import dataclasses
+    import typing
+
+    leaves = []
+    for item in dataclasses.fields(schema):
+        field_type = typing.get_type_hints(schema)[item.name]
+        if dataclasses.is_dataclass(field_type):
+            leaves += schema_leaves(field_type, f"{prefix}{item.name}.")
+        else:
+            leaves.append((f"{prefix}{item.name}", item))
+    return leaves
+
+
+def test_train_help_lists_every_config_key_with_its_default_and_a_description(capsys):
+    """Each key of training/config.py has one line `key=default  description`, whose default reads back (as YAML, the
+    way an override is read) to the dataclass field's default; keys without a default say (required)."""
+    import dataclasses
+    import re
+
+    import yaml
+    from omegaconf import MISSING
+
+    import train
+    from training.config import Config
+
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_arguments(["--help"])
+    assert exit_.value.code == 0
+    rows = {}
+    listing = capsys.readouterr().out.partition("\nconfig keys (")[2]  # the epilog, after the options
+    for line in listing.splitlines():
+        if match := re.match(r"^  ([a-z_]+(?:\.[a-z_0-9]+)+)=(\S+)\s+(\S.*)$", line):
+            rows[match.group(1)] = (match.group(2), match.group(3))
+    leaves = schema_leaves(Config)
+    assert set(rows) == {key for key, _ in leaves}
+    for key, item in leaves:
+        shown, description = rows[key]
+        default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+        if default is MISSING:
+            assert shown == "(required)", key
+        else:
+            assert yaml.safe_load(shown) == default, (key, shown, default)
+        assert len(description) > 3, key
+
+
+def test_a_new_key_is_listed_with_the_comment_beside_it():
+    """The list is generated: a schema that gains a field (as a recipe change adds one) lists it, with its comment,
+    a continuation line of the comment, its range and its default."""
+    from dataclasses import dataclass, field
+
+    from training.config_help import config_keys
+
+    @dataclass
+    class Section:
+        """A section."""
+
+        steps: int = field(default=3, metadata={"range": (1, 10, False)})  # how many steps
+        mode: str = field(default="a", metadata={"choices": ("a", "b")})  # the mode, with a comment that
+        # goes on below it
+        plain: bool = True
+
+    keys = {key.name: key for key in config_keys(Section, "new.")}
+    assert list(keys) == ["new.steps", "new.mode", "new.plain"]
+    assert keys["new.steps"].default == "3" and keys["new.steps"].description == "how many steps"
+    assert keys["new.steps"].allowed == "a finite value >= 1 and <= 10"
+    assert keys["new.mode"].description == "the mode, with a comment that goes on below it"
+    assert keys["new.mode"].allowed == "one of a, b"
+    assert keys["new.plain"].default == "true" and keys["new.plain"].description == ""

@@ -1,9 +1,20 @@
 """demo.py's scoring parts: the real digits as sample files store them, the independent classifier, the
 report. (The demo itself trains for minutes: `make demo`, not `make test`.)"""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
+import pytest
+import torch
 
 import demo
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_real_digits_are_stored_like_samples():
@@ -78,3 +89,134 @@ def test_committed_real_digit_features_match_a_fresh_computation(bundled_incepti
     np.testing.assert_allclose(committed[spot], fresh, rtol=1e-4, atol=1e-5)
     # the demo reads the committed features (not a recomputation) when they fit
     np.testing.assert_array_equal(demo.real_digit_features(images, extractor=None), committed.astype(np.float64))
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 39: threads on a shared machine, the whole run's rate, a progress bar, a Ctrl-C of `make demo`
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_threads_are_the_cpus_the_load_leaves_free():
+    chosen = {
+        (cpus, load): demo.choose_threads(cpus, load)
+        for cpus, load in [(2, 0.0), (2, 0.4), (2, 0.5), (2, 0.6), (2, 1.9), (2, 8.0), (1, 0.0), (16, 4.2), (16, 0.0)]
+    }
+    assert chosen == {
+        (2, 0.0): 2,  # an idle machine: every CPU
+        (2, 0.4): 2,
+        (2, 0.5): 2,  # 1.5 CPUs free: rounded half up
+        (2, 0.6): 1,
+        (2, 1.9): 1,  # busy: one thread, never none
+        (2, 8.0): 1,
+        (1, 0.0): 1,
+        (16, 4.2): 12,
+        (16, 0.0): 16,
+    }
+
+
+def test_the_demo_says_its_threads_in_one_line_and_keeps_a_given_setting(monkeypatch):
+    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (3.2, 1.0, 0.5))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        line = demo.set_threads()
+        assert line == "demo: 1 thread(s) on 2 CPU(s) at load 3.2 (chosen from them; set OMP_NUM_THREADS=N to choose)"
+        assert demo.os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1  # train.py's and ours
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert demo.set_threads() == "demo: 2 thread(s) on 2 CPU(s) at load 3.2 (as OMP_NUM_THREADS says)"
+        monkeypatch.setenv("OMP_NUM_THREADS", "two")
+        with pytest.raises(SystemExit, match="OMP_NUM_THREADS=two: expected a number of threads >= 1"):
+            demo.set_threads()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_report_gives_the_whole_runs_rate_not_the_last_windows():
+    # 100 steps at 10 steps/s, then 100 at 2 steps/s, then 50 at 10: 250 steps in 10 + 50 + 5 s
+    lines = [
+        {"step": 100, "steps_per_s": 10.0},
+        {"step": 200, "steps_per_s": 2.0},
+        {"step": 250, "steps_per_s": 10.0},
+    ]
+    assert demo.whole_run_rate(lines) == pytest.approx(250 / 65)
+
+
+def test_sampling_shows_a_progress_bar(tmp_path, capsys):
+    from test_sample import tiny_export
+
+    export = tiny_export(tmp_path / "export")
+    monkey_steps = demo.SAMPLER_STEPS
+    demo.SAMPLER_STEPS = 2
+    try:
+        demo.sample_set(export, tmp_path / "samples.npz", 12, 1.0)
+    finally:
+        demo.SAMPLER_STEPS = monkey_steps
+    bar = capsys.readouterr().err
+    assert "sampling, guidance 1: 100%" in bar and "12/12" in bar, bar
+
+
+def test_the_demos_stop_status_is_train_pys():
+    from training.stop_signals import STOPPED_STATUS
+
+    assert demo.STOPPED_STATUS == STOPPED_STATUS
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_make_demo_with_one_line_and_a_checkpoint(tmp_path):
+    """A real SIGINT to the process group of a real `make` running the demo (as Ctrl-C in a terminal sends it),
+    while train.py trains: train.py writes a checkpoint of its step, the demo waits for it and says one line, no
+    traceback; running it again continues from the checkpoint."""
+    out = tmp_path / "out"
+    command = (
+        f"{sys.executable} {REPO / 'demo.py'} --out {out} --num-samples 10 train.max_steps=100000 "
+        "model.hidden_size=32 model.depth=1 model.num_heads=2 train.global_batch_size=8 log.every=1 "
+        "log.checkpoint_every=100000 log.sample_every=0 'log.trackers=[]'"
+    )
+    (tmp_path / "Makefile").write_text(f"demo:\n\t{command}\n")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    make = subprocess.Popen(
+        ["make", "-C", str(tmp_path), "demo"],
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+    )
+    metrics = out / "train" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training has begun
+        assert make.poll() is None and time.monotonic() < deadline, make.communicate()[0]
+        time.sleep(0.2)
+    os.killpg(make.pid, signal.SIGINT)
+    output = make.communicate(timeout=300)[0]
+    assert output.count("demo: stopped; run it again to continue") == 1, output
+    for trace in ("Traceback", "CalledProcessError", "KeyboardInterrupt"):
+        assert trace not in output, output
+    assert "stopped by SIGINT after step" in output  # train.py's own line, with its checkpoint
+    assert list((out / "train" / "checkpoints").glob("step-*")), output
+
+
+def test_demo_md_quotes_the_threads_measurement():
+    """docs/demo.md's "Threads on a shared machine" gives bench/results/threads-cpu.json's figures with the load."""
+    import json
+
+    report = json.loads((REPO / "bench" / "results" / "threads-cpu.json").read_text())
+    text = (REPO / "docs" / "demo.md").read_text()
+    prose = " ".join(text.split("**Threads on a shared machine.**", 1)[1].split("\n**", 1)[0].split())
+    rates = {threads: [row["steps_per_s"] for row in report["runs"] if row["threads"] == threads] for threads in (1, 2)}
+    loads = [row["load_before"] for row in report["runs"]]
+    means = {threads: sum(values) / len(values) for threads, values in rates.items()}
+    quoted = [
+        f"load average of {min(loads):.1f} to {max(loads):.1f}",
+        f"niceness {report['niceness']}",
+        f"trained at {rates[1][0]:.3f} and {rates[1][1]:.3f} steps/s with one thread against "
+        f"{rates[2][0]:.3f} and {rates[2][1]:.3f} with two",
+        f"{rates[1][0] / rates[2][0]:.1f}× and {rates[1][1] / rates[2][1]:.1f}× slower",
+        f"means {means[1]:.3f} against {means[2]:.3f}",
+        f"about {2000 / means[1] / 3600:.1f} hours with one thread and {2000 / means[2] / 3600:.1f} with two",
+        f"on 2 CPUs: {demo.choose_threads(2, 0.5)} up to a load of 0.5, then {demo.choose_threads(2, 0.51)}",
+    ]
+    for figure in quoted:
+        assert figure in prose, figure
+    assert all(row["demo_would_choose"] == 1 for row in report["runs"])  # at those loads, one thread

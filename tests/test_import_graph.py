@@ -29,6 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("generation",),
     ("training",),
     ("train", "sample", "demo"),
+    ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema
     ("bench",),
 )
 FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}

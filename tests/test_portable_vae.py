@@ -138,3 +138,28 @@ def test_an_export_samples_from_another_folder_and_the_error_names_vae(tmp_path)
     assert "set --vae vae/sd-vae-ft-mse" in lines[0]
     given = sample("third.npz", "--vae", str(tmp_path / "moved" / "sd-vae-ft-mse"))
     assert given.returncode == 0, given.stderr
+
+
+def test_the_vae_error_names_the_argument_of_the_call_that_was_made(tmp_path):
+    """From Python the one line names ImageGenerator.from_export's `vae` argument, not sample.py's --vae (which
+    sample.py passes as vae_option, and the sample.py runs of the test above see named)."""
+    from generation import Export, ExportDescription, ImageGenerator
+
+    missing = str(tmp_path / "gone" / "vae")
+    description = ExportDescription(
+        model={"name": "DiT-S/2"},
+        objective={"kind": "diffusion"},
+        space="latents",
+        image_size=32,
+        num_classes=3,
+        vae=missing,
+        latent_scale=0.5,
+    )  # the VAE loads before the model is built: no weights needed to reach it
+    for given, named in (
+        ({}, "set ImageGenerator.from_export(vae='a VAE folder or hub id')"),
+        ({"vae": missing}, "set ImageGenerator.from_export(vae='a VAE folder or hub id')"),
+        ({"vae_option": "--vae"}, "set --vae a VAE folder or hub id"),
+    ):
+        with pytest.raises(VAEUnavailableError) as raised:
+            ImageGenerator.from_export(Export(description, {}), **given)
+        assert f"VAE folder {missing} does not exist; {named}" == str(raised.value)

@@ -41,15 +41,17 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
         for setting in entry["settings"].values():
             assert setting["seeds"] == [0] and np.isfinite(setting["fid"]["mean"]) and setting["fid"]["mean"] > 0
             assert 0 <= setting["accuracy"]["mean"] <= 1
-        auto = out / "scores" / f"{name}-seed0" / f"sigma_rel-{entry['best_sigma_rel']:g}-auto2.json"
-        guide = json.loads(auto.read_text())["settings"]["guide"]
-        assert guide == f"runs/{name}-seed0/checkpoints/step-0000002/export"  # the run's own step-2 export
+        sweep = out / "sweeps" / f"{name}-seed0"  # each run's settings are points of one sweep (sweep.py)
+        auto = sweep / "scores" / f"sigma_rel_{entry['best_sigma_rel']:g}-autoguidance2.json"
+        guide = json.loads(auto.read_text())["point"]["guide"]
+        assert guide == str(out / f"runs/{name}-seed0/checkpoints/step-0000002/export")  # the run's own step 2
     assert "best sigma_rel" in markdown and "| autoguidance |" in markdown and "classic EMA" in markdown
 
     # A rerun finds everything done: it trains, reconstructs and scores nothing and writes the same report.
-    stamps = {path: path.stat().st_mtime_ns for path in (out / "scores").glob("*/*.json")}
+    stamps = {path: path.stat().st_mtime_ns for path in (out / "sweeps").glob("*/scores/*.json")}
+    assert len(stamps) == 2 * len(expected)
     second = run_quick("bench.posthoc_digits", out)
-    assert "quality: training" not in second and "sampling and scoring" not in second
+    assert "quality: training" not in second and "sweep:" not in second
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
     assert (out / f"{STEM}.md").read_text() == markdown
 

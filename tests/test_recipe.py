@@ -13,7 +13,8 @@ import torch
 import dit_vca
 import sit_vca
 from dit_vca.attention import MultiHeadSelfAttention
-from dit_vca.models import RECIPES, block_norm, feed_forward, recipe_options, swiglu_hidden_size
+from dit_vca.model_options import RECIPES, recipe_options
+from dit_vca.models import block_norm, feed_forward, swiglu_hidden_size
 from dit_vca.rope import RotaryEmbedding2d, grid_positions, rope_angles, rotate_pairs
 
 ROOT = Path(__file__).resolve().parents[1]

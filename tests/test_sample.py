@@ -25,7 +25,7 @@ from generation.sample_file import (
     DamagedShardError,
     SampleFiles,
     SampleFilesError,
-    leading_images,
+    images_at,
     merge_shards,
     plan_shards,
     shard_reader,
@@ -138,7 +138,7 @@ def test_merge_shards_writes_a_standard_npz(tmp_path):
         assert merged["arr_0"].dtype == np.uint8 and merged["arr_1"].dtype == np.int64
         np.testing.assert_array_equal(merged["arr_0"], images)
         np.testing.assert_array_equal(merged["arr_1"], labels)
-    np.testing.assert_array_equal(leading_images(shards, images_of, 12), images[:12])
+    np.testing.assert_array_equal(images_at(shards, images_of, [0, 7, 22, 3]), images[[0, 7, 22, 3]])
     assert not list(tmp_path.glob(".*tmp*"))
 
 
@@ -237,7 +237,7 @@ def reference(export, tmp_path_factory) -> dict[str, np.ndarray]:
         return {"out": out, **{key: data[key] for key in data.files}}
 
 
-def test_output_layout(reference):
+def test_output_layout(reference, export):
     out = reference["out"]
     assert sorted(key for key in reference if key != "out") == ["arr_0", "arr_1"]
     images, labels = reference["arr_0"], reference["arr_1"]
@@ -250,7 +250,14 @@ def test_output_layout(reference):
     assert not SampleFiles(out).shards.exists() and not list(out.parent.glob(".*tmp*"))
     from PIL import Image
 
-    assert Image.open(out.with_suffix(".png")).size == (3 * 66 + 2, 3 * 66 + 2)  # 3x3 tiles of 64 + padding
+    from generation.images import class_grid_indices, save_class_grid
+
+    rows = class_grid_indices(labels, 9)  # --grid-size 9 of 4 classes: 3 rows (classes 0, 1, 2) of 3 samples
+    assert [(label, indices.tolist()) for label, indices in rows] == [(0, [0, 4, 8]), (1, [1, 5, 9]), (2, [2, 6, 10])]
+    expected = out.parent / "expected-grid.png"
+    title = f"{export}: guidance 2, {SAMPLING[1]}, {SAMPLING[3]} steps"
+    save_class_grid([(label, images[indices]) for label, indices in rows], expected, title)
+    assert np.array_equal(np.asarray(Image.open(out.with_suffix(".png"))), np.asarray(Image.open(expected)))
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["new_images"] == 16 and summary["images_per_process"] == [16]
     assert summary["settings"]["guidance"] == 2.0 and summary["precision"] == "fp32"  # the CPU default
@@ -640,18 +647,6 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Single-threaded like the subprocesses; Accelerate's process state reset after the in-process run."""
-    from accelerate.state import PartialState
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    PartialState._reset_state()
-
-
 def test_stale_temporaries_of_the_outputs_are_removed(export, reference, tmp_path, one_thread):
     out = tmp_path / "samples.npz"
     stale = [tmp_path / f".samples.{suffix}.tmp-999999999" for suffix in ("npz", "json", "png")]  # a dead writer
@@ -704,6 +699,7 @@ def test_a_run_folder_is_sampled_from_its_newest_export_which_is_printed_and_rec
         shutil.copytree(export, folder)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "train_step": step}))
+        (folder.parent / "trainer_state.json").write_text("{}")  # complete
     out = tmp_path / "samples.npz"
     sample.main(["--ckpt", str(run_dir), "--out", str(out), "--num-samples", "2", "--grid-size", "0", *SAMPLING])
     newest = (run_dir / "checkpoints" / "step-0000005" / "export").resolve()
@@ -738,3 +734,26 @@ def test_overwrite_replaces_only_what_an_earlier_sample_run_wrote(export, tmp_pa
     with pytest.raises(SampleFilesError, match="foreign.json exists and was not written by sample.py"):
         sample.main([*command[:2], "--out", str(foreign), *command[4:], "--overwrite"])
     assert foreign.with_suffix(".json").read_text() == '{"mine": true}'
+
+
+def test_help_lists_each_objectives_samplers_with_their_default_steps(capsys):
+    """`sample.py --help` names every sampler of both objectives, each fixed-step one with its default step count
+    (the count the objective samples with when --steps is not given), and each objective's default sampler."""
+    import re
+
+    from dit_vca import create_diffusion
+    from samplers.catalogue import SAMPLERS
+    from sit_vca import create_transport
+
+    with pytest.raises(SystemExit):
+        sample.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse's line breaks aside
+    for objective, table in ((create_diffusion(), SAMPLERS["diffusion"]), (create_transport(), SAMPLERS["transport"])):
+        listed = text.partition(f"{table.objective}: ")[2]
+        for other in SAMPLERS.values():  # up to the next objective's list
+            listed = listed.partition(f"; {other.objective}: ")[0]
+        for name in objective.sampler_names:
+            steps = table.steps[name]
+            shown = re.escape(name) + (r"(?: \(default\))?" + (rf" {steps}\b" if steps is not None else ""))
+            assert re.search(shown, listed), (name, steps)
+        assert f"{objective.default_sampler} (default)" in listed

@@ -276,24 +276,28 @@ def test_a_run_that_cannot_fit_on_its_disk_is_refused_before_the_model_is_built(
     )
     assert line is not None, error
     images_twice, labels_and_indices = 2 * 1000 * 8 * 8 * 3, 3 * 8 * 1000
-    assert 0 <= int(line.group(1).replace(",", "")) - images_twice - labels_and_indices < 10_000  # + file headers
+    # + file headers, the summary and settings records (16 KiB each at most), the grid (at most 37,888 bytes for 64
+    # 8x8 tiles), and each of these 9 files and the shard folder rounded up to the disk's unit (4 KiB: 40,960)
+    assert 0 <= int(line.group(1).replace(",", "")) - images_twice - labels_and_indices < 120_000
     assert list(out.parent.iterdir()) == []  # no shard folder, nothing written
 
 
 def test_the_space_needed_leaves_out_what_a_resumed_run_wrote_already(tmp_path, monkeypatch):
     import sample
-    from generation.sample_file import SampleFiles, run_bytes
+    from atomic_files import allocation_unit
+    from generation.sample_file import SampleFiles, allocated, run_bytes
 
     out = tmp_path / "s.npz"
-    args = types.SimpleNamespace(num_samples=1000, shard_size=256, out=out)
+    args = types.SimpleNamespace(num_samples=1000, shard_size=256, grid_size=0, out=out)
     files = SampleFiles(out)
     files.shards.mkdir()
     (files.shards / "shard-000000.npz").write_bytes(bytes(50_000))  # a finished shard (its size is what counts)
-    needed = run_bytes(1000, 8, 256)
-    for free, refused in ((needed - 50_000, False), (needed - 50_001, True)):
+    unit = allocation_unit(tmp_path)
+    needed, kept = run_bytes(1000, 8, 256, unit=unit), allocated(50_000, unit)  # the shard's whole units
+    for free, refused in ((needed - kept, False), (needed - kept - 1, True)):
         monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: types.SimpleNamespace(free=free))
         if refused:
-            with pytest.raises(SystemExit, match=f"need {needed - 50_000:,} bytes"):
+            with pytest.raises(SystemExit, match=f"need {needed - kept:,} bytes"):
                 sample.check_disk_space(args, 8, files)
         else:
             sample.check_disk_space(args, 8, files)

@@ -62,8 +62,12 @@ def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, cap
     assert rows["devices"] == "1 process on cpu"
     assert rows["run.dir"] == str(run_dir)
     assert rows["resumed from"] == "nothing (a fresh start at step 0)"
+    # the digits recipe's warm-up EMA after 2 steps: d(2) = 1 - 2^-0.75 of the first step's weights (training.ema)
+    assert rows["EMA"].startswith("decay 0.999, with warm-up (power 0.75); at step 2: 40.5 % the first step's weights")
+    assert "grids and FID" not in rows  # log.sample_every=0, no FID
+    warning = "warning: the EMA (train.ema_decay=0.999, with warm-up (power 0.75)) is still 40.5 % the first step's"
     kept = (run_dir / "startup.txt").read_text()
-    assert kept in printed and summary_rows(kept) == rows
+    assert kept in printed and summary_rows(kept) == rows and warning in kept
 
     run_train(*TINY, "train.max_steps=4", "train.grad_accum_steps=2", f"run.dir={run_dir}", "--resume", "latest")
     rows = summary_rows(capsys.readouterr().out)

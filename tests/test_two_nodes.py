@@ -80,6 +80,23 @@ def test_two_nodes_stopped_through_one_node_and_resumed_equal_one_node_with_two_
     assert_same_as(run_dir, preemption_reference)
 
 
+def test_a_lost_node_ends_the_other_with_one_line_naming_it_and_the_checkpoint_that_stands(tmp_path):
+    # After step 3 the process of node 1 is killed (SIGKILL, as when its node dies): node 0's next collective finds
+    # the connection reset. It used to end with gloo's traceback ("Connection reset by peer"); now one line.
+    run_dir = tmp_path / "run"
+    node0, node1 = two_agents(run_dir, "log.checkpoint_every=2", fault="3:1:SIGKILL:self")
+    assert "exitcode  : -9" in node1.stderr, node1.stderr[-2000:]
+    assert "exitcode  : 2" in node0.stderr, node0.stderr[-3000:]  # a one-line error's status, not a bug's 1
+    [line] = [line for line in node0.stderr.replace("\r", "\n").splitlines() if "error:" in line]
+    standing = run_dir / "checkpoints" / "step-0000002"
+    assert line.startswith("error: lost the connection to the process of this run at 127.0.0.1:"), line
+    assert line.endswith(
+        f"after step 3: that process or its node has ended (its own log says why); the last checkpoint, {standing}, "
+        "is intact: continue with --resume latest"
+    ), line
+    assert "RuntimeError" not in node0.stderr and "Connection reset" not in node0.stderr  # no gloo traceback
+
+
 def test_fid_during_training_on_two_nodes_is_the_fid_of_all_samples(bundled_inception, tmp_path):
     # Each node's process draws its half of the FID samples; the global main process logs the FID of all of them
     run_dir = tmp_path / "run"
@@ -94,7 +111,7 @@ def test_one_task_on_each_of_two_slurm_nodes_stopped_and_resumed_equals_one_node
     # train_tasks.sbatch on the test cluster's two nodes (two slurmd on this host), one task each: both tasks have
     # local rank 0. Stopped by the batch script's trap, requeued, resumed.
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
-    options = ["--nodes=2", "--ntasks-per-node=1"]
+    options = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1"]
     job_id = sbatch(slurm, "train_tasks.sbatch", options, [*RUN, f"run.dir={run_dir}"], log)
     wait_for_step(run_dir, 3, log)
     assert job(slurm, job_id)["NodeList"] == "node[1-2]"

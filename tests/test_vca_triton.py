@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dit_vca import vca_triton
 from dit_vca.attention import VCAOptions, VisualContrastAttention
-from dit_vca.vca_core import KernelLayout
+from dit_vca.kernel_layout import KernelLayout
 from test_attention import BLOCK_OPTIONS, block_ids, outputs_and_gradients, perturbed_vca, switch_ids
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

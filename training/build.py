@@ -33,6 +33,8 @@ from training.repa import RepresentationAlignment, build_projector, check_encode
 if TYPE_CHECKING:  # diffusers is imported only where a VAE is loaded (generation.vae): pixel-space runs never need it
     from diffusers import AutoencoderKL
 
+    from training.preview import PreviewWeights
+
 
 @dataclass
 class TrainingParts:
@@ -45,11 +47,12 @@ class TrainingParts:
     scheduler: LambdaLR
     batches: ShardedBatches
     encoder: AutoencoderKL | None  # encodes images online (data.source=images); None otherwise
-    preview: ImageGenerator | None  # the EMA model, its objective and decoder: grids and FID (None: neither)
+    preview: ImageGenerator | None  # log.fid_weights' model, objective and decoder: grids and FID (None: neither)
     export: ExportDescription  # written with every checkpoint
     fid_extractor: Any  # Inception features for FID monitoring, or None
     alignment: RepresentationAlignment | None = None  # REPA (train.repa.encoder set); its projector is prepared
     posthoc_ema: PowerEMA | None = None  # power-function EMA profiles (train.posthoc_ema.sigma_rel set)
+    preview_weights: PreviewWeights | None = None  # what `preview` draws from (log.fid_weights), with `preview`
 
     @property
     def trained_modules(self) -> list[torch.nn.Module]:
@@ -125,9 +128,18 @@ def objective_spec(config: Config) -> dict[str, Any]:
     }
 
 
+def class_names(dataset: Dataset) -> list[str] | None:
+    """The names of the classes where the data has them: an image folder's sub-folders (also through the manifest
+    of latents extracted from one); None for the built-in data."""
+    if isinstance(dataset, LatentShardDataset):
+        return list(dataset.manifest["classes"])
+    names = getattr(dataset, "classes", None)  # ImageFolderDataset
+    return list(names) if names is not None else None
+
+
 def export_description(config: Config, model: DiT, dataset: Dataset | None = None) -> ExportDescription:
-    """What sampling needs to rebuild the model and turn its outputs into images; the latents' per-channel
-    statistics come from `dataset` (a LatentShardDataset) where vae.normalize=channels."""
+    """What sampling needs to rebuild the model and turn its outputs into images; the classes' names and the
+    latents' per-channel statistics (where vae.normalize=channels) come from `dataset`."""
     pixels = config.data.in_pixel_space
     normalization = dataset.normalization if isinstance(dataset, LatentShardDataset) else None
     mean, std = (normalization.mean, normalization.std) if normalization is not None else (None, None)
@@ -142,6 +154,7 @@ def export_description(config: Config, model: DiT, dataset: Dataset | None = Non
         latent_scale=None if pixels else config.vae.scale,
         latent_mean=None if mean is None else list(mean),
         latent_std=None if std is None else list(std),
+        class_names=None if dataset is None else class_names(dataset),
     )
 
 
@@ -169,7 +182,7 @@ def create_optimizer(
 def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     """Build and prepare every part. Data, VAE and FID reference come first, so that a missing file or an
     unavailable VAE or REPA encoder fails before the model is built; every process starts from identical weights."""
-    from training.preview import load_fid_extractor
+    from training.preview import PreviewWeights, load_fid_extractor
 
     if config.train.repa.enabled:
         check_encoder(config.train.repa)  # before the data is read
@@ -196,7 +209,9 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
 
     set_seed(config.train.seed)  # identical initial weights on every process ...
     model = build_model(config, in_channels, input_size)
-    set_vca_kernel(model, config.train.vca_kernel, accelerator.device, "train.vca_kernel")  # the EMA copies it
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    # The EMA copies the choice; the Triton core is checked now, before compiling (dit_vca.triton_check).
+    set_vca_kernel(model, config.train.vca_kernel, accelerator.device, "train.vca_kernel", compute_dtype)
     ema = create_ema(model, config.train).to(accelerator.device)
     posthoc_ema = create_posthoc_ema(
         model, config.train.posthoc_ema, config.train.global_batch_size, accelerator.device
@@ -209,7 +224,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         else None
     )
     if config.train.compile:
-        model.compile()
+        model.compile(fullgraph=True)  # a graph break is an error, never a silent fall-back to eager pieces
     optimizer, scheduler = create_optimizer(model, config, accelerator.device, projector)
     if projector is None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -217,9 +232,16 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         model, projector, optimizer, scheduler = accelerator.prepare(model, projector, optimizer, scheduler)
     set_seed(config.train.seed * accelerator.num_processes + accelerator.process_index)  # ... then one stream each
 
+    preview_weights = PreviewWeights(config.log.fid_weights, ema, posthoc_ema) if draws_previews(config) else None
     preview = (
-        ImageGenerator(ema.module, objective, pixel_decoder(export, vae), config.data.num_classes)
-        if draws_previews(config)
+        ImageGenerator(
+            preview_weights.module,
+            objective,
+            pixel_decoder(export, vae),
+            config.data.num_classes,
+            class_names=export.class_names,
+        )
+        if preview_weights is not None
         else None
     )
     alignment = (
@@ -238,4 +260,5 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
         fid_extractor,
         alignment,
         posthoc_ema,
+        preview_weights,
     )

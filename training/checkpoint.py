@@ -13,7 +13,8 @@ The folders' names, and which one a resume means, are training.checkpoint_folder
 Nothing here unpickles arbitrary objects: weights are safetensors and Accelerate reads its .bin/.pkl files
 with torch.load(weights_only=True) (tensors, numbers and NumPy RNG arrays only). Accelerate's
 `register_for_checkpointing` would pickle with weights_only=False, so the EMA is stored as safetensors instead.
-Every process writes into a hidden temporary folder that the main process renames once complete; a full disk
+Every process writes into a hidden temporary folder that the main process renames once complete and flushed to the
+disk (atomic_files.commit; each other process flushes its own RNG states first); a full disk
 or a read-only folder on any process stops all of them with one line, the partial folder removed. Only the
 newest `log.keep_checkpoints` are kept (never removing the one just written); milestone exports, written every
 `log.export_every` steps to `<run>/exports/step-XXXXXXX/`, are never rotated away.
@@ -48,20 +49,14 @@ from atomic_files import (
     output_error,
     replace_folder,
     staging_folder,
+    sync_to_disk,
     write_json_atomic,
     write_text_atomic,
 )
 from commands import UserError
 from generation.export import EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, read_weights, write_export
-from generation.run_layout import CHECKPOINT_PATTERN
-from training.checkpoint_folders import (
-    TRAIN_CONFIG,
-    TRAINER_STATE,
-    CheckpointError,
-    checkpoint_name,
-    checkpoint_step,
-    list_checkpoints,
-)
+from generation.run_layout import CHECKPOINT_PATTERN, TRAINER_STATE, checkpoint_step, list_checkpoints
+from training.checkpoint_folders import TRAIN_CONFIG, CheckpointError, checkpoint_name
 from training.ema import ema_state_dict, load_ema_state_dict
 
 MODEL_WEIGHTS = "model.safetensors"  # Accelerate's file name for the first prepared model
@@ -125,8 +120,13 @@ def save_checkpoint(
             write_more(temporary)
         replace_folder(temporary, final, needed)
 
+    def save_state() -> None:
+        accelerator.save_state(str(temporary))
+        if not main:  # its own RNG states: the main process's flush before the rename reaches only its own machine's
+            sync_to_disk(temporary / RANDOM_STATES.format(accelerator.process_index))  # writes on a shared disk
+
     _agree(accelerator, _attempt(prepare, final, temporary, needed) if main else None, temporary)
-    _agree(accelerator, _attempt(lambda: accelerator.save_state(str(temporary)), final, temporary, needed), temporary)
+    _agree(accelerator, _attempt(save_state, final, temporary, needed), temporary)
     _agree(accelerator, _attempt(finish, final, temporary, needed) if main else None, temporary)
     if main:
         for old in rotated_away(list_checkpoints(root), final, keep):

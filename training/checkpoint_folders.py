@@ -1,5 +1,6 @@
-"""A run's checkpoint folders by name: `step-XXXXXXX`, complete once its trainer_state.json is written, and the
-one that `--resume latest|CHECKPOINT` means.
+"""A run's checkpoint folders by name: `step-XXXXXXX`, complete once its trainer_state.json is written (which ones
+are complete, and their steps, are generation.run_layout's: sample.py reads the same), and the one that
+`--resume latest|CHECKPOINT` means.
 
 They live apart from training.checkpoint, which writes and reads what is inside the folders with torch,
 Accelerate and timm, so that train.py resolves a resume (training.run.load_launch_config) before it imports
@@ -11,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from commands import UserError
-from generation.run_layout import CHECKPOINT_PATTERN
+from generation.run_layout import TRAINER_STATE, list_checkpoints
 
-TRAINER_STATE = "trainer_state.json"
 TRAIN_CONFIG = "config.yaml"
 RESUME_LATEST = "latest"
 
@@ -24,22 +24,6 @@ class CheckpointError(UserError):
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:07d}"
-
-
-def checkpoint_step(checkpoint: Path) -> int:
-    """The optimiser step of a checkpoint folder, from its name."""
-    return int(CHECKPOINT_PATTERN.match(checkpoint.name).group(1))
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (temporary folders of interrupted saves are ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        path for path in root.iterdir() if CHECKPOINT_PATTERN.match(path.name) and (path / TRAINER_STATE).is_file()
-    ]
-    return sorted(found, key=checkpoint_step)
 
 
 def resolve_resume(spec: str | None, root: str | Path) -> Path | None:

@@ -26,10 +26,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from commands import UserError
 from configs import UnknownConfigError, find_config
-from dit_vca.attention import VCA_KERNEL_SETTINGS, VCAOptions
-from dit_vca.models import MLPS, NORMS, RECIPES, name_size, recipe_options
-from generation.vae import vae_source
-from sit_vca.transport import TIME_DISTRIBUTIONS
+from dit_vca.model_options import (
+    MLPS,
+    NORMS,
+    RECIPES,
+    VCA_KERNEL_SETTINGS,
+    VCAOptions,
+    recipe_options,
+)
+from sit_vca.transport_options import TIME_DISTRIBUTIONS
 from training.encoder_source import encoder_source
 
 BASE_KEY = "base"
@@ -61,14 +66,14 @@ class ModelConfig:
     """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches."""
 
     name: str = MISSING  # "DiT-S/2" ... "SiT-XL/8"
-    attention: str = _choice("vca", "vca", "mhsa")
-    class_dropout_prob: float = _range(0.1, 0.0, 1.0)
+    attention: str = _choice("vca", "vca", "mhsa")  # token mixer: Visual-Contrast Attention or the MHSA baseline
+    class_dropout_prob: float = _range(0.1, 0.0, 1.0)  # labels replaced by the null class (CFG needs > 0)
     vca: VCAOptions = field(default_factory=VCAOptions)  # contrast grid and ablation switches (docs/VCA.md)
-    gradient_checkpointing: bool = False
-    depth: int | None = _range(None, 1)  # size overrides for small models (tests, digits)
-    hidden_size: int | None = _range(None, 1)
-    num_heads: int | None = _range(None, 1)
-    mlp_ratio: float | None = _range(None, 0.0, above=True)
+    gradient_checkpointing: bool = False  # recompute each block in backward: less memory, more time
+    depth: int | None = _range(None, 1)  # blocks; None: the name's (these size overrides: small models, tests)
+    hidden_size: int | None = _range(None, 1)  # width; None: the name's
+    num_heads: int | None = _range(None, 1)  # attention heads; None: the name's
+    mlp_ratio: float | None = _range(None, 0.0, above=True)  # MLP width / width; None: the name's
     recipe: str = _choice("dit", *RECIPES)  # block options preset: dit (2022), lightning (RMSNorm, SwiGLU, RoPE), ...
     norm: str | None = _choice(None, None, *NORMS)  # block norms: layernorm (DiT) or rmsnorm; null: the recipe's
     mlp: str | None = _choice(None, None, *MLPS)  # gelu (DiT) or swiglu (2/3 of the GELU width); null: the recipe's
@@ -93,11 +98,11 @@ class DiffusionConfig:
 class TransportConfig:
     """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
 
-    path: str = _choice("linear", "linear", "gvp", "vp")
-    prediction: str = _choice("velocity", "velocity", "score", "noise")
-    loss_weight: str | None = _choice(None, None, "velocity", "likelihood")
+    path: str = _choice("linear", "linear", "gvp", "vp")  # the interpolant from noise to data
+    prediction: str = _choice("velocity", "velocity", "score", "noise")  # what the network predicts
+    loss_weight: str | None = _choice(None, None, "velocity", "likelihood")  # score/noise prediction only
     train_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
-    sample_eps: float | None = _range(None, 0.0, 1.0)
+    sample_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
     time_distribution: str = _choice("uniform", *TIME_DISTRIBUTIONS)  # of training times: uniform or logit-normal
     logit_normal_location: float = _range(0.0, -math.inf)  # m of t = sigmoid(m + s·N(0, 1)); t = 1 is data
     logit_normal_scale: float = _range(1.0, 0.0, above=True)  # s of the same
@@ -108,13 +113,14 @@ class TransportConfig:
 class DataConfig:
     """Where training examples come from; `source` decides which of the paths is used."""
 
-    source: str = _choice(MISSING, "latents", "images", "digits", "shapes")
+    source: str = _choice(MISSING, "latents", "images", "digits", "shapes")  # latent shards, an image folder
+    # encoded online, or the built-in 8x8 digits / 16x16 shapes (pixel space)
     images: str | None = None  # ImageNet-style folder: one sub-folder per class
     latents: str | None = None  # shards written by `python -m training.latents`
     image_size: int = _range(MISSING, 1)  # pixels (digits: 8, shapes: 16)
-    num_classes: int = _range(MISSING, 1)
-    random_flip: bool = True
-    on_corrupt: str = _choice("error", "error", "skip")
+    num_classes: int = _range(MISSING, 1)  # label count (the null class for CFG is added on top)
+    random_flip: bool = True  # horizontal flips, drawn per example from train.seed
+    on_corrupt: str = _choice("error", "error", "skip")  # an image that cannot be decoded: stop, or skip it
     num_workers: int = _range(4, 0)  # 0: load in the training process
 
     @property
@@ -139,9 +145,9 @@ class VAEConfig:
 class ExtractConfig:
     """`python -m training.latents`: how the image folder is encoded into shards."""
 
-    batch_size: int = _range(64, 1)
-    shard_size: int = _range(4096, 1)
-    dtype: str = _choice("float16", "float16", "float32")
+    batch_size: int = _range(64, 1)  # images per VAE encoder call
+    shard_size: int = _range(4096, 1)  # latents per shard file
+    dtype: str = _choice("float16", "float16", "float32")  # of the stored latents
 
 
 @dataclass
@@ -159,7 +165,7 @@ class RepaConfig:
     input_size: int | None = _range(None, 1)  # the encoder's input side in pixels; None: the size it was built for
     # (its config's img_size: 518 for DINOv2, whose REPA setting is 224 at 256 px and 448 at 512 px)
     mean: list[float] | None = None  # input normalisation; None: the encoder's own (timm pretrained cfg)
-    std: list[float] | None = _range(None, 0.0, above=True)
+    std: list[float] | None = _range(None, 0.0, above=True)  # input normalisation; None: the encoder's own
 
     @property
     def enabled(self) -> bool:
@@ -180,20 +186,20 @@ class TrainConfig:
     """Optimisation: AdamW with an optional linear warm-up, gradient clipping, EMA."""
 
     global_batch_size: int = _range(MISSING, 1)  # over all processes and accumulation steps
-    grad_accum_steps: int = _range(1, 1)
-    max_steps: int = _range(MISSING, 1)
-    lr: float = _range(MISSING, 0.0)
-    weight_decay: float = _range(0.0, 0.0)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"range": (0.0, 1.0, False)})
+    grad_accum_steps: int = _range(1, 1)  # micro-batches per optimiser step
+    max_steps: int = _range(MISSING, 1)  # optimiser steps of the whole run
+    lr: float = _range(MISSING, 0.0)  # AdamW learning rate after warm-up
+    weight_decay: float = _range(0.0, 0.0)  # AdamW's decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"range": (0.0, 1.0, False)})  # AdamW
     warmup_steps: int = _range(0, 0)  # linear learning-rate warm-up, then constant; 0: none
-    max_grad_norm: float | None = _range(None, 0.0, above=True)  # None: no clipping (the norm is logged)
-    ema_decay: float = _range(MISSING, 0.0, 1.0)
+    max_grad_norm: float | None = _range(None, 0.0, above=True)  # None: no clipping, the norm is not computed
+    ema_decay: float = _range(MISSING, 0.0, 1.0)  # of the EMA weights that exports and samples use
     ema_warmup: bool = False  # decay 1 - (1 + step)^-power, capped at ema_decay
-    ema_warmup_power: float = _range(0.75, 0.0, above=True)
-    seed: int = _range(0, 0)
+    ema_warmup_power: float = _range(0.75, 0.0, above=True)  # the power of train.ema_warmup
+    seed: int = _range(0, 0)  # initial weights, data order, flips and noise
     mixed_precision: str | None = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
-    tf32: bool = True
-    compile: bool = False
+    tf32: bool = True  # TF32 matmuls and convolutions on CUDA
+    compile: bool = False  # torch.compile the model
     vca_kernel: str = _choice("auto", *VCA_KERNEL_SETTINGS)  # VCA's core in ATen or Triton; auto: Triton on CUDA
     cpu: bool = False  # force CPU processes (gloo), e.g. under torchrun for tests
     repa: RepaConfig = field(default_factory=RepaConfig)
@@ -204,15 +210,15 @@ class TrainConfig:
 class LogConfig:
     """What is written to the run directory and how often (in optimiser steps)."""
 
-    every: int = _range(100, 1)
+    every: int = _range(100, 1)  # steps between lines of metrics.jsonl and the trackers (loss, grad norm, lr)
     checkpoint_every: int = _range(50_000, 1)  # resume checkpoints (the last one is always written)
     keep_checkpoints: int = _range(2, 1)  # newest resume checkpoints kept (never the one just written)
     export_every: int = _range(0, 0)  # milestone exports in <run>/exports/, never deleted; 0 disables
     sample_every: int = _range(10_000, 0)  # EMA sample grid; 0 disables
-    sample_count: int = _range(16, 1)
+    sample_count: int = _range(16, 1)  # images in each sample grid
     sample_sampler: str | None = None  # None: the objective's default sampler
-    sample_steps: int | None = _range(None, 1)
-    sample_guidance: float = _range(1.0, 0.0)
+    sample_steps: int | None = _range(None, 1)  # None: the sampler's default
+    sample_guidance: float = _range(1.0, 0.0)  # classifier-free guidance scale of the grids; 1: none
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's: tensorboard, wandb, ...
     project: str = "vca-diffusion"  # the trackers' project (wandb, comet_ml, mlflow, ...)
     run_name: str | None = None  # wandb's run name; None: the run directory's name
@@ -220,13 +226,15 @@ class LogConfig:
     fid_samples: int = _range(5000, 2)  # a covariance needs 2 samples (2048+ for a comparable FID)
     fid_reference: str | None = None  # .npz with mu and sigma, e.g. VIRTUAL_imagenet256_labeled.npz
     fid_inception: str | None = None  # Inception weights file or "bundled"; None: fid's default lookup
+    fid_weights: str = "ema"  # what grids and FID draw from: ema, raw (the trained weights), or sigma_rel=S (a
+    # profile of train.posthoc_ema.sigma_rel, its running average)
 
 
 @dataclass
 class RunConfig:
     """Where the run lives; `dir` defaults to results/<config file name>."""
 
-    dir: str | None = None
+    dir: str | None = None  # None: results/<config file name>
 
 
 @dataclass
@@ -284,8 +292,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
             f"from the extracted latents (data.source=latents, python -m training.latents)"
         )
     if config.vae.name is not None:  # named so that config.yaml works from another folder (generation.vae)
+        from generation.vae import vae_source  # imports torch: not needed to read the schema (train.py --help)
+
         source = vae_source(config.vae.name, config.vae.path)
         config.vae.name, config.vae.path = source.name, source.path
+    _check_fid_weights(config)
     if config.train.repa.enabled:
         _check_repa(config)
         repa = config.train.repa  # named so that config.yaml works from another folder (training.encoder_source)
@@ -467,7 +478,7 @@ def _check_values(node: Any, prefix: str) -> None:
         elif "range" in f.metadata and value is not None:
             bounds = f.metadata["range"]
             if not all(_in_range(number, *bounds) for number in (value if isinstance(value, list) else [value])):
-                raise ConfigError(f"'{prefix}{f.name}' is {value!r}; expected {_describe_range(*bounds)}")
+                raise ConfigError(f"'{prefix}{f.name}' is {value!r}; expected {describe_range(*bounds)}")
 
 
 def _in_range(number: float, minimum: float, maximum: float, above: bool) -> bool:
@@ -475,7 +486,7 @@ def _in_range(number: float, minimum: float, maximum: float, above: bool) -> boo
     return math.isfinite(number) and low_ok and number <= maximum
 
 
-def _describe_range(minimum: float, maximum: float, above: bool) -> str:
+def describe_range(minimum: float, maximum: float, above: bool) -> str:
     low = f"> {minimum:g}" if above else f">= {minimum:g}"
     return f"a finite value {low}" + ("" if maximum == math.inf else f" and <= {maximum:g}")
 
@@ -495,6 +506,32 @@ def _check_repa(config: Config) -> None:
         raise ConfigError(f"'train.repa.mean' {repa.mean} and 'train.repa.std' {repa.std} differ in length")
 
 
+FID_WEIGHTS = ("ema", "raw")  # or "sigma_rel=S"
+
+
+def fid_weights_profile(setting: str) -> float | None:
+    """The sigma_rel that `log.fid_weights` names ("sigma_rel=0.05" -> 0.05), None for ema and raw."""
+    if setting in FID_WEIGHTS:
+        return None
+    return float(setting.removeprefix("sigma_rel="))
+
+
+def _check_fid_weights(config: Config) -> None:
+    """log.fid_weights is ema, raw, or sigma_rel=S with S a tracked post-hoc EMA profile."""
+    setting, tracked = config.log.fid_weights, config.train.posthoc_ema.sigma_rel
+    expected = f"expected ema, raw or sigma_rel=S with S one of train.posthoc_ema.sigma_rel={tracked}"
+    if setting in FID_WEIGHTS:
+        return
+    try:
+        sigma_rel = fid_weights_profile(setting) if setting.startswith("sigma_rel=") else None
+    except ValueError:
+        sigma_rel = None
+    if sigma_rel is None:
+        raise ConfigError(f"'log.fid_weights' is {setting!r}; {expected}")
+    if not any(math.isclose(sigma_rel, profile, rel_tol=1e-9) for profile in tracked):
+        raise ConfigError(f"'log.fid_weights' is {setting!r}, a profile this run does not track; {expected}")
+
+
 def _check_model_heads(model: ModelConfig) -> None:
     """The width splits into the heads (the backbone checks this too, but only once the data are loaded)."""
     from dit_vca.models import name_size
@@ -511,6 +548,8 @@ def _check_model_heads(model: ModelConfig) -> None:
 def _check_block_options(model: ModelConfig) -> None:
     """RoPE needs a head dimension that splits into two axes of channel pairs, whether set or switched on by the
     recipe."""
+    from dit_vca.models import name_size
+
     options = model.block_options
     _, width, heads = name_size(model.name)[0]
     head_dim = (model.hidden_size or width) // (model.num_heads or heads)

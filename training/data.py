@@ -129,26 +129,69 @@ class ImageFolderDataset(_EpochSeeded):
 
 def list_images(root: Path, class_to_index: dict[str, int], allow_empty: bool) -> list[tuple[str, int]]:
     """(path, label) of every image under root/<class>/, in torchvision's ImageFolder order (classes, then
-    folders, then files, each sorted). Symlinked folders are followed, but no folder twice (a link back up the
-    tree would list a class dozens of times, until the OS stops it at 40 levels)."""
+    folders, then files, each sorted).
+
+    Symbolic links are followed, but every image is listed once and under its own class, whatever the links: what a
+    path really is (its realpath) belongs to the class whose folder really holds it, or, outside every class folder,
+    to the first class that links to it. So a folder is entered once (a link back into the class would list it again,
+    until the OS stops at 40 levels), a folder holding class folders (`ln -s .. ant/up`: the dataset itself) or
+    inside another class's folder is not entered, and an image linked from two places counts once."""
+    owners: dict[str, str] = {}  # the real path of each class folder -> its class (the first, if two share one)
+    for name in sorted(class_to_index):
+        owners.setdefault(os.path.realpath(root / name), name)
+    containers = {parent for folder in owners for parent in _parents(folder)} - owners.keys()
+    listed: set[str] = set()  # real paths of the images listed so far, over all classes
     samples = []
     for name in sorted(class_to_index):
-        found, seen = [], set()
-        for folder, subfolders, files in os.walk(root / name, followlinks=True):
-            subfolders.sort()  # the first of several links to one folder is the one followed, on every machine
-            real = os.path.realpath(folder)
-            if real in seen:
-                subfolders.clear()
-                continue
-            seen.add(real)
-            found += [os.path.join(folder, file) for file in files if file.lower().endswith(IMG_EXTENSIONS)]
+        found = _class_images(root / name, name, owners, containers, listed)
         if not found and not allow_empty:
             raise DataMismatchError(
-                f"data.images={root}: the class folder {root / name} holds no images ({', '.join(IMG_EXTENSIONS)}); "
-                f"remove it, or set data.on_corrupt=skip to keep it as a class without examples"
+                f"data.images={root}: the class folder {root / name} holds no images ({', '.join(IMG_EXTENSIONS)}) "
+                f"of its own; remove it, or set data.on_corrupt=skip to keep it as a class without examples"
             )
         samples += [(path, class_to_index[name]) for path in sorted(found, key=lambda path: os.path.split(path))]
     return samples
+
+
+def _parents(path: str) -> list[str]:
+    """The folders above the absolute `path`, nearest first."""
+    parents = []
+    while (parent := os.path.dirname(path)) != path:
+        parents.append(parent)
+        path = parent
+    return parents
+
+
+def _owner(real: str, owners: dict[str, str]) -> str | None:
+    """The class whose folder really holds the real path `real` (the innermost one), None for a path outside them."""
+    for folder in (real, *_parents(real)):
+        if folder in owners:
+            return owners[folder]
+    return None
+
+
+def _class_images(folder: Path, name: str, owners: dict[str, str], containers: set[str], listed: set[str]) -> list[str]:
+    """The images to list under class `name`, found below its folder (see `list_images`); adds them to `listed`."""
+    found, entered, pending = [], set(), [str(folder)]
+    while pending:
+        path = pending.pop()
+        real = os.path.realpath(path)
+        if real in entered or real in containers or _owner(real, owners) not in (name, None):
+            continue
+        entered.add(real)
+        try:
+            entries = sorted(os.scandir(path), key=lambda entry: entry.name)
+        except OSError:  # unreadable, or a broken link: os.walk passes over such folders too
+            continue
+        # top-down in sorted order, as os.walk: the first of several links to one folder is the one followed
+        pending += reversed([entry.path for entry in entries if entry.is_dir()])  # is_dir follows links
+        for entry in entries:
+            if not entry.is_dir() and entry.name.lower().endswith(IMG_EXTENSIONS):
+                image = os.path.realpath(entry.path) if entry.is_symlink() else os.path.join(real, entry.name)
+                if image not in listed and (not entry.is_symlink() or _owner(image, owners) in (name, None)):
+                    listed.add(image)
+                    found.append(entry.path)
+    return found
 
 
 # --------------------------------------------------------------------------------------------------

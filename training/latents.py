@@ -2,6 +2,11 @@
 
     python -m training.latents --config configs/dit-s2-vca.yaml            # one process
     accelerate launch -m training.latents --config configs/dit-s2-vca.yaml  # shards spread over GPUs
+    srun docs/slurm/task.sh python -m training.latents --config ...         # over Slurm's tasks
+
+Several processes share the shards, or, where they would each run alone (a launch whose processes Accelerate does
+not see: no GPUs without train.cpu=true; srun's tasks without docs/slurm/task.sh), are refused in one line before
+any work (commands.check_launched_processes).
 
 Reads data.images, writes data.latents/shard-XXXXX.safetensors with the posterior mean and std of every
 image and of its mirror image and the image's index in data.images (so that REPA can pair each latent with its
@@ -29,7 +34,7 @@ from tqdm import tqdm
 
 from atomic_files import check_writable, write_text_atomic
 from atomic_files.shards import ShardFolder
-from commands import CommandParser, run_command
+from commands import CommandParser, check_launched_processes, run_command
 from generation.vae import encode_posterior, latent_downsampling, load_vae
 from training.config import Config, ConfigError, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples, loader_workers
@@ -50,6 +55,7 @@ def plan_shards(num_images: int, shard_size: int) -> list[range]:
 def extract_latents(config: Config, state: PartialState | None = None) -> Path:
     """Write the missing shards (spread over the processes), then (main process) the manifest. Returns the folder."""
     state = state or PartialState(cpu=config.train.cpu)
+    check_launched_processes(state.num_processes, "-m training.latents", "train.cpu=true")
     data = config.data
     if data.images is None or data.latents is None:
         raise ConfigError("latent extraction needs data.images=<image folder> and data.latents=<output folder>")

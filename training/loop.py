@@ -2,14 +2,16 @@
 
 One optimiser step consumes `grad_accum_steps` micro-batches on every process. After the step the EMA is
 updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
-measured. A non-finite loss stops the run before anything is saved after it. A stop signal (SIGTERM, SIGUSR1,
-SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its metrics line and a
-checkpoint of it.
+measured; after a checkpoint (and after FID) the loss and FID curves are drawn to <run>/curves.png, at most once
+every CURVES_INTERVAL_S. A non-finite loss stops the run before anything is saved after it. A stop signal
+(SIGTERM, SIGUSR1, SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its
+metrics line and a checkpoint of it. A process of the run that dies ends the others with one line
+(PeerLostError) naming it and the checkpoint that stands.
 """
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,12 +27,13 @@ from training.build import TrainingParts
 from training.checkpoint import checkpoint_bytes, save_checkpoint, save_milestone_export
 from training.checkpoint_folders import checkpoint_name
 from training.config import Config, config_to_yaml
+from training.curves import draw_curves
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
 from training.posthoc_ema import drop_snapshots_after
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
-from training.stop_signals import StopSignals
+from training.stop_signals import PeerLostError, StopSignals, peer_lost
 from training.trackers import log_grid, tracker_state
 
 
@@ -39,6 +42,10 @@ class NonFiniteLossError(UserError):
 
 
 PROGRESS = ("step", "examples_seen", "metrics_window")  # what a resume takes from a saved state
+# A drawing of the curves costs ~0.3 CPU-s (~0.7 s more for matplotlib's first import): nothing between checkpoints
+# hours apart, but most of a test's or smoke run's time when they come every few seconds. Those are drawn once this
+# much time has passed since the launch or the last drawing.
+CURVES_INTERVAL_S = 60.0
 
 
 def say(accelerator: Accelerator, message: str, end: str = "\n") -> None:
@@ -98,32 +105,47 @@ class Trainer:
         self.saving_step: int | None = None  # the step of a checkpoint being written
         self.fid_log = JsonLines(run.fid)
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
+        self.curves_drawn_at = time.monotonic()  # the launch: see CURVES_INTERVAL_S
 
     def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
         stop = StopSignals(standing=self.standing)
+        progress = tqdm(
+            total=self.config.train.max_steps,
+            initial=self.state.step,
+            desc="training",
+            dynamic_ncols=True,
+            disable=not self.accelerator.is_main_process,
+        )
         try:
-            return self._fit(stop)
+            return self._fit(stop, progress)
+        except RuntimeError as error:  # a collective (gradients, the stop flag, a barrier) that lost its peer
+            peer = peer_lost(error)
+            if peer is None:
+                raise
+            raise PeerLostError(
+                f"lost the connection to the process of this run at {peer} after step {self.state.step}: that "
+                f"process or its node has ended (its own log says why); {self.kept()}: continue with --resume latest"
+            ) from None
         finally:
+            progress.close()  # before an error's line, which then starts a line of its own
             stop.restore()
 
-    def _fit(self, stop: StopSignals) -> str | None:
+    def _fit(self, stop: StopSignals, progress: tqdm) -> str | None:
         config, accelerator = self.config, self.accelerator
         log, max_steps = config.log, config.train.max_steps
         stream = self.batches.stream(self.state.stream_position)
         metrics = TrainingMetrics(
-            accelerator, self.run.metrics, config.train.global_batch_size, self.state.step, self.state.metrics_window
+            accelerator,
+            self.run.metrics,
+            config.train.global_batch_size,
+            self.state.step,
+            self.state.metrics_window,
+            grad_norm=config.train.max_grad_norm is not None,
         )
         if accelerator.is_main_process:
             self.fid_log.drop_after(self.state.step)
             drop_snapshots_after(self.run.root, self.state.step)  # post-hoc EMA snapshots of an abandoned timeline
-        progress = tqdm(
-            total=max_steps,
-            initial=self.state.step,
-            desc="training",
-            dynamic_ncols=True,
-            disable=not accelerator.is_main_process,
-        )
         while self.state.step < max_steps:
             loss, grad_norm, skipped = self.train_step(stream)
             step = self.state.step
@@ -133,7 +155,8 @@ class Trainer:
             if step % log.every == 0 or last:
                 self.stop_if_non_finite(metrics)
                 line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
-                progress.set_postfix(loss=f"{line['loss']:.4f}", grad_norm=f"{line['grad_norm']:.3f}")
+                norm = {"grad_norm": f"{line['grad_norm']:.3f}"} if line["grad_norm"] is not None else {}
+                progress.set_postfix(loss=f"{line['loss']:.4f}", **norm)
             stopping = not last and stop.agreed()  # every rank, after the same step (the last one ends anyway)
             if self.posthoc_ema is not None and self.posthoc_ema.snapshot_due(step, last):  # also when stopping:
                 self.stop_if_non_finite(metrics)  # a resume continues after this step
@@ -141,19 +164,21 @@ class Trainer:
             if log.export_every and step % log.export_every == 0:
                 self.stop_if_non_finite(metrics)
                 self.save_milestone()
-            if stopping or step % log.checkpoint_every == 0 or last:
+            checkpoint_due = step % log.checkpoint_every == 0 or last
+            if stopping or checkpoint_due:
                 self.stop_if_non_finite(metrics)
                 self.save_checkpoint(metrics)
-            if stopping:  # a grid or FID due at this step is left out: the scheduler's grace time is short
+            if stopping:  # a grid, FID or curves due at this step are left out: the scheduler's grace time is short
+                stop.hold_until_exit()  # the status is 75 from here, whatever signals come
                 self.say_stopped(stop)
-                progress.close()
                 end_processes(accelerator)
                 return stop.name()
+            if checkpoint_due:
+                self.save_curves()
             if log.sample_every and (step % log.sample_every == 0 or last):
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
                 self.measure_fid()
-        progress.close()
         end_processes(accelerator)
         return None
 
@@ -169,18 +194,22 @@ class Trainer:
     def say(self, message: str) -> None:
         say(self.accelerator, message)
 
-    def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One optimiser step and the EMA updates after it; returns (mean loss, grad norm, skipped files)."""
+    def train_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """One optimiser step and the EMA updates after it; returns (mean loss, grad norm or None, skipped
+        files)."""
         loss, grad_norm, skipped = self.optimizer_step(stream)
         self.ema.update(self.accelerator.unwrap_model(self.model), step=self.state.step)
         if self.posthoc_ema is not None:
             self.posthoc_ema.update(self.accelerator.unwrap_model(self.model))
         return loss, grad_norm, skipped
 
-    def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Accumulate gradients over micro-batches and step; returns (mean loss, grad norm, skipped files)."""
+    def optimizer_step(self, stream: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Accumulate gradients over micro-batches and step; returns (mean loss, grad norm, skipped files). The
+        norm is that of the clipping (train.max_grad_norm); without clipping it is not computed (None): a norm
+        over every gradient is one more pass over the model's parameters for a number nobody acts on."""
         accelerator, train = self.accelerator, self.config.train
         losses, alignments, skipped = [], [], 0
+        grad_norm = None
         for _ in range(train.grad_accum_steps):
             x, y, batch_skipped, *paired = next(stream)  # paired: the latents' own images, for REPA
             self.state.examples_seen += self.batches.loader.batch_size * accelerator.num_processes
@@ -196,9 +225,9 @@ class Trainer:
             with accelerator.accumulate(*self.parts.trained_modules):
                 loss, alignment = self.losses(x, y, images)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and train.max_grad_norm is not None:
                     parameters = [p for module in self.parts.trained_modules for p in module.parameters()]
-                    grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm or math.inf)
+                    grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm).detach().float()
                 self.optimizer.step()
                 if accelerator.sync_gradients:
                     self.scheduler.step()
@@ -208,7 +237,7 @@ class Trainer:
             skipped += batch_skipped
         self.state.step += 1
         self.step_terms = {"alignment_loss": torch.stack(alignments).mean()} if alignments else {}
-        return torch.stack(losses).mean(), grad_norm.detach().float(), skipped
+        return torch.stack(losses).mean(), grad_norm, skipped
 
     def losses(
         self, x: torch.Tensor, y: torch.Tensor, images: torch.Tensor
@@ -280,6 +309,13 @@ class Trainer:
         self.last_checkpoint, self.saving_step = str(path), None
         self.say(f"saved checkpoint {path}")
 
+    def save_curves(self) -> None:
+        """<run>/curves.png from the logs so far (after a checkpoint, and after FID, which comes later), unless it
+        was drawn less than CURVES_INTERVAL_S ago."""
+        if self.accelerator.is_main_process and time.monotonic() - self.curves_drawn_at >= CURVES_INTERVAL_S:
+            draw_curves(self.run.metrics, self.run.fid, self.run.curves, self.run.root.name)
+            self.curves_drawn_at = time.monotonic()
+
     def save_posthoc_snapshot(self) -> None:
         if self.accelerator.is_main_process:
             path = self.posthoc_ema.save_snapshot(self.run.root, self.state.step, self.parts.export)
@@ -296,12 +332,16 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.run.samples.mkdir(parents=True, exist_ok=True)
             grid = self.run.samples / f"{checkpoint_name(self.state.step)}.png"
+            log = self.config.log
+            title = f"step {self.state.step:,}, {self.parts.preview_weights.label}, guidance {log.sample_guidance:g}"
+            self.parts.preview_weights.refresh(self.accelerator.unwrap_model(self.model))
             with self.accelerator.autocast():
-                save_preview_grid(self.parts.preview, self.config.log, grid)
+                save_preview_grid(self.parts.preview, log, grid, title)
             log_grid(self.accelerator, grid, self.state.step)
         self.accelerator.wait_for_everyone()
 
     def measure_fid(self) -> None:
+        self.parts.preview_weights.refresh(self.accelerator.unwrap_model(self.model))
         with self.accelerator.autocast():
             fid = preview_fid(
                 self.parts.preview,
@@ -311,7 +351,12 @@ class Trainer:
                 self.accelerator.num_processes,
                 self.batches.loader.batch_size,
             )
+        log = self.config.log
         if self.accelerator.is_main_process:
-            self.fid_log.append({"step": self.state.step, "fid": fid, "samples": self.config.log.fid_samples})
+            self.fid_log.append(
+                {"step": self.state.step, "fid": fid, "samples": log.fid_samples, "weights": log.fid_weights}
+            )
             self.accelerator.log({"eval/fid": fid}, step=self.state.step)
-        self.say(f"step {self.state.step}: FID of {self.config.log.fid_samples} EMA samples {fid:.3f}")
+        label = self.parts.preview_weights.label
+        self.say(f"step {self.state.step}: FID of {log.fid_samples} samples of the {label} {fid:.3f}")
+        self.save_curves()

@@ -1,8 +1,9 @@
 """Training metrics: per-process sums on the device, reduced over processes only when a line is written.
 
 Each line of metrics.jsonl (written by the main process alone) holds the loss averaged over the steps since
-the previous line and over processes, each process's own mean, the gradient norm, the learning rate and the
-throughput. The first step whose loss is not finite is tracked without a host sync per step.
+the previous line and over processes, each process's own mean, the gradient norm (null when the run does not clip
+gradients, train.max_grad_norm null: the norm is then not computed), the learning rate and the throughput. The
+first step whose loss is not finite is tracked without a host sync per step.
 """
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ class TrainingMetrics:
         images_per_step: int,
         start_step: int,
         window: dict[str, Any] | None = None,
+        grad_norm: bool = True,
     ) -> None:
-        """`window`: the sums a checkpoint stored (`window()`), restored when the process count is the same."""
+        """`window`: the sums a checkpoint stored (`window()`), restored when the process count is the same.
+        `grad_norm`: whether steps come with a gradient norm (False: lines say null)."""
         self.accelerator = accelerator
+        self.logs_grad_norm = grad_norm
         self.log = JsonLines(path)
         self.images_per_step = images_per_step
         device = accelerator.device
@@ -68,13 +72,20 @@ class TrainingMetrics:
             self._restore(window)
 
     def record(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped_images: int, **terms: torch.Tensor
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        skipped_images: int,
+        **terms: torch.Tensor,
     ) -> None:
-        """Add one optimiser step (loss, grad_norm and the named loss `terms` are 0-d tensors on the device)."""
+        """Add one optimiser step (loss, grad_norm and the named loss `terms` are 0-d tensors on the device;
+        grad_norm None when it was not computed)."""
         for name, value in terms.items():
             self.term_sums[name] = self.term_sums.get(name, torch.zeros_like(self.loss_sum)) + value
         self.loss_sum += loss
-        self.grad_norm_sum += grad_norm
+        if grad_norm is not None:
+            self.grad_norm_sum += grad_norm
         bad = torch.full_like(self.first_bad_step, step)
         self.first_bad_step = torch.where(
             torch.isfinite(loss), self.first_bad_step, torch.minimum(self.first_bad_step, bad)
@@ -131,7 +142,8 @@ class TrainingMetrics:
             "step": step,
             "loss": sum(per_process) / len(per_process),
             "loss_per_process": per_process,
-            "grad_norm": gathered[0, 1].item(),  # identical on every process once gradients are all-reduced
+            # identical on every process once gradients are all-reduced; None: not computed (no clipping)
+            "grad_norm": gathered[0, 1].item() if self.logs_grad_norm else None,
             "steps_per_s": steps_per_s,
             "images_per_s": steps_per_s * self.images_per_step,
             "skipped_images": int(gathered[:, 2].sum().item()),  # corrupt files skipped in the window

@@ -30,27 +30,30 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
-from torch import nn
 
-from atomic_files import atomic_folder, atomic_output, write_json_atomic
+from atomic_files import atomic_folder, atomic_output, check_writable, write_json_atomic
 from commands import CommandParser, UserError, run_command
-from generation.export import EXPORT_CONFIG, ExportDescription, read_description, write_export
 from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, PosthocEMAConfig
 from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma, step_decay
 from training.run import SNAPSHOT_FOLDER
 
+# torch, safetensors.torch and generation.export (seconds to import) are imported where they are used, so that
+# `python -m training.posthoc_ema --help` and a bad argument answer at once.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from generation.export import ExportDescription
+
 CHECKPOINT_STATE = "posthoc_ema.safetensors"  # in each checkpoint folder: the running averages
 SNAPSHOT_DESCRIPTION = "description.json"
 DEFAULT_OUT = "posthoc_exports"  # in the run directory
 MIN_SNAPSHOTS = 4  # fewer stored profiles span too little to reconstruct anything but themselves
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PosthocEMAError(UserError):
@@ -85,12 +88,14 @@ class PowerEMA:
     def __init__(
         self, model: nn.Module, settings: PosthocEMAConfig, batch: int, device: torch.device | str = "cpu"
     ) -> None:
+        import torch
+
         names = [profile_file(sigma_rel) for sigma_rel in settings.sigma_rel]
         if len(set(names)) < len(names):
             raise ConfigError(f"'train.posthoc_ema.sigma_rel' is {settings.sigma_rel}: each profile only once")
         self.sigma_rels = list(settings.sigma_rel)
         self.gammas = [sigma_rel_to_gamma(sigma_rel) for sigma_rel in self.sigma_rels]
-        self.snapshot_every, self.dtype, self.batch = settings.snapshot_every, DTYPES[settings.dtype], batch
+        self.snapshot_every, self.dtype, self.batch = settings.snapshot_every, getattr(torch, settings.dtype), batch
         state = model.state_dict()
         self.keys = list(state)
         self.averages = [
@@ -98,21 +103,34 @@ class PowerEMA:
         ]
         self.images = 0  # training images behind the averages
 
-    @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """Fold in the weights after one more optimiser step (the same call on every process)."""
+        import torch
+
         self.images += self.batch
         state = model.state_dict()
         current = [state[key].detach().float() for key in self.keys]
-        for gamma, average in zip(self.gammas, self.averages):
-            torch._foreach_lerp_(average, current, 1.0 - step_decay(self.images, self.batch, gamma))
+        with torch.no_grad():
+            for gamma, average in zip(self.gammas, self.averages):
+                torch._foreach_lerp_(average, current, 1.0 - step_decay(self.images, self.batch, gamma))
+
+    def copy_profile(self, sigma_rel: float, module: nn.Module) -> None:
+        """Load the running average of the tracked profile `sigma_rel` into `module` (a model of the same keys):
+        what grids and FID during training draw from with log.fid_weights=sigma_rel=S."""
+        import torch
+
+        index = min(range(len(self.sigma_rels)), key=lambda i: abs(self.sigma_rels[i] - sigma_rel))
+        state = module.state_dict()
+        with torch.no_grad():
+            for key, value in zip(self.keys, self.averages[index]):
+                state[key].copy_(value)
 
     def snapshot_due(self, step: int, last: bool) -> bool:
         return step % self.snapshot_every == 0 or last
 
     def snapshot_bytes(self) -> int:
         """Bytes of one snapshot on disk (every profile, in the snapshot dtype; headers aside)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = self.dtype.itemsize
         return len(self.sigma_rels) * sum(tensor.numel() for tensor in self.averages[0]) * element
 
     def describe(self, max_steps: int) -> str:
@@ -128,6 +146,8 @@ class PowerEMA:
 
     def save_snapshot(self, run_root: Path, step: int, description: ExportDescription) -> Path:
         """Write every profile's average at `step` to <run>/posthoc_ema/step-XXXXXXX/ (main process, atomic)."""
+        from safetensors.torch import save_file
+
         final = Path(run_root) / SNAPSHOT_FOLDER / snapshot_name(step)
         with atomic_folder(final, needed=self.snapshot_bytes()) as temporary:
             for sigma_rel, gamma, average in zip(self.sigma_rels, self.gammas, self.averages):
@@ -145,6 +165,8 @@ class PowerEMA:
 
     def write_state(self, checkpoint: Path) -> None:
         """Put the running averages into a checkpoint folder being assembled (main process)."""
+        from safetensors.torch import save_file
+
         tensors = {key: value.cpu().contiguous() for key, value in self.state_tensors().items()}
         metadata = {"sigma_rel": json.dumps(self.sigma_rels), "images": str(self.images)}
         with atomic_output(Path(checkpoint) / CHECKPOINT_STATE) as temporary:
@@ -152,6 +174,8 @@ class PowerEMA:
 
     def load_state(self, checkpoint: Path) -> None:
         """Continue the averages of a checkpoint (check_resume first: it refuses other profiles in one line)."""
+        from safetensors.torch import load_file
+
         file = Path(checkpoint) / CHECKPOINT_STATE
         saved = load_file(file)
         with safe_open(file, framework="pt") as header:
@@ -207,6 +231,12 @@ class SnapshotFolder:
     step: int
     folder: Path
 
+    @property
+    def complete(self) -> bool:
+        """Whether its description.json, which `save_snapshot` writes last, is there: only complete snapshots are
+        read (a folder without it was copied by hand, or cut short on a file system that lost its files)."""
+        return (self.folder / SNAPSHOT_DESCRIPTION).is_file()
+
 
 @dataclass(frozen=True)
 class StoredProfile:
@@ -232,25 +262,43 @@ def _snapshot_folders(run_root: Path) -> list[SnapshotFolder]:
 
 
 def stored_profiles(run_root: str | Path) -> list[StoredProfile]:
-    """Every stored profile of a run, by step then sigma_rel (headers only: no weights are read)."""
-    profiles = []
+    """Every stored profile of a run's complete snapshots, by step then sigma_rel (headers only: no weights are
+    read). A profile whose header names another step than its folder (a snapshot copied into another step's
+    folder), or the same profile twice, is refused: it would enter the fit as a profile it is not."""
+    profiles: dict[tuple[int, float], StoredProfile] = {}
     for snapshot in _snapshot_folders(Path(run_root)):
+        if not snapshot.complete:
+            continue
         for file in sorted(snapshot.folder.glob("sigma_rel-*.safetensors")):
-            try:
-                with safe_open(file, framework="pt") as header:
-                    values = header.metadata()
-                profiles.append(
-                    StoredProfile(
-                        int(values["step"]),
-                        int(values["images"]),
-                        float(values["sigma_rel"]),
-                        float(values["gamma"]),
-                        file,
-                    )
+            profile = _read_profile_header(file)
+            if profile.step != snapshot.step:
+                raise PosthocEMAError(
+                    f"{file} holds the profile of step {profile.step} (its header), not of step {snapshot.step} "
+                    f"(its folder): a snapshot copied into another step's folder? Remove it"
                 )
-            except (SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
-                raise PosthocEMAError(f"{file} cannot be read as a post-hoc EMA snapshot ({error})") from None
-    return sorted(profiles, key=lambda profile: (profile.step, profile.sigma_rel))
+            twin = profiles.setdefault((profile.step, profile.sigma_rel), profile)
+            if twin is not profile:
+                raise PosthocEMAError(
+                    f"{file} and {twin.file} hold the same profile (sigma_rel {profile.sigma_rel:g} at step "
+                    f"{profile.step}); remove one"
+                )
+    return sorted(profiles.values(), key=lambda profile: (profile.step, profile.sigma_rel))
+
+
+def _read_profile_header(file: Path) -> StoredProfile:
+    try:
+        with safe_open(file, framework="pt") as header:
+            values = header.metadata()
+        return StoredProfile(
+            int(values["step"]), int(values["images"]), float(values["sigma_rel"]), float(values["gamma"]), file
+        )
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
+        raise PosthocEMAError(f"{file} cannot be read as a post-hoc EMA snapshot ({error})") from None
+
+
+def incomplete_snapshots(run_root: str | Path) -> list[Path]:
+    """Snapshot folders that `stored_profiles` leaves out, for --list to name."""
+    return [snapshot.folder for snapshot in _snapshot_folders(Path(run_root)) if not snapshot.complete]
 
 
 def choose_snapshots(profiles: list[StoredProfile], run_root: Path, step: int | None) -> list[StoredProfile]:
@@ -292,6 +340,8 @@ def reconstruct(
 ) -> list[PosthocExport]:
     """Write one export per sigma_rel, the least-squares combination of every profile stored at or before `step`
     (the newest snapshot step when None), into `out` (default RUN/posthoc_exports); returns what was written."""
+    from generation.export import write_export
+
     run_root = Path(run_root)
     for sigma_rel in sigma_rels:
         check_sigma_rel(sigma_rel)
@@ -300,6 +350,7 @@ def reconstruct(
     target_images = used[-1].images
     description = _read_snapshot_description(used[-1].file.parent)
     out = Path(out) if out is not None else run_root / DEFAULT_OUT
+    check_writable(out)  # a file, or a read-only folder, is refused before any weights are read
     times = np.array([profile.images for profile in used], np.float64)
     gammas = np.array([profile.gamma for profile in used], np.float64)
     plans = []
@@ -338,6 +389,8 @@ def reconstruct(
 
 def _combine(files: list[Path], coefficients: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
     """For each coefficient vector, sum_i c_i * (weights of files[i]) in float64, each file read once."""
+    from safetensors.torch import load_file
+
     sums: list[dict[str, torch.Tensor]] = [{} for _ in coefficients]
     for i, file in enumerate(files):
         try:
@@ -352,6 +405,8 @@ def _combine(files: list[Path], coefficients: list[np.ndarray]) -> list[dict[str
 
 
 def _read_snapshot_description(folder: Path) -> ExportDescription:
+    from generation.export import ExportDescription
+
     file = folder / SNAPSHOT_DESCRIPTION
     try:
         return ExportDescription.from_json(json.loads(file.read_text()))
@@ -361,6 +416,8 @@ def _read_snapshot_description(folder: Path) -> ExportDescription:
 
 def _check_replaceable(folder: Path) -> None:
     """An output folder may be new or an earlier reconstruction; anything else is not ours to replace."""
+    from generation.export import EXPORT_CONFIG, read_description
+
     if not folder.exists():
         return
     ours = (folder / EXPORT_CONFIG).is_file() and read_description(folder).posthoc_ema is not None
@@ -371,14 +428,16 @@ def _check_replaceable(folder: Path) -> None:
 def describe_stored(run_root: Path) -> str:
     """--list: the stored profiles and snapshot steps of a run."""
     profiles = stored_profiles(run_root)
+    incomplete = [folder.name for folder in incomplete_snapshots(run_root)]
+    left_out = [f"  left out, incomplete (no {SNAPSHOT_DESCRIPTION}): {', '.join(incomplete)}"] if incomplete else []
     if not profiles:
-        return f"{run_root}: no post-hoc EMA snapshots"
+        return "\n".join([f"{run_root}: no post-hoc EMA snapshots", *left_out])
     steps = sorted({profile.step for profile in profiles})
     kinds = sorted({(profile.sigma_rel, profile.gamma) for profile in profiles})
     lines = [f"{run_root}: {len(profiles)} stored profiles in {len(steps)} snapshots"]
     lines += [f"  sigma_rel {sigma_rel:g} (gamma {gamma:.3f})" for sigma_rel, gamma in kinds]
     lines.append(f"  steps: {', '.join(map(str, steps))}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *left_out])
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:

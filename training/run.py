@@ -4,8 +4,9 @@
         config.yaml          resolved config of the latest launch
         startup.txt          what the latest launch said it would do (training.summary)
         metrics.jsonl        one JSON line per logging step (main process only)
-        fid.jsonl            FID of EMA samples, when log.fid_every > 0
-        samples/step-XXXXXXX.png   EMA sample grids
+        fid.jsonl            FID during training (of the log.fid_weights samples), when log.fid_every > 0
+        curves.png           the loss and FID curves, drawn again at checkpoints (training.curves, training.loop)
+        samples/step-XXXXXXX.png   sample grids, one labelled row per class
         tensorboard/         TensorBoard events (log.trackers; wandb/ too for wandb, see training.trackers)
         checkpoints/step-XXXXXXX/  see training.checkpoint (the newest log.keep_checkpoints)
         exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
@@ -32,8 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atomic_files.folder_lock import lock_folder, lock_holder, locked_by_another, release_folder
-from generation.run_layout import CHECKPOINTS_FOLDER
-from training.checkpoint_folders import RESUME_LATEST, TRAIN_CONFIG, TRAINER_STATE, list_checkpoints, resolve_resume
+from generation.run_layout import CHECKPOINTS_FOLDER, TRAINER_STATE, list_checkpoints
+from training.checkpoint_folders import RESUME_LATEST, TRAIN_CONFIG, resolve_resume
 from training.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
@@ -100,6 +101,10 @@ class RunDirectory:
         return self.root / "fid.jsonl"
 
     @property
+    def curves(self) -> Path:
+        return self.root / "curves.png"
+
+    @property
     def startup(self) -> Path:
         return self.root / "startup.txt"
 
@@ -144,7 +149,7 @@ class RunDirectory:
     def written_by_runs(self) -> list[Path]:
         """What runs write here: the logs, step-XXXXXXX checkpoints and exports (and hidden ones of killed saves),
         step-XXXXXXX.png grids and the trackers' folders; nothing else a user put into the directory."""
-        found = [path for path in (self.config, self.startup, self.metrics, self.fid) if path.exists()]
+        found = [path for path in (self.config, self.startup, self.metrics, self.fid, self.curves) if path.exists()]
         for folder in self.step_folders:
             if folder.is_dir():
                 found += [path for path in folder.iterdir() if STEP_FILE.match(path.name)]

@@ -17,7 +17,13 @@ What ends a process at once, without a checkpoint of the current step:
 - SIGKILL, which the scheduler sends once its grace time is over (Slurm's KillWait, 30 s by default after the
   SIGTERM; torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s), and SIGQUIT (Ctrl-\\), which no handler catches.
 SIGTERM and SIGUSR1 repeated never end the process early: they come from schedulers and launchers, whose repeats
-do not mean "lose the work" (the scheduler's own deadline is SIGKILL).
+do not mean "lose the work" (the scheduler's own deadline is SIGKILL). Once the stop's checkpoint is written, a
+command process ignores every stop signal until it is gone (`StopSignals.hold_until_exit`): however many more come
+while it shuts down, its status is 75.
+
+A process of the run that dies (its node lost, killed, crashed) breaks the connections of the others, whose next
+collective fails in gloo ("Connection reset by peer"): `peer_lost` recognises that error, and the training loop
+turns it into one line (PeerLostError) naming the lost peer's address and the checkpoint that stands.
 
 The all-reduce runs over a CPU (gloo) group of its own: with NCCL training it does not wait for the GPU's queue.
 """
@@ -25,6 +31,7 @@ The all-reduce runs over a CPU (gloo) group of its own: with NCCL training it do
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -35,7 +42,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from commands import UserError
+from commands import UserError, is_command_process
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOPPED_STATUS = 75  # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry"
@@ -44,8 +51,28 @@ CONNECT_TIMEOUT = timedelta(seconds=60)  # how long the stop-flag group waits fo
 OPERATION_TIMEOUT = timedelta(minutes=30)  # then, how long one all-reduce may wait (gloo's default)
 
 
+# gloo's errors when the other end of a connection has gone (gloo/transport/tcp/pair.cc: "Read error [ADDRESS]:PORT:
+# Connection reset by peer", "Connection closed by peer [ADDRESS]:PORT"), and the peer's address in them
+PEER_GONE = re.compile(r"(Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed)")
+PEER_ADDRESS = re.compile(r"\[([^\]]+)\]:(\d+)")
+
+
 class GroupConnectError(UserError):
     """The processes of a multi-node run cannot reach each other over gloo."""
+
+
+class PeerLostError(UserError):
+    """Another process of the run has gone (its node lost, or the process killed or crashed) in mid-training."""
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """The lost peer ("ADDRESS:PORT", or "another process" when gloo names none) when `error` is a collective that
+    failed because the other end of a connection has gone; None for any other error."""
+    message = str(error)
+    if not isinstance(error, RuntimeError) or "gloo" not in message or not PEER_GONE.search(message):
+        return None
+    address = PEER_ADDRESS.search(message)
+    return f"{address[1]}:{address[2]}" if address else "another process"
 
 
 class StopSignals:
@@ -59,6 +86,7 @@ class StopSignals:
         self.received_at: float | None = None  # time.monotonic() of the first stop signal
         self.standing = standing
         self._group = None
+        self._holding = False  # hold_until_exit: the stop signals stay ignored until the process ends
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = stop_flag_group()
         self._previous = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
@@ -97,12 +125,26 @@ class StopSignals:
         """The signal this process received ("a signal to another process" when only another rank got one)."""
         return signal.Signals(self.received).name if self.received is not None else "a signal to another process"
 
+    def hold_until_exit(self) -> None:
+        """The stop's checkpoint is written and the process only ends from here on: in a command process every stop
+        signal is ignored from now until the process is gone, so that its status stays 75. A handler put back by
+        `restore()` would let a repeated SIGTERM end the process with 143 while it shuts down (seen 1 to 4 s after
+        the "stopped" line), and so would Python's own handler, which CPython replaces by the default one at its
+        shutdown; an ignored signal stays ignored to the end. Where a command's main runs in a test or a notebook,
+        `restore()` puts the handlers back as usual."""
+        if is_command_process():
+            self._holding = True
+            for number in STOP_SIGNALS:
+                signal.signal(number, signal.SIG_IGN)
+
     def restore(self) -> None:
-        """Put back the handlers that were there before (tests run several trainings in one process), and let the
-        stop-flag group go: `destroy_process_group` has shut it down, and its gloo threads are joined when the last
-        reference goes, here rather than at interpreter shutdown (commands.end_processes says why that matters)."""
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
+        """Put back the handlers that were there before (tests run several trainings in one process; not after
+        `hold_until_exit`), and let the stop-flag group go: `destroy_process_group` has shut it down, and its gloo
+        threads are joined when the last reference goes, here rather than at interpreter shutdown
+        (commands.end_processes says why that matters)."""
+        if not self._holding:
+            for number, previous in self._previous.items():
+                signal.signal(number, previous)
         self._group = None
 
 

@@ -1,7 +1,8 @@
 """What a training launch is about to do, said once before the first step (printed and kept as
 `<run>/startup.txt`): model and attention with their parameter counts (REPA's projector included, with a line of
-its own when REPA is on), the data, the batch geometry, precision, devices, the run directory and where the run
-resumes from."""
+its own when REPA is on), the data, the batch geometry, precision, devices, the run directory, where the run
+resumes from, what the EMA holds at the last step (with a warning when the run is too short for it:
+training.ema.describe_ema) and which weights the grids and FID draw from."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from dit_vca.models import RECIPES, name_size
+from dit_vca.model_options import RECIPES
+from dit_vca.models import name_size
 from training.build import TrainingParts
 from training.config import Config
+from training.ema import describe_ema
 from training.loop import TrainerState
 from training.repa import RepresentationAlignment
 
@@ -98,6 +101,12 @@ def geometry(values: dict[str, Any]) -> str:
     )
 
 
+def describe_clipping(max_grad_norm: float | None) -> str:
+    if max_grad_norm is None:
+        return "not clipped (train.max_grad_norm null): their norm is not computed, metrics.jsonl says grad_norm null"
+    return f"clipped to a global norm of {max_grad_norm:g}; the norm before clipping is logged as grad_norm"
+
+
 def describe_resume(resume_from: Path | None, saved: dict[str, Any], state: TrainerState) -> str:
     if resume_from is None:
         return "nothing (a fresh start at step 0)"
@@ -138,12 +147,17 @@ def startup_summary(
         "loader": describe_loader(config.data.num_workers, parts.batches.loader.num_workers),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
         "precision": f"{precision}, {describe_tf32(train.tf32, accelerator.device)}, "
-        f"compile {'on' if train.compile else 'off'}, VCA kernel {train.vca_kernel}",
+        f"compile {'on (fullgraph)' if train.compile else 'off'}, VCA kernel {train.vca_kernel}",
+        "gradients": describe_clipping(train.max_grad_norm),
         "devices": describe_devices(accelerator),
         "run.dir": str(run_root),
         "resumed from": describe_resume(resume_from, saved, state),
     }
+    rows["EMA"], warning = describe_ema(train, train.max_steps)
     if parts.posthoc_ema is not None:
         rows["post-hoc EMA"] = parts.posthoc_ema.describe(train.max_steps)
+    if parts.preview is not None:
+        rows["grids and FID"] = f"from the {parts.preview_weights.label} (log.fid_weights={config.log.fid_weights})"
     width = max(map(len, rows))
-    return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items())
+    warnings = f"warning: {warning}\n" if warning is not None else ""
+    return "train.py start-up\n" + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows.items()) + warnings

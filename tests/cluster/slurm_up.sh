@@ -21,7 +21,8 @@ if [ -f "$SLURM_CONF" ] && timeout 5 sinfo -h -o %T >/dev/null 2>&1; then
     exit 0
 fi
 
-mkdir -p "$root"/{state,spool,log,munge}
+mkdir -p "$root"/{state,spool,log,munge,dev}
+for gpu in 0 1 2 3 4 5 6 7; do ln -sfn /dev/null "$root/dev/gpu$gpu"; done  # Slurm wants character devices
 chmod 700 "$root/munge"
 if [ ! -s "$root/munge/munge.key" ]; then
     dd if=/dev/urandom of="$root/munge/munge.key" bs=1024 count=1 status=none
@@ -29,8 +30,10 @@ if [ ! -s "$root/munge/munge.key" ]; then
 fi
 host=$(hostname -s)
 # Two nodes on this one host (two slurmd, each on its own port, both at 127.0.0.1), so that a job can span two
-# "nodes" as on a cluster. Each declares 4 CPUs whatever the machine has (config_overrides: slurmd takes the
-# declared values), so that jobs of 2-4 tasks fit on a 2-core CI machine; the tests' tasks are tiny.
+# "nodes" as on a cluster. Each declares itself an 8-GPU node, whatever the machine has (config_overrides: slurmd
+# takes the declared values): 128 CPUs, 1 TB of memory and 8 GPUs whose device files are links to /dev/null, so
+# that the batch scripts of docs/slurm/ are submitted with the resources they request (tests/test_slurm.py lowers
+# the GPU count, and the processes with it, to what a 2-core CI machine runs; the tests' tasks are tiny).
 cat > "$SLURM_CONF" <<CONF
 ClusterName=vca-test
 SlurmctldHost=$host
@@ -43,6 +46,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+GresTypes=gpu
 SlurmdParameters=config_overrides
 JobRequeue=1
 KillWait=30
@@ -62,9 +66,10 @@ SlurmctldLogFile=$root/log/slurmctld.log
 SlurmdLogFile=$root/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=6821-6822 CPUs=4 RealMemory=2048 State=UNKNOWN
+NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=6821-6822 CPUs=128 RealMemory=1000000 Gres=gpu:8 State=UNKNOWN
 PartitionName=test Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
+echo "NodeName=node[1-2] Name=gpu File=$root/dev/gpu[0-7]" > "$root/gres.conf"
 
 if [ ! -S "$root/munge/munge.socket" ] || ! munge -n -S "$root/munge/munge.socket" >/dev/null 2>&1; then
     munged --force --key-file "$root/munge/munge.key" --socket "$root/munge/munge.socket" \

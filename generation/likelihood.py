@@ -1,0 +1,341 @@
+"""Bits per dimension of images under an interpolant (SiT) model: `python -m generation.likelihood`.
+
+    python -m generation.likelihood --ckpt results/sit-digits --images samples.npz --num-images 256 --json bpd.json
+
+The model's probability-flow ODE gives the log-density log p of a point of the model's space
+(`Transport.log_likelihood`: the ODE and the divergence of its velocity integrated from the point back to the
+N(0, I) prior, by dopri5 at --atol/--rtol, the divergence by Hutchinson's estimator with one Rademacher probe per
+image held through the solve, or exactly with --divergence exact: one backward pass per dimension). Of class
+`arr_1` of the images file (as sample.py writes it), or --label K, or --label null for the unconditional density
+of a model trained with label dropout; no guidance. What the figure includes:
+
+- Pixel-space models: the 8-bit value k of a pixel is the bin [(k - 128) / 127.5, (k - 127) / 127.5) of the
+  model's range (sample.py's rounding, floor(127.5 x + 128)), of width 1/127.5. With --dequantization uniform (the
+  default) x = (k - 128 + u) / 127.5, u ~ U[0, 1) per dimension, drawn per image from --seed, and
+  bits/dim = (-log p(x) + D ln 127.5) / (D ln 2), D = C x H x W of the model: in expectation over u an upper bound
+  on -log2 P(k) / D of the 8-bit images (Jensen). With --dequantization none x = k / 127.5 - 1, the bin's centre
+  and the training input: the same formula, then a density evaluated on the grid, not a bound.
+- Latent models: z = latent_scale x (the VAE encoder's posterior mean of x = k / 127.5 - 1) and
+  bits/dim = -log p(z) / (D ln 2), D = C x h x w of the latents: the latent likelihood only. No term of the VAE (no
+  decoder likelihood, no posterior entropy), so it bounds nothing about the images; no dequantisation (latents are
+  continuous); the density of the scaled latents (add -log2(latent_scale) for the unscaled ones).
+
+A bad argument, an export of another objective, or images the model cannot take are one line and exit status 2
+before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from atomic_files import check_writable, write_json_atomic
+from commands import CommandParser, UserError, run_command
+from generation.sample_plan import sample_seeds
+from samplers.catalogue import DEFAULT_ATOL, DEFAULT_RTOL
+
+if TYPE_CHECKING:
+    import torch
+
+    from generation.export import ExportDescription
+    from sit_vca import Transport
+
+DEQUANTIZATIONS = ("uniform", "none")
+PIXEL_BIN = 1 / 127.5  # width of an 8-bit value's bin in the model's [-1, 1]
+
+
+class LikelihoodError(UserError):
+    """Images or an export that the likelihood cannot be computed for (the message names the argument)."""
+
+
+@dataclass(frozen=True)
+class ModelSpace:
+    """How 8-bit images become points of the model's space, and what bits per dimension then include.
+
+    `channels`: the model's input channels in pixel space (1: gray images, read from the red channel);
+    `vae` and `latent_scale`: the encoder of a latent model; `dequantization`: "uniform" or "none" (pixels)."""
+
+    channels: int = 3
+    vae: Any = None  # diffusers AutoencoderKL of a latent model
+    latent_scale: float | None = None
+    dequantization: str = "uniform"
+
+    @property
+    def latent(self) -> bool:
+        return self.vae is not None
+
+    def points(self, images: np.ndarray, seeds: Sequence[int], device, dtype) -> torch.Tensor:
+        """(B, C, h, w) model-space points of uint8 images (B, H, W, 3); image i's dequantisation noise comes from
+        its own stream seeded by seeds[i] (so it does not depend on the batch)."""
+        import torch
+
+        pixels = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).to(torch.float64)  # (B, 3, H, W)
+        if self.latent:
+            from generation.vae import encode_posterior
+
+            x = (pixels / 127.5 - 1).to(device, torch.float32)
+            mean, _ = encode_posterior(self.vae, x)  # (B, C, h, w)
+            return (self.latent_scale * mean).to(dtype)
+        pixels = pixels[:, : self.channels]
+        if self.dequantization == "none":
+            return (pixels / 127.5 - 1).to(device, dtype)
+        shape = pixels.shape[1:]
+        u = torch.stack([torch.from_numpy(np.random.default_rng(seed).random(shape)) for seed in seeds])  # [0, 1)
+        return ((pixels - 128 + u) * PIXEL_BIN).to(device, dtype)
+
+    def offset(self, dims: int) -> float:
+        """Nats per image added to -log p before dividing by D ln 2: the bin width's D ln 127.5 for pixels."""
+        return 0.0 if self.latent else dims * math.log(127.5)
+
+    def describe(self) -> str:
+        if self.latent:
+            return (
+                f"latent likelihood only: -log p(z) / (D ln 2) of z = {self.latent_scale:g} x the VAE encoder's "
+                f"posterior mean; no VAE term (not a bound on the images' bits), no dequantisation; for unscaled "
+                f"latents add {-math.log2(self.latent_scale):.4f}"
+            )
+        if self.dequantization == "none":
+            return (
+                "(-log p(x) + D ln 127.5) / (D ln 2) at the bins' centres x = k / 127.5 - 1 of the 8-bit values "
+                "(a density on the grid, not a bound)"
+            )
+        return (
+            "(-log p(x) + D ln 127.5) / (D ln 2) of x uniformly dequantised within each 8-bit value's bin of width "
+            "1/127.5: in expectation an upper bound on the 8-bit images' bits/dim"
+        )
+
+
+@dataclass(frozen=True)
+class BitsPerDim:
+    """Per image: bits per dimension and the model-space log-density (nats) it came from; D, what the figure
+    includes, and the model evaluations of the solver (summed over batches)."""
+
+    bits: np.ndarray  # (N,)
+    log_prob: np.ndarray  # (N,) nats
+    dims: int
+    includes: str
+    nfe: int
+
+    @property
+    def mean(self) -> float:
+        return float(self.bits.mean())
+
+    @property
+    def standard_error(self) -> float | None:
+        return float(self.bits.std(ddof=1) / math.sqrt(len(self.bits))) if len(self.bits) > 1 else None
+
+
+def bits_per_dim(
+    model_fn: Callable,
+    transport: Transport,
+    batches: Sequence[tuple[np.ndarray, np.ndarray]] | Any,
+    space: ModelSpace,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: Any = None,
+    divergence: str = "hutchinson",
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    progress: bool = False,
+) -> BitsPerDim:
+    """Bits per dimension of every image of `batches` ((images (B, H, W, 3) uint8, labels (B,)) pairs, in index
+    order) under the probability-flow ODE of `model_fn` and `transport`. Image i draws its dequantisation noise
+    and its Hutchinson probe from streams seeded by (seed, i) (generation.sample_plan.sample_seeds)."""
+    import torch
+
+    from samplers import PerSampleNoise
+
+    dtype = dtype or torch.float32
+    bits, log_probs, nfe, start, dims = [], [], 0, 0, 0
+    for images, labels in batches:
+        seeds = sample_seeds(seed, range(start, start + len(images)))
+        x = space.points(images, seeds, device, dtype)  # (B, C, h, w)
+        dims = x[0].numel()
+        y = torch.as_tensor(np.asarray(labels), dtype=torch.long, device=device)  # (B,)
+        result = transport.log_likelihood(
+            model_fn,
+            x,
+            y,
+            atol=atol,
+            rtol=rtol,
+            divergence=divergence,
+            noise=PerSampleNoise(seeds, device),
+            progress=progress,
+        )
+        log_prob = result.log_prob.double().cpu().numpy()  # (B,) nats
+        log_probs.append(log_prob)
+        bits.append((-log_prob + space.offset(dims)) / (dims * math.log(2)))
+        nfe += result.nfe
+        start += len(images)
+    return BitsPerDim(np.concatenate(bits), np.concatenate(log_probs), dims, space.describe(), nfe)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+#                                                   Command
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="python -m generation.likelihood", description=__doc__)
+    add = parser.add_argument
+    add("--ckpt", required=True, help="a SiT export, checkpoint or run folder, official .pt or hub id (as sample.py)")
+    add("--images", type=Path, required=True, help="an .npz of uint8 images arr_0 (N, H, W, 3), labels arr_1")
+    add("--num-images", type=int, help="the first N images (default: all)")
+    add("--label", help="every image's class K, or 'null' for the unconditional density (default: arr_1)")
+    add("--dequantization", choices=DEQUANTIZATIONS, default="uniform", help="pixel-space models (default uniform)")
+    add("--divergence", choices=("hutchinson", "exact"), default="hutchinson", help="exact: one backward per dim")
+    add("--atol", type=float, default=DEFAULT_ATOL, help="dopri5's absolute tolerance (default %(default)g)")
+    add("--rtol", type=float, default=DEFAULT_RTOL, help="dopri5's relative tolerance (default %(default)g)")
+    add("--seed", type=int, default=0, help="of the dequantisation noise and the Hutchinson probes")
+    add("--batch-size", type=int, default=16, help="images per ODE solve (default 16)")
+    add("--vae", help="VAE hub id or local folder; overrides the export's (latent models)")
+    add("--device", help="torch device (default: cuda when available)")
+    add("--json", type=Path, help="write the figures (mean, per image, what they include) to this file")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("num_images", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise LikelihoodError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("atol", "rtol"):
+        if not getattr(args, name) > 0:
+            raise LikelihoodError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.seed < 0:
+        raise LikelihoodError(f"--seed must be >= 0, got {args.seed}")
+    if args.json is not None:
+        check_writable(args.json.parent)
+
+
+def read_images(args: argparse.Namespace, description: ExportDescription) -> tuple[Any, int, np.ndarray]:
+    """The image reader of --images, how many of its images to take (--num-images) and their labels, checked
+    against the model: size, gray images for a one-channel model (all read once), classes."""
+    from fid.errors import InputError
+    from fid.inputs import NpzImages
+
+    try:
+        images = NpzImages(args.images)
+    except (InputError, OSError, KeyError) as error:
+        raise LikelihoodError(f"--images {args.images}: {error}") from None
+    count = min(len(images), args.num_images or len(images))
+    size = images.shape[1:3]
+    if size != (description.image_size, description.image_size):
+        raise LikelihoodError(
+            f"--images {args.images}: {size[0]}x{size[1]} images; the model takes {description.image_size} px"
+        )
+    if description.channels == 1 and not all(
+        (batch == batch[..., :1]).all() for batch, _ in image_batches(images, count, np.zeros(count, np.int64), 256)
+    ):
+        raise LikelihoodError(f"--images {args.images}: colour images, but the model takes one channel (gray)")
+    classes = description.num_classes
+    if args.label is None:
+        with np.load(args.images) as data:
+            if "arr_1" not in data.files:
+                raise LikelihoodError(f"--images {args.images}: no labels arr_1; give --label K or --label null")
+            labels = data["arr_1"][:count].astype(np.int64)
+    elif args.label == "null":
+        if not description.has_null_class:
+            raise LikelihoodError("--label null: the model was trained without label dropout (no null class)")
+        return images, count, np.full(count, classes, np.int64)  # the null class
+    else:
+        try:
+            labels = np.full(count, int(args.label), np.int64)
+        except ValueError:
+            raise LikelihoodError(f"--label {args.label!r}: expected a class index or null") from None
+    if len(labels) < count or labels.min(initial=0) < 0 or labels.max(initial=0) >= classes:
+        where = f"--label {args.label}" if args.label is not None else f"arr_1 of {args.images}"
+        raise LikelihoodError(
+            f"{where}: expected {count} class indices in 0..{classes - 1}, got {len(labels)} in "
+            f"{labels.min(initial=0)}..{labels.max(initial=0)}"
+        )
+    return images, count, labels
+
+
+def image_batches(images, count: int, labels: np.ndarray, batch_size: int):
+    """(images (B, H, W, 3), labels (B,)) batches of the first `count` images."""
+    start = 0
+    for batch in images.batches(batch_size):
+        batch = batch[: count - start]
+        yield batch, labels[start : start + len(batch)]
+        start += len(batch)
+        if start >= count:
+            return
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    from generation import ExportError, load_export
+    from generation.official import OfficialCheckpointError
+
+    try:
+        export = load_export(args.ckpt)
+    except (ExportError, OfficialCheckpointError) as error:
+        raise LikelihoodError(f"--ckpt: {error}") from None
+    description = export.description
+    if description.objective["kind"] != "transport":
+        raise LikelihoodError(
+            f"--ckpt {args.ckpt}: a {description.objective['kind']} model; the ODE likelihood needs an interpolant "
+            "(SiT) model"
+        )
+    if args.vae is not None and description.in_pixel_space:
+        raise LikelihoodError(f"--vae {args.vae}: the model of {args.ckpt} works in pixel space and uses no VAE")
+    images, count, labels = read_images(args, description)
+
+    import torch
+
+    from generation.generator import load_model
+    from generation.objective import create_objective
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    vae = None
+    if not description.in_pixel_space:
+        from generation.vae import load_vae
+
+        vae = load_vae(args.vae or description.vae, device, None if args.vae else description.vae_path, "--vae")
+    space = ModelSpace(description.channels, vae, description.latent_scale, args.dequantization)
+    result = bits_per_dim(
+        load_model(export, device),
+        create_objective(description.objective),
+        image_batches(images, count, labels, args.batch_size),
+        space,
+        seed=args.seed,
+        device=device,
+        divergence=args.divergence,
+        atol=args.atol,
+        rtol=args.rtol,
+        progress=True,
+    )
+    error = "" if result.standard_error is None else f" ± {result.standard_error:.4f}"
+    print(f"bits/dim {result.mean:.4f}{error} (mean ± standard error over {count} images, D = {result.dims})")
+    print(f"includes: {result.includes}")
+    report = {
+        "bits_per_dim": result.mean,
+        "standard_error": result.standard_error,
+        "dims": result.dims,
+        "includes": result.includes,
+        "per_image": result.bits.tolist(),
+        "log_prob_nats": result.log_prob.tolist(),
+        "nfe": result.nfe,
+        "settings": {
+            key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items() if key != "debug"
+        },
+    }
+    if args.json is not None:
+        write_json_atomic(args.json, report)
+    return report
+
+
+def command() -> None:
+    run_command(main)
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,464 @@
+"""Sample and score a sweep in one process: exports (or post-hoc EMA lengths of a run) x guidance x scale.
+
+    python sweep.py --ckpt results/digits --guidance none cfg --scales 1.5 2 3 --ref real-digits.npz \\
+        --num-samples 1000 --out sweeps/digits-cfg -- --sampler ddim --steps 50
+    python sweep.py --run results/digits --sigma-rel 0.05 0.1 0.2 --guidance cfg autoguidance --scales 1.5 2 \\
+        --guide-ckpt results/digits/exports/step-0000500 --ref real-digits.npz --num-samples 1000 --out sweeps/ema
+
+A point is one export, one guidance (`none`; classifier-free `cfg`; `autoguidance` by --guide-ckpt) and one
+scale. Exports are --ckpt's (anything sample.py --ckpt takes; `NAME=PATH` names one in the table) and, with --run
+and --sigma-rel, post-hoc EMA reconstructions of that run (training.posthoc_ema; made once, into the run's
+posthoc_exports/, and reused). Every point is sampled by sample.py's own code (`sample.main`, with the sample.py
+options after `--`: sampler, steps, seed, labels, batch and shard sizes, precision, --cpu, ...) into
+<out>/samples/<point>.npz, and scored by fid's (`fid.evaluate`, as `python -m fid SAMPLES REF`): its numbers are
+those of separate sample.py and `python -m fid` runs with the same options. What one process saves is the
+start-up of two per point (importing torch and the model packages) and Inception's loading, once per sweep.
+
+Resumable: each point's score is one JSON in <out>/scores/, written atomically with the settings it was made
+with; a rerun skips the points scored with the same settings, and a point killed while sampling continues from
+its finished shards (sample.py). The sweep ends with <out>/sweep.json (every point's record), <out>/sweep.md (the
+table) and <out>/sweep.png (FID against the guidance scale, one line per export and guidance). One process (one
+GPU or the CPU): for 8 GPUs per point, use sample.py and `python -m fid` themselves. A bad argument, a REF that is
+missing or cannot give a metric asked for, or a sample.py option that sample.py refuses is one line and exit
+status 2 before anything is reconstructed or sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from atomic_files import atomic_output, check_writable, write_json_atomic, write_text_atomic
+from commands import CommandParser, UserError, run_command
+from fid.inputs import existing_input
+from fid.reference import resolve_input
+from fid.request import DEFAULT_BATCH_SIZE, METRICS, check_request
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+GUIDANCE_KINDS = ("none", "cfg", "autoguidance")
+# Flags each point sets itself, which the sample.py options after `--` may not give.
+POINT_FLAGS = ("--ckpt", "--out", "--num-samples", "--cfg-scale", "--guide-ckpt", "--guidance-scale", "--overwrite")
+COLUMN_NAMES = {"fid": "FID", "sfid": "sFID", "is": "IS", "precision": "precision", "recall": "recall"}
+STEM = "sweep"  # <out>/sweep.{json,md,png}
+
+
+class SweepError(UserError):
+    """A sweep that cannot run as asked (the message names the argument)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of a sweep: the export to sample (as sample.py --ckpt takes it), its name in the table, the
+    guidance ("cfg" at `scale`, or "autoguidance" at `scale` by the export `guide`; cfg at scale 1 is none)."""
+
+    ckpt: str
+    label: str
+    guidance: str
+    scale: float
+    guide: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The file stem of its samples and score: the label made file-safe, the guidance and the scale."""
+        guidance = "none" if self.unguided else f"{self.guidance}{self.scale:g}"
+        return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', self.label).strip('_')}-{guidance}"
+
+    @property
+    def unguided(self) -> bool:
+        return self.guidance == "cfg" and self.scale == 1
+
+    def sample_arguments(self) -> list[str]:
+        """sample.py's flags for this export and guidance."""
+        if self.guidance == "autoguidance":
+            guidance = ["--guide-ckpt", str(self.guide), "--guidance-scale", repr(self.scale)]
+        else:
+            guidance = ["--cfg-scale", repr(self.scale)]
+        return ["--ckpt", self.ckpt, *guidance]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How every point is scored: `python -m fid SAMPLES ref --metrics ... --weights ... --batch-size ...`."""
+
+    ref: str
+    metrics: tuple[str, ...] = ("fid",)
+    weights: str | None = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    device: str | None = None  # Inception's (default: cuda when available); not part of a score's settings
+
+    def settings(self) -> dict[str, Any]:
+        """What a score depends on besides the samples: a stored score with other settings is made again."""
+        ref = Path(self.ref)
+        return {
+            "ref": str(ref.resolve()) if ref.exists() else self.ref,
+            "metrics": sorted(self.metrics),
+            "weights": self.weights,
+            "batch_size": self.batch_size,
+        }
+
+
+ExtraScores = Callable[[np.ndarray, np.ndarray], dict[str, float]]  # (images (N, H, W, 3), labels (N,)) -> scores
+
+
+@dataclass
+class Sweep:
+    """Samples and scores points into `out`, one record each (<out>/scores/<point>.json).
+
+    `sample_options`: sample.py options shared by every point (not those a point sets: POINT_FLAGS).
+    `extra_scores` adds scores of the images to each record (a study's classifier accuracy, say); its
+    `extra_settings` join the scoring settings, so that records made without them are not reused."""
+
+    out: Path
+    num_samples: int
+    sample_options: Sequence[str]
+    scoring: Scoring
+    extra_scores: ExtraScores | None = None
+    extra_settings: dict[str, Any] = field(default_factory=dict)
+
+    def samples_path(self, point: Point) -> Path:
+        return self.out / "samples" / f"{point.name}.npz"
+
+    def sample_argv(self, point: Point) -> list[str]:
+        """sample.py's command line for `point`."""
+        samples = ["--num-samples", str(self.num_samples), "--out", str(self.samples_path(point))]
+        return [*point.sample_arguments(), *samples, *self.sample_options]
+
+    def record_path(self, point: Point) -> Path:
+        return self.out / "scores" / f"{point.name}.json"
+
+    @property
+    def extractor(self):
+        """Inception, loaded at the first scoring (a rerun that finds every point scored loads none)."""
+        return inception(self.scoring.weights, self.scoring.device, "is" in self.scoring.metrics)
+
+    def check(self, points: Sequence[Point]) -> None:
+        """Refuse, before anything is sampled, sample.py options that a point sets itself or that sample.py
+        refuses for a point (the output folder is made first: sample.py checks that it exists)."""
+        import sample
+
+        for option in self.sample_options:
+            flag = option.split("=")[0]
+            if flag.startswith("--") and any(owned.startswith(flag) for owned in POINT_FLAGS):  # also abbreviated
+                raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
+        (self.out / "samples").mkdir(parents=True, exist_ok=True)
+        for point in points:
+            sample.check_args(sample.parse_args(self.sample_argv(point)))
+
+    def score(self, point: Point) -> dict[str, Any]:
+        """The record of `point`: read when a previous invocation made it with the same settings, else sampled
+        (sample.py resumes its shards) and scored, then written atomically."""
+        import sample
+
+        argv = self.sample_argv(point)
+        sampling = sample.run_settings(sample.parse_args(argv))
+        expected = {"point": asdict(point), "sampling": sampling, "scoring": self.scoring_settings}
+        record_path = self.record_path(point)
+        if record_path.is_file():
+            stored = json.loads(record_path.read_text())
+            if all(stored.get(key) == value for key, value in expected.items()):
+                return stored
+        print(f"sweep: {describe(point)}", flush=True)
+        started = time.perf_counter()
+        self.samples_path(point).parent.mkdir(parents=True, exist_ok=True)
+        sample.main(argv)
+        sampled = time.perf_counter()
+        samples = self.samples_path(point)
+        metrics, weights = self.evaluate(samples)
+        summary = json.loads(samples.with_suffix(".json").read_text())
+        record = {
+            **expected,
+            "samples": str(samples),
+            "train_step": summary["train_step"],
+            "metrics": metrics,
+            "inception_weights": weights,
+            "seconds": {"sample": round(sampled - started, 1), "score": round(time.perf_counter() - sampled, 1)},
+        }
+        write_json_atomic(record_path, record)
+        print(f"sweep: {describe(point)}: {format_metrics(metrics)}", flush=True)
+        return record
+
+    @property
+    def scoring_settings(self) -> dict[str, Any]:
+        return {**self.scoring.settings(), **self.extra_settings}
+
+    def evaluate(self, samples: Path) -> tuple[dict[str, float], str | None]:
+        """fid's metrics of the samples against the reference (as `python -m fid` scores them), and the extra
+        scores; with the Inception weights' description."""
+        from fid import evaluate
+        from fid.cli import one_line_warnings
+
+        with one_line_warnings():
+            evaluation = evaluate(
+                samples,
+                self.scoring.ref,
+                self.scoring.metrics,
+                batch_size=self.scoring.batch_size,
+                extractor=self.extractor,
+            )
+        metrics = dict(evaluation.metrics)
+        if self.extra_scores is not None:
+            with np.load(samples) as data:
+                metrics.update(self.extra_scores(data["arr_0"], data["arr_1"]))
+        return metrics, evaluation.inception_weights
+
+
+@cache
+def inception(weights: str | None, device: str | None, require_classifier: bool):
+    """Inception with these weights on this device, loaded once per process (a study's sweeps share it)."""
+    from fid import load_inception
+
+    return load_inception(weights, device, require_classifier=require_classifier)
+
+
+def describe(point: Point) -> str:
+    guidance = "no guidance" if point.unguided else f"{point.guidance} {point.scale:g}"
+    return f"{point.label}, {guidance}"
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{COLUMN_NAMES.get(name, name)} {value:.4f}" for name, value in metrics.items())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+#                                         Exports and points
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def posthoc_exports(run_dir: Path, sigma_rels: Sequence[float], step: int | None = None) -> dict[float, Path]:
+    """The post-hoc EMA export of each sigma_rel at `step` (None: the run's newest snapshot), in the run's
+    posthoc_exports/ (training.posthoc_ema's default), reconstructed where it is missing."""
+    from generation.export import EXPORT_CONFIG
+    from training.posthoc_ema import DEFAULT_OUT, choose_snapshots, export_folder, reconstruct, stored_profiles
+
+    step = choose_snapshots(stored_profiles(run_dir), run_dir, step)[-1].step
+    folders = {sigma_rel: export_folder(run_dir / DEFAULT_OUT, sigma_rel, step) for sigma_rel in sigma_rels}
+    missing = [sigma_rel for sigma_rel, folder in folders.items() if not (folder / EXPORT_CONFIG).is_file()]
+    if missing:
+        print(f"sweep: reconstructing sigma_rel {', '.join(f'{s:g}' for s in missing)} of {run_dir}", flush=True)
+        reconstruct(run_dir, missing, step)
+    return folders
+
+
+def named_exports(ckpts: Sequence[str]) -> dict[str, str]:
+    """Label -> --ckpt text of each `NAME=PATH` or `PATH` (labelled by itself)."""
+    exports: dict[str, str] = {}
+    for item in ckpts:
+        label, _, path = item.partition("=") if "=" in item else (item, "", item)
+        if not label or not path:
+            raise SweepError(f"--ckpt {item!r}: expected PATH or NAME=PATH")
+        if label in exports:
+            raise SweepError(f"--ckpt: two exports are named {label!r}; name them apart with NAME=PATH")
+        exports[label] = path
+    return exports
+
+
+def sweep_points(
+    exports: dict[str, str], guidance: Sequence[str], scales: Sequence[float], guide: str | None
+) -> list[Point]:
+    """Every export x guidance x scale, in that order; `none` is cfg at scale 1 (the same samples), listed once."""
+    points: list[Point] = []
+    for label, ckpt in exports.items():
+        for kind in guidance:
+            for scale in (1.0,) if kind == "none" else scales:
+                kind_of_point = "cfg" if kind == "none" else kind
+                point = Point(ckpt, label, kind_of_point, scale, guide if kind == "autoguidance" else None)
+                if point not in points:
+                    points.append(point)
+    names = [point.name for point in points]
+    if len(set(names)) < len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise SweepError(f"--ckpt: two points would share the file name {twice}; name the exports with NAME=PATH")
+    return points
+
+
+# ----------------------------------------------------------------------------------------------------------------
+#                                                 Report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def render_markdown(records: Sequence[dict[str, Any]], num_samples: int, sample_options: Sequence[str]) -> str:
+    """The table (one row per point, in sweep order), its lowest FID, and what every point shares."""
+    columns = list(records[0]["metrics"])
+    lines = [
+        "| export | training step | guidance | scale | " + " | ".join(COLUMN_NAMES.get(c, c) for c in columns) + " |",
+        "|---|---|---|---|" + "---|" * len(columns),
+    ]
+    for record in records:
+        point = Point(**record["point"])
+        values = " | ".join(f"{record['metrics'][column]:.4f}" for column in columns)
+        step = "n/a" if record["train_step"] is None else record["train_step"]  # official checkpoints have none
+        guidance = "none" if point.unguided else point.guidance
+        lines.append(f"| {point.label} | {step} | {guidance} | {point.scale:g} | {values} |")
+    lines.append("")
+    if "fid" in columns:
+        best = min(records, key=lambda record: record["metrics"]["fid"])
+        lines.append(f"Lowest FID: {best['metrics']['fid']:.4f} ({describe(Point(**best['point']))}).")
+    first = records[0]
+    guides = sorted({record["point"]["guide"] for record in records if record["point"]["guide"]})
+    lines += [
+        "",
+        f"{num_samples} samples per point (sample.py {' '.join(sample_options) or 'defaults'}"
+        + (f"; autoguidance by {', '.join(guides)}" if guides else "")
+        + f"), scored against {first['scoring']['ref']} with Inception {first['inception_weights']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: Sequence[dict[str, Any]]) -> Figure:
+    """FID against the guidance scale: one colour per export, solid for cfg (its scale 1 is no guidance), dashed
+    for autoguidance. Drawn without pyplot: no display backend is chosen or needed."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axis = figure.subplots()
+    labels = list(dict.fromkeys(record["point"]["label"] for record in records))
+    for index, label in enumerate(labels):
+        for kind, style in (("cfg", "-o"), ("autoguidance", "--s")):
+            line = sorted(
+                (record["point"]["scale"], record["metrics"]["fid"])
+                for record in records
+                if record["point"]["label"] == label and record["point"]["guidance"] == kind
+            )
+            if line:
+                scales, fids = zip(*line)
+                axis.plot(scales, fids, style, color=f"C{index}", label=f"{label}, {kind}")
+    axis.set_xlabel("guidance scale (cfg 1: no guidance)")
+    axis.set_ylabel("FID")
+    axis.set_title("FID against the guidance scale")
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def write_report(out: Path, records: list[dict[str, Any]], num_samples: int, sample_options: Sequence[str]) -> None:
+    """<out>/sweep.json, sweep.md and (with FID) sweep.png, each replaced atomically."""
+    write_json_atomic(
+        out / f"{STEM}.json", {"num_samples": num_samples, "sample_options": list(sample_options), "points": records}
+    )
+    write_text_atomic(out / f"{STEM}.md", render_markdown(records, num_samples, sample_options))
+    if "fid" in records[0]["metrics"]:  # every point has the same metrics
+        with atomic_output(out / f"{STEM}.png") as path:
+            plot(records).savefig(path, format="png", dpi=110)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+#                                                  Command
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="sweep.py", description=__doc__)
+    add = parser.add_argument
+    add("--ckpt", nargs="+", default=[], metavar="[NAME=]PATH", help="exports to sweep (as sample.py --ckpt)")
+    add("--run", type=Path, help="a run folder with post-hoc EMA snapshots, for --sigma-rel")
+    add("--sigma-rel", type=float, nargs="+", default=[], help="post-hoc EMA lengths of --run to sweep")
+    add("--step", type=int, help="--run's snapshot step to reconstruct at (default: the newest)")
+    add("--guidance", nargs="+", choices=GUIDANCE_KINDS, default=["cfg"], help="guidance kinds (default: cfg)")
+    add("--scales", type=float, nargs="+", default=[], help="scales of cfg and autoguidance (1: none)")
+    add("--guide-ckpt", help="the guide of autoguidance points (as sample.py --guide-ckpt)")
+    add("--num-samples", type=int, required=True, help="samples per point")
+    add("--out", type=Path, required=True, help="folder of the samples, scores and report (a rerun continues it)")
+    add("--ref", required=True, help="REF of python -m fid: reference images or statistics, or a name like imagenet256")
+    add("--metrics", default="fid", help=f"comma-separated subset of {','.join(METRICS)} (default: fid)")
+    add("--weights", help="Inception weights, as python -m fid --weights")
+    add("--inception-batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="as python -m fid --batch-size")
+    add("--device", help="Inception's torch device (default: cuda when available); sampling's: sample.py's --cpu")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The sweep's arguments and the sample.py options after `--`."""
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    return build_parser().parse_args(argv[:split]), argv[split + 1 :]
+
+
+def check_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Refuse what cannot work before anything is loaded or written; the metrics asked for."""
+    if not args.ckpt and not args.sigma_rel:
+        raise SweepError("nothing to sweep: give --ckpt exports, or --run RUN with --sigma-rel")
+    if (args.run is None) != (not args.sigma_rel):
+        raise SweepError("--run and --sigma-rel come together (post-hoc EMA reconstructions of a run)")
+    if args.run is not None and not args.run.is_dir():
+        raise SweepError(f"--run {args.run}: no such run folder")
+    guided = [kind for kind in args.guidance if kind != "none"]
+    if guided and not args.scales:
+        raise SweepError(f"--guidance {' '.join(guided)} needs --scales")
+    for scale in args.scales:
+        if not math.isfinite(scale) or scale < 0:
+            raise SweepError(f"--scales: {scale} is not a finite number >= 0")
+    if ("autoguidance" in args.guidance) != (args.guide_ckpt is not None):
+        raise SweepError("--guidance autoguidance and --guide-ckpt come together (the guide of its points)")
+    if args.num_samples <= 0:
+        raise SweepError(f"--num-samples must be positive, got {args.num_samples}")
+    metrics = tuple(metric.strip() for metric in args.metrics.split(",") if metric.strip())
+    check_request(metrics, args.ref, None, args.inception_batch_size, None)
+    check_reference(args.ref, metrics, args.num_samples)
+    if args.out.exists() and not args.out.is_dir():
+        raise SweepError(f"--out {args.out} exists and is not a folder")
+    if not args.out.parent.is_dir():
+        raise SweepError(f"--out {args.out}: folder {args.out.parent} does not exist")
+    check_writable(args.out if args.out.is_dir() else args.out.parent)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SweepError("sweep.py runs as one process (one GPU or the CPU); launch it without accelerate/torchrun")
+    return metrics
+
+
+def check_reference(ref: str, metrics: Sequence[str], num_samples: int) -> None:
+    """REF exists and can give every metric asked for (precision/recall needs its images), and the samples are
+    enough for them (the Inception Score's splits): fid's own checks, made before the first point is sampled."""
+    from fid.class_divergence import IS_SPLIT_SIZE
+    from fid.evaluation import choose_metrics
+    from fid.inputs import EvaluationInput, open_input
+    from fid.statistics import StatisticsFile
+
+    reference = open_input(existing_input(resolve_input(ref)))
+    if "is" in metrics and num_samples < IS_SPLIT_SIZE:
+        raise SweepError(
+            f"--metrics is: the Inception Score needs --num-samples {IS_SPLIT_SIZE} or more, got {num_samples}"
+        )
+    samples = EvaluationInput(Path("the samples"), (), StatisticsFile())  # images, not yet sampled
+    choose_metrics(metrics, samples, reference)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Parse and check, reconstruct the post-hoc EMA exports, sample and score every point, write the report."""
+    args, sample_options = parse_args(argv or [])
+    metrics = check_args(args)
+    exports = named_exports(args.ckpt)
+    scoring = Scoring(args.ref, metrics, args.weights, args.inception_batch_size, args.device)
+    sweep = Sweep(args.out, args.num_samples, sample_options, scoring)
+    planned = exports | {f"sigma_rel {sigma_rel:g}": str(args.run) for sigma_rel in args.sigma_rel}
+    sweep.check(sweep_points(planned, args.guidance, args.scales, args.guide_ckpt))
+    if args.sigma_rel:  # reconstructed once every argument is known to be good
+        folders = posthoc_exports(args.run, args.sigma_rel, args.step)
+        exports |= {f"sigma_rel {sigma_rel:g}": str(folder) for sigma_rel, folder in folders.items()}
+    points = sweep_points(exports, args.guidance, args.scales, args.guide_ckpt)
+    records = [sweep.score(point) for point in points]
+    write_report(args.out, records, args.num_samples, sample_options)
+    print(render_markdown(records, args.num_samples, sample_options), end="")
+    print(f"sweep: wrote {args.out / STEM}.json, .md and .png")
+    return records
+
+
+def command() -> None:
+    """The installed command's entry point: a user error is one line and exit status 2."""
+    run_command(main)
+
+
+if __name__ == "__main__":
+    command()

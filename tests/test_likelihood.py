@@ -1,0 +1,210 @@
+"""`python -m generation.likelihood`: bits per dimension of images under a SiT model's probability-flow ODE, held
+to the closed form of a Gaussian data set.
+
+The model of these tests is the exact optimal velocity field of Gaussian data N(MU, diag STD^2) under the Linear
+path (alpha_t = t, sigma_t = 1 - t), written here from its definition: with x_t = t x_1 + (1 - t) x_0,
+E[x_1 - x_0 | x_t = x] = MU + (t STD^2 - (1 - t)) (x - t MU) / (t^2 STD^2 + (1 - t)^2). Its probability flow carries
+N(0, I) at t = 0 to exactly N(MU, diag STD^2) at t = 1, so the ODE's log-density of any point is the Gaussian's."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from commands import USER_ERROR_STATUS, run_command
+from generation.likelihood import PIXEL_BIN, ModelSpace, bits_per_dim, main
+from sit_vca import create_transport
+
+MU = torch.tensor([0.2, -0.3, 0.1], dtype=torch.float64).view(1, 3, 1, 1)  # in the model's [-1, 1]
+STD = torch.tensor([0.25, 0.3, 0.2], dtype=torch.float64).view(1, 3, 1, 1)
+SIDE = 2  # 2x2 RGB images: D = 12, small enough for the exact trace
+
+
+def gaussian_velocity(mu: torch.Tensor, std: torch.Tensor):
+    def velocity(x, t, y):
+        t = t.view(-1, 1, 1, 1).to(x.dtype)  # (B, 1, 1, 1)
+        return mu.to(x) + (t * std.to(x) ** 2 - (1 - t)) * (x - t * mu.to(x)) / (t**2 * std.to(x) ** 2 + (1 - t) ** 2)
+
+    return velocity
+
+
+def gaussian_images(count: int, seed: int = 0) -> np.ndarray:
+    """8-bit images of Gaussian data: x ~ N(MU, STD^2) rounded as sample.py rounds, floor(clamp(127.5 x + 128))."""
+    x = MU + STD * torch.randn(count, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.clamp(127.5 * x + 128, 0, 255).floor().to(torch.uint8).permute(0, 2, 3, 1).numpy()  # (N, H, W, 3)
+
+
+def gaussian_nll(x: torch.Tensor, mu: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """-log N(x; mu, diag std^2) per dimension (B, C, H, W), in nats."""
+    return 0.5 * math.log(2 * math.pi) + torch.log(std) + (x - mu) ** 2 / (2 * std**2)
+
+
+def pixel_bits(nll: torch.Tensor) -> np.ndarray:
+    """bits/dim of 8-bit images from the per-dimension -log p of their model-space points: the bin width 1/127.5
+    of each dimension counts log2(127.5) bits."""
+    dims = nll[0].numel()
+    return ((nll.flatten(1).sum(1) + dims * math.log(127.5)) / (dims * math.log(2))).numpy()
+
+
+def run(images, space, dtype=torch.float64, **options):
+    labels = np.zeros(len(images), np.int64)
+    return bits_per_dim(
+        gaussian_velocity(MU, STD),
+        create_transport("linear"),
+        [(images, labels)],
+        space,
+        dtype=dtype,
+        **options,
+    )
+
+
+def test_bits_per_dim_at_the_bin_centres_equal_the_gaussians_closed_form():
+    """dopri5 with atol 1e-8, rtol 1e-6 in float64 and the exact trace: the solve's error is of order rtol times the
+    log-density (~30 nats for 12 dimensions), measured 1.5e-7 bits/dim; bound 1e-5."""
+    images = gaussian_images(32)
+    result = run(images, ModelSpace(dequantization="none"), divergence="exact", atol=1e-8, rtol=1e-6)
+    centres = torch.from_numpy(images).permute(0, 3, 1, 2).double() / 127.5 - 1  # (N, 3, H, W)
+    expected = pixel_bits(gaussian_nll(centres, MU, STD))
+    assert result.dims == 12
+    np.testing.assert_allclose(result.bits, expected, rtol=0, atol=1e-5)
+    assert "not a bound" in result.includes
+
+
+def test_the_default_solver_and_hutchinson_stay_within_their_tolerance():
+    """The command's defaults (float32, dopri5 atol 1e-6, rtol 1e-3, one Rademacher probe): the Jacobian of this
+    field is diagonal, so the probe's estimate of the trace is exact and what remains is the solver's error,
+    measured 1.1e-4 bits/dim; bound 1e-3 (rtol 1e-3 of per-dimension log-densities of order 1 nat)."""
+    images = gaussian_images(32, seed=1)
+    result = run(images, ModelSpace(dequantization="none"), dtype=torch.float32)
+    centres = torch.from_numpy(images).permute(0, 3, 1, 2).double() / 127.5 - 1
+    np.testing.assert_allclose(result.bits, pixel_bits(gaussian_nll(centres, MU, STD)), rtol=0, atol=1e-3)
+
+
+def test_uniform_dequantisation_stays_in_each_bin_and_averages_to_the_closed_form_expectation():
+    """Each dimension of image k is x = (k - 128 + u) / 127.5, u ~ U[0, 1): the bits of each image lie between the
+    Gaussian's closed-form extremes over its bins, and their mean over images equals the closed-form expectation
+    over u, E (x - MU)^2 = (c - MU)^2 + w^2 / 12 (c the bin's centre, w its width), within 5 standard errors of u's
+    scatter (also closed form) plus the solver's 1e-5 (as above)."""
+    images = gaussian_images(64, seed=2)
+    result = run(images, ModelSpace(), divergence="exact", atol=1e-8, rtol=1e-6)
+    k = torch.from_numpy(images).permute(0, 3, 1, 2).double()
+    low, high = (k - 128) * PIXEL_BIN, (k - 127) * PIXEL_BIN  # each dimension's bin
+    inside = (MU >= low) & (MU <= high)
+    nearest = torch.where(inside, MU, torch.where(MU < low, low, high))
+    farthest = torch.where((low - MU).abs() > (high - MU).abs(), low, high)
+    assert (pixel_bits(gaussian_nll(nearest, MU, STD)) - 1e-5 <= result.bits).all()
+    assert (result.bits <= pixel_bits(gaussian_nll(farthest, MU, STD)) + 1e-5).all()
+
+    w, offset = PIXEL_BIN, (k - 127.5) * PIXEL_BIN - MU  # centre minus MU, (N, 3, H, W)
+    expected_nll = 0.5 * math.log(2 * math.pi) + torch.log(STD) + (offset**2 + w**2 / 12) / (2 * STD**2)
+    variance = (4 * offset**2 * w**2 / 12 + w**4 * (1 / 80 - 1 / 144)) / (2 * STD**2) ** 2  # of each dim's term
+    dims = result.dims * math.log(2)
+    standard_error = math.sqrt(float(variance.sum())) / len(images) / dims
+    assert abs(result.mean - pixel_bits(expected_nll).mean()) <= 5 * standard_error + 1e-5
+    assert standard_error < 1e-3  # the test has the power to see a wrong bin (an error of w/2 moves the mean more)
+    assert "upper bound" in result.includes
+
+
+@pytest.mark.slow
+def test_latent_models_take_the_vaes_posterior_mean_scaled_and_add_no_pixel_term():
+    """A latent model's figure is -log p(z) / (D ln 2) of z = latent_scale x the encoder's posterior mean, D the
+    latent dimensions: for a Gaussian latent model, the closed form at the z the VAE gives (float64, atol 1e-8,
+    rtol 1e-6; Hutchinson's probe is exact on this diagonal Jacobian)."""
+    from diffusers import AutoencoderKL
+
+    from test_latents import TINY_VAE
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**TINY_VAE).eval()  # 2 px per latent cell: 4-channel 4x4 latents of 8x8 images
+    mu = torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64).view(1, 4, 1, 1)
+    std = torch.tensor([0.5, 0.4, 0.6, 0.3], dtype=torch.float64).view(1, 4, 1, 1)
+    images = np.random.default_rng(3).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    scale = 0.5
+    result = bits_per_dim(
+        gaussian_velocity(mu, std),
+        create_transport("linear"),
+        [(images, np.zeros(6, np.int64))],
+        ModelSpace(vae=vae, latent_scale=scale),
+        dtype=torch.float64,
+        atol=1e-8,
+        rtol=1e-6,
+    )
+    with torch.no_grad():
+        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+        z = scale * vae.encode(x).latent_dist.mean.double()  # (6, 4, 4, 4)
+    nll = gaussian_nll(z, mu, std).flatten(1).sum(1)
+    assert result.dims == 64
+    np.testing.assert_allclose(result.bits, (nll / (64 * math.log(2))).numpy(), rtol=0, atol=1e-5)
+    assert "latent likelihood only" in result.includes and f"{-math.log2(scale):.4f}" in result.includes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def gray_images(path, count: int = 3, labels: bool = True):
+    gray = np.random.default_rng(0).integers(0, 256, (count, 8, 8, 1), dtype=np.uint8).repeat(3, axis=-1)
+    arrays = {"arr_0": gray, **({"arr_1": np.arange(count) % 4} if labels else {})}
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.slow
+def test_the_command_reports_bits_per_dim_of_a_sit_export_and_what_they_include(tmp_path, capsys):
+    from test_sample import tiny_export
+
+    export = tiny_export(tmp_path / "export", family="SiT")
+    images = gray_images(tmp_path / "images.npz")
+    arguments = ["--ckpt", str(export), "--images", str(images), "--batch-size", "2", "--device", "cpu"]
+    report = main([*arguments, "--json", str(tmp_path / "bpd.json")])
+    printed = capsys.readouterr().out
+    assert report == json.loads((tmp_path / "bpd.json").read_text())
+    assert report["dims"] == 64 and len(report["per_image"]) == 3 and np.isfinite(report["per_image"]).all()
+    assert report["bits_per_dim"] == pytest.approx(np.mean(report["per_image"]))
+    expected = (-np.array(report["log_prob_nats"]) + 64 * math.log(127.5)) / (64 * math.log(2))
+    np.testing.assert_allclose(report["per_image"], expected)
+    assert f"bits/dim {report['bits_per_dim']:.4f} ± " in printed and "upper bound" in printed
+    # Each image draws its dequantisation and probe from its own stream: another batch size, the same noise
+    # (the adaptive solver's steps follow the batch, so the figures agree to its tolerance, not bit for bit).
+    again = main([*arguments[:-4], "--batch-size", "3", "--device", "cpu"])
+    np.testing.assert_allclose(again["per_image"], report["per_image"], atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "make, arguments, named",
+    [
+        (lambda tmp: gray_images(tmp / "i.npz"), ["--family", "DiT"], "the ODE likelihood needs an interpolant (SiT)"),
+        (lambda tmp: gray_images(tmp / "i.npz", labels=False), [], "no labels arr_1; give --label K or --label null"),
+        (lambda tmp: gray_images(tmp / "i.npz"), ["--label", "7"], "--label 7: expected 3 class indices in 0..3"),
+        (lambda tmp: gray_images(tmp / "i.npz"), ["--num-images", "0"], "--num-images must be positive"),
+        (lambda tmp: gray_images(tmp / "i.npz"), ["--no-null", "--label", "null"], "trained without label dropout"),
+        (
+            lambda tmp: (
+                np.savez(tmp / "i.npz", arr_0=np.arange(192, dtype=np.uint8).reshape(1, 8, 8, 3)) or tmp / "i.npz"
+            ),
+            ["--label", "0"],
+            "colour images, but the model takes one channel",
+        ),
+        (
+            lambda tmp: np.savez(tmp / "i.npz", arr_0=np.zeros((2, 4, 4, 3), np.uint8)) or tmp / "i.npz",
+            [],
+            "4x4 images; the model takes 8 px",
+        ),
+    ],
+)
+def test_what_the_likelihood_cannot_be_computed_for_is_one_line(tmp_path, capsys, make, arguments, named):
+    from test_sample import tiny_export
+
+    family = arguments[1] if arguments[:1] == ["--family"] else "SiT"
+    dropout = 0.0 if arguments[:1] == ["--no-null"] else 0.1  # a model trained without label dropout: no null class
+    arguments = arguments[2:] if arguments[:1] == ["--family"] else arguments[1:] if dropout == 0 else arguments
+    export = tiny_export(tmp_path / "export", class_dropout_prob=dropout, family=family)
+    with pytest.raises(SystemExit) as exit_:
+        run_command(main, ["--ckpt", str(export), "--images", str(make(tmp_path)), *arguments])
+    error = capsys.readouterr().err
+    assert exit_.value.code == USER_ERROR_STATUS and error.count("\n") == 1 and named in error, error

@@ -1,0 +1,138 @@
+"""What grids and FID during training draw from (log.fid_weights: the EMA, the raw weights or a post-hoc EMA
+profile), and the loss and FID curves drawn to <run>/curves.png at each checkpoint (issue 39)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import dit_vca
+from faults import run_train
+from generation import ImageGenerator, read_export
+from generation.generator import pixel_decoder
+from generation.objective import create_objective
+from test_startup import summary_rows
+from training.config import ConfigError, PosthocEMAConfig, load_config
+from training.curves import draw_curves
+from training.ema import create_ema
+from training.posthoc_ema import PowerEMA
+from training.preview import PreviewWeights, save_preview_grid
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "train.global_batch_size=16",
+    "log.trackers=[]",
+]
+
+
+def test_fid_weights_names_the_ema_the_raw_weights_or_a_tracked_profile():
+    profiles = "train.posthoc_ema.sigma_rel=[0.05,0.1]"
+    for setting, message in (
+        ("bogus", "'log.fid_weights' is 'bogus'; expected ema, raw or sigma_rel=S with S one of"),
+        ("sigma_rel=0.07", "'log.fid_weights' is 'sigma_rel=0.07', a profile this run does not track; expected"),
+        ("sigma_rel=x", "'log.fid_weights' is 'sigma_rel=x'; expected ema, raw or sigma_rel=S"),
+    ):
+        with pytest.raises(ConfigError) as raised:
+            load_config("digits", [profiles, f"log.fid_weights={setting}"])
+        assert message in str(raised.value) and "train.posthoc_ema.sigma_rel=[0.05, 0.1]" in str(raised.value)
+    for good in ("ema", "raw", "sigma_rel=0.05", "sigma_rel=0.10"):
+        assert load_config("digits", [profiles, f"log.fid_weights={good}"]).log.fid_weights == good
+
+
+def test_preview_weights_hold_what_fid_weights_names():
+    model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=8, in_channels=1)
+    train = load_config("digits").train
+    ema = create_ema(model, train)
+    profiles = PowerEMA(model, PosthocEMAConfig(sigma_rel=[0.05, 0.1]), batch=4)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(1, 4):  # three "optimiser steps"
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator))
+        ema.update(model, step=step)
+        profiles.update(model)
+    ema_state = {key: value.clone() for key, value in ema.module.state_dict().items()}
+
+    assert PreviewWeights("ema", ema, None).module is ema.module
+    raw = PreviewWeights("raw", ema, None)
+    raw.refresh(model)
+    for key, value in model.state_dict().items():
+        assert torch.equal(raw.module.state_dict()[key], value), key
+    profile = PreviewWeights("sigma_rel=0.1", ema, profiles)
+    profile.refresh(model)
+    for key, value in zip(profiles.keys, profiles.averages[1]):
+        assert torch.equal(profile.module.state_dict()[key], value), key
+    assert not torch.equal(
+        profile.module.state_dict()["x_embedder.proj.weight"], model.state_dict()["x_embedder.proj.weight"]
+    )
+    for key, value in ema.module.state_dict().items():  # the EMA itself is never touched
+        assert torch.equal(value, ema_state[key]), key
+    assert (raw.label, profile.label) == ("raw weights", "post-hoc EMA sigma_rel 0.1")
+
+
+@pytest.mark.slow
+def test_a_short_run_draws_its_grid_from_the_raw_weights_and_its_curves_at_each_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    """log.fid_weights=raw: the grid of step 2 is the grid of the checkpoint's trained (not averaged) weights, drawn
+    anew here; the EMA's grid of the same step differs. curves.png is drawn at each checkpoint (CURVES_INTERVAL_S
+    apart at least: 0 here; a tiny run with the real interval draws none)."""
+    import training.loop
+
+    drawn = []
+    monkeypatch.setattr(training.loop, "CURVES_INTERVAL_S", 0.0)
+    monkeypatch.setattr(training.loop, "draw_curves", lambda *args: drawn.append(args[0]) or draw_curves(*args))
+    run_dir = tmp_path / "run"
+    run_train(
+        "--config",
+        "digits",
+        *TINY,
+        "train.max_steps=2",
+        "log.every=1",
+        "log.checkpoint_every=1",
+        "log.sample_every=2",
+        "log.sample_count=4",
+        "log.sample_steps=2",
+        "log.fid_weights=raw",
+        f"run.dir={run_dir}",
+    )
+    rows = summary_rows(capsys.readouterr().out)
+    assert rows["grids and FID"] == "from the raw weights (log.fid_weights=raw)"
+    checkpoint = run_dir / "checkpoints" / "step-0000002"
+    export = read_export(checkpoint / "export")
+    config = load_config(run_dir / "config.yaml")
+    log = config.log
+    trained = dit_vca.build_model_from_config(export.description.model)
+    trained.load_state_dict(load_file(checkpoint / "model.safetensors"))
+    objective = create_objective(export.description.objective)
+    title = "step 2, raw weights, guidance 1"
+    ours = ImageGenerator(trained.eval(), objective, pixel_decoder(export.description, None), 10)
+    save_preview_grid(ours, log, tmp_path / "raw.png", title)
+    written = np.asarray(Image.open(run_dir / "samples" / "step-0000002.png"))
+    assert np.array_equal(written, np.asarray(Image.open(tmp_path / "raw.png")))
+    save_preview_grid(ImageGenerator.from_export(export), log, tmp_path / "ema.png", title)
+    assert not np.array_equal(written, np.asarray(Image.open(tmp_path / "ema.png")))  # the test can tell them apart
+
+    with Image.open(run_dir / "curves.png") as curves:
+        assert curves.size == (550, 400)  # the loss alone: no FID measured
+    assert drawn == [run_dir / "metrics.jsonl"] * 2  # after the checkpoints of steps 1 and 2
+
+
+def test_the_curves_show_the_fid_beside_the_loss_and_skip_a_torn_line(tmp_path):
+    metrics, fid = tmp_path / "metrics.jsonl", tmp_path / "fid.jsonl"
+    assert draw_curves(metrics, fid, tmp_path / "none.png", "run") is None  # nothing logged yet
+    lines = [{"step": step, "loss": 1 / step} for step in (50, 100, 150)]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 20')  # a kill tore the last
+    fid.write_text(json.dumps({"step": 100, "fid": 50.0, "samples": 8, "weights": "raw"}) + "\n")
+    draw_curves(metrics, fid, tmp_path / "curves.png", "run")
+    with Image.open(tmp_path / "curves.png") as curves:
+        assert curves.size == (1000, 400)  # two panels: loss and FID

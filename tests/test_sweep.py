@@ -1,0 +1,170 @@
+"""sweep.py: many exports x guidance x scale sampled and scored in one process, with the numbers of separate
+sample.py and `python -m fid` runs; resumable; post-hoc EMA lengths of a run as exports; user errors in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import sweep
+from commands import USER_ERROR_STATUS, run_command
+from fid.__main__ import main as fid_main
+from test_sample import tiny_export
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SAMPLE_OPTIONS = ["--sampler", "ddim", "--steps", "2", "--per-proc-batch-size", "3", "--cpu", "--grid-size", "0"]
+
+
+@pytest.fixture
+def reference(tmp_path) -> Path:
+    """REF: pool_3 statistics (a Gaussian of 2048-d features), so that only the samples go through Inception."""
+    path = tmp_path / "ref.npz"
+    features = np.random.default_rng(0).gamma(2.0, 0.2, (16, 2048))  # (N, 2048): non-negative, like pool_3
+    np.savez(path, mu=features.mean(0), sigma=np.cov(features, rowvar=False))
+    return path
+
+
+def sweep_arguments(tmp_path: Path, export: Path, reference: Path, guidance=("none", "cfg")) -> list[str]:
+    return [
+        "--ckpt",
+        f"tiny={export}",
+        "--guidance",
+        *guidance,
+        "--scales",
+        "2",
+        "--ref",
+        str(reference),
+        "--num-samples",
+        "3",
+        "--out",
+        str(tmp_path / "sweep"),
+        "--",
+        *SAMPLE_OPTIONS,
+    ]
+
+
+@pytest.mark.slow
+def test_a_sweep_scores_each_point_as_sample_py_and_python_m_fid_do_and_resumes(tmp_path, reference, capsys):
+    export = tiny_export(tmp_path / "export")
+    out = tmp_path / "sweep"
+    (first,) = sweep.main(sweep_arguments(tmp_path, export, reference, guidance=("cfg",)))
+
+    # The same point as two separate commands: sample.py, then python -m fid.
+    separate = tmp_path / "separate.npz"
+    sample.main(
+        ["--ckpt", str(export), "--cfg-scale", "2", "--num-samples", "3", "--out", str(separate), *SAMPLE_OPTIONS]
+    )
+    report = fid_main([str(separate), str(reference), "--metrics", "fid"])
+    with np.load(separate) as theirs, np.load(first["samples"]) as ours:
+        np.testing.assert_array_equal(ours["arr_0"], theirs["arr_0"])
+        np.testing.assert_array_equal(ours["arr_1"], theirs["arr_1"])
+    assert first["metrics"] == {"fid": report["fid"]}  # equal, not close: the same code on the same images
+    assert first["inception_weights"] == report["inception_weights"]
+
+    table = (out / "sweep.md").read_text()
+    assert f"| tiny | n/a | cfg | 2 | {first['metrics']['fid']:.4f} |" in table  # an export without training step
+    assert json.loads((out / "sweep.json").read_text())["points"] == [first]
+    assert (out / "sweep.png").read_bytes().startswith(PNG_SIGNATURE)
+
+    # A rerun reads every point scored with these settings back and samples and scores nothing (each point's record
+    # is written once it is scored: a sweep killed after some points continues with the others).
+    record = out / "scores" / "tiny-cfg2.json"
+    stamp = record.stat().st_mtime_ns
+    capsys.readouterr()
+    assert sweep.main(sweep_arguments(tmp_path, export, reference, guidance=("cfg",))) == [first]
+    assert "sweep: tiny" not in capsys.readouterr().out and record.stat().st_mtime_ns == stamp
+
+    # Other sample.py options into the same --out: sample.py refuses before sampling (a sweep never overwrites).
+    error = one_line_error([*sweep_arguments(tmp_path, export, reference, guidance=("cfg",)), "--steps", "3"], capsys)
+    assert "belongs to a run with steps=2, not 3" in error
+
+
+def posthoc_run(run_dir: Path, export: Path) -> None:
+    """A run folder with post-hoc EMA snapshots of the tiny model at steps 1-3 (two profiles each), written by
+    the training code's own tracker (training.posthoc_ema.PowerEMA) as the weights move."""
+    from generation import read_export
+    from generation.generator import load_model
+    from training.config import PosthocEMAConfig
+    from training.posthoc_ema import PowerEMA
+
+    tiny = read_export(export)
+    model = load_model(tiny).requires_grad_(True)
+    tracker = PowerEMA(model, PosthocEMAConfig(sigma_rel=[0.05, 0.1], snapshot_every=1), batch=8)
+    generator = torch.Generator().manual_seed(1)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
+        tracker.update(model)
+        tracker.save_snapshot(run_dir, step, tiny.description)
+
+
+@pytest.mark.slow
+def test_post_hoc_ema_lengths_of_a_run_are_reconstructed_once_and_swept(tmp_path, reference, capsys):
+    from generation import read_export
+    from training.posthoc_ema import DEFAULT_OUT
+
+    run_dir = tmp_path / "run"
+    posthoc_run(run_dir, tiny_export(tmp_path / "export"))
+    arguments = [
+        *("--run", str(run_dir), "--sigma-rel", "0.07", "--step", "2", "--guidance", "none"),
+        *("--ref", str(reference), "--num-samples", "3", "--out", str(tmp_path / "sweep"), "--", *SAMPLE_OPTIONS),
+    ]
+    (record,) = sweep.main(arguments)
+    assert "| sigma_rel 0.07 | 2 | none | 1 |" in (tmp_path / "sweep" / "sweep.md").read_text()
+    folder = run_dir / DEFAULT_OUT / "sigma_rel-0.07-step-0000002"
+    assert record["point"]["ckpt"] == str(folder) and record["point"]["label"] == "sigma_rel 0.07"
+    assert read_export(folder).description.posthoc_ema["step"] == 2 and record["train_step"] == 2
+    assert "reconstructing sigma_rel 0.07" in capsys.readouterr().out
+    stamp = (folder / "ema.safetensors").stat().st_mtime_ns
+    sweep.main(arguments)
+    assert "reconstructing" not in capsys.readouterr().out
+    assert (folder / "ema.safetensors").stat().st_mtime_ns == stamp
+
+
+def sweeping(arguments: list[str], *more: str) -> list[str]:
+    """`arguments` with more sweep arguments (before the sample.py options after `--`)."""
+    split = arguments.index("--")
+    return [*arguments[:split], *more, *arguments[split:]]
+
+
+def one_line_error(arguments: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        run_command(sweep.main, arguments)
+    assert exit_.value.code == USER_ERROR_STATUS
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1, error
+    return error
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda a: a[2:], "nothing to sweep"),  # no --ckpt
+        (lambda a: sweeping(a, "--guidance", "autoguidance"), "--guidance autoguidance and --guide-ckpt"),
+        (lambda a: sweeping(a, "--scales", "1", "-1"), "--scales: -1.0 is not a finite number"),
+        (lambda a: [*a, "--cfg-scale", "3"], "give --cfg-scale, which each point sets itself"),
+        (lambda a: [*a, "--guid", "x"], "give --guid, which each point sets itself"),  # argparse's abbreviation
+        (lambda a: [*a, "--steps", "0"], "--steps must be positive"),
+        (lambda a: [*a, "--sampler-steps", "3"], "unrecognized arguments: --sampler-steps 3 (see sample.py --help)"),
+        (lambda a: [x.replace("ref.npz", "missing.npz") for x in a], "missing.npz: no such file or folder"),
+        (lambda a: sweeping(a, "--metrics", "fid,prc"), "precision/recall needs images"),  # REF: statistics
+        (lambda a: sweeping(a, "--run", "nowhere"), "--run and --sigma-rel come together"),
+        (lambda a: sweeping(a, "--ckpt", "a=x", "a=y"), "two exports are named 'a'"),
+    ],
+)
+def test_a_sweep_that_cannot_run_is_refused_in_one_line_before_any_sampling(tmp_path, reference, change, named, capsys):
+    arguments = change(sweep_arguments(tmp_path, tmp_path / "export", reference))
+    assert named in one_line_error(arguments, capsys)
+    assert not (tmp_path / "sweep" / "scores").exists()
+
+
+def test_a_launch_of_several_processes_is_refused(tmp_path, reference, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun or accelerate launch set it in each process
+    arguments = sweep_arguments(tmp_path, tmp_path / "export", reference)
+    assert "sweep.py runs as one process" in one_line_error(arguments, capsys)

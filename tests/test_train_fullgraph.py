@@ -1,0 +1,27 @@
+"""`train.compile=true` compiles the model with fullgraph=True: a graph break is an error at the first step, never
+a silent fall-back to several graphs with eager Python between them (which runs, slower, and hides the break)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dit_vca.models import DiT
+from faults import run_train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs" / "digits.yaml"), "model.hidden_size=32", "model.depth=1"]
+TINY += ["model.num_heads=2", "train.global_batch_size=8", "train.max_steps=1", "log.sample_every=0"]
+
+
+def test_a_graph_break_in_the_model_stops_a_compiled_run(tmp_path, monkeypatch):
+    unpatchify = DiT.unpatchify
+
+    def with_a_graph_break(self, x):
+        torch._dynamo.graph_break()  # what an unsupported operation in the model would cause
+        return unpatchify(self, x)
+
+    monkeypatch.setattr(DiT, "unpatchify", with_a_graph_break)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
+        run_train(*TINY, "log.trackers=[]", "train.compile=true", f"run.dir={tmp_path / 'run'}")
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,54 @@
+"""The run's curves as a picture: `<run>/curves.png`, drawn again after every checkpoint (main process).
+
+The training loss of every metrics.jsonl line against the step (REPA's alignment loss beside it when logged), and
+the FID of every fid.jsonl line when FID is measured during training, read from the files the run writes, so a
+resumed run draws its whole history. TensorBoard shows the same figures live; the PNG needs nothing to look at.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from atomic_files import atomic_output
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a log (none when it is missing; a line torn by a kill is left out)."""
+    if not path.exists():
+        return []
+    lines = []
+    for text in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            continue
+    return lines
+
+
+def draw_curves(metrics_file: Path, fid_file: Path, out: Path, title: str) -> Path | None:
+    """Write the loss (and FID) curves of a run's logs to `out`, atomically; None when there is nothing to draw."""
+    from matplotlib.figure import Figure  # no pyplot: no display backend is chosen or needed
+
+    metrics, fids = read_lines(metrics_file), read_lines(fid_file)
+    if not metrics:
+        return None
+    figure = Figure(figsize=(10 if fids else 5.5, 4), layout="constrained")
+    axes = figure.subplots(1, 2 if fids else 1, squeeze=False)[0]
+    steps = [line["step"] for line in metrics]
+    axes[0].plot(steps, [line["loss"] for line in metrics])
+    axes[0].set(xlabel="step", ylabel="training loss (mean of each logging window)", yscale="log", title=title)
+    if any("alignment_loss" in line for line in metrics):  # negative (a cosine similarity): an axis of its own
+        alignment = axes[0].twinx()
+        alignment.plot(steps, [line.get("alignment_loss") for line in metrics], color="tab:orange")
+        alignment.set_ylabel("REPA alignment loss", color="tab:orange")
+    if fids:
+        weights = fids[-1].get("weights", "ema")
+        axes[1].plot([line["step"] for line in fids], [line["fid"] for line in fids], marker="o")
+        axes[1].set(xlabel="step", ylabel=f"FID of {fids[-1]['samples']} samples ({weights} weights)", title="FID")
+    for axis in axes:
+        axis.grid(True, alpha=0.3)
+    with atomic_output(out) as temporary:
+        figure.savefig(temporary, format="png", dpi=100)
+    return out
