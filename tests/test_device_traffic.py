@@ -13,7 +13,8 @@ from accelerate.state import AcceleratorState, GradientState
 
 from _device_traffic import HostDeviceTraffic, HostDeviceTrafficGuard
 from dit_vca.diffusion import create_diffusion
-from dit_vca.models import create_model, recipe_options
+from dit_vca.model_options import recipe_options
+from dit_vca.models import create_model
 from sit_vca.models import create_model as create_sit_model
 from sit_vca.transport import create_transport
 from training.build import create_optimizer
