@@ -364,7 +364,7 @@ def create_backbone(
     family's default (DiT True, SiT False). vca: the `VCAOptions` (contrast grid and ablation switches, see
     `dit_vca.attention`), or a dict of them; None means the defaults. depth, hidden_size, num_heads and
     mlp_ratio override the size given by the name (for tiny test and demo models). norm ("layernorm" |
-    "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (MHSA only, for now) are the block options, DiT's by
+    "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (in MHSA and in VCA's core) are the block options, DiT's by
     default; `dit_vca.model_options.recipe_options` gives a recipe's set (RECIPES).
     """
     if model_family(name) != family:

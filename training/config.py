@@ -31,7 +31,6 @@ from dit_vca.model_options import (
     NORMS,
     RECIPES,
     VCA_KERNEL_SETTINGS,
-    VCA_PENDING_OPTIONS,
     VCAOptions,
     recipe_options,
 )
@@ -78,8 +77,8 @@ class ModelConfig:
     recipe: str = _choice("dit", *RECIPES)  # block options preset: dit (2022), lightning (RMSNorm, SwiGLU, RoPE), ...
     norm: str | None = _choice(None, None, *NORMS)  # block norms: layernorm (DiT) or rmsnorm; null: the recipe's
     mlp: str | None = _choice(None, None, *MLPS)  # gelu (DiT) or swiglu (2/3 of the GELU width); null: the recipe's
-    qk_norm: bool | None = None  # RMSNorm of each head's queries and keys (MHSA only, for now); null: the recipe's
-    rope: bool | None = None  # 2-D rotary position embedding of queries and keys (MHSA only, for now); null: recipe's
+    qk_norm: bool | None = None  # RMSNorm of each head's queries and keys (docs/models.md); null: the recipe's
+    rope: bool | None = None  # 2-D rotary position embedding of queries and keys (docs/models.md); null: the recipe's
 
     @property
     def block_options(self) -> dict[str, Any]:
@@ -547,19 +546,11 @@ def _check_model_heads(model: ModelConfig) -> None:
 
 
 def _check_block_options(model: ModelConfig) -> None:
-    """VCA refuses the attention options its fused core does not apply yet (dit_vca.attention), whether set or
-    switched on by the recipe; RoPE needs a head dimension that splits into two axes of channel pairs."""
-    options = model.block_options
-    if model.attention == "vca":
-        for key in VCA_PENDING_OPTIONS:
-            if options[key]:
-                source = "" if getattr(model, key) else f" (by model.recipe={model.recipe})"
-                raise ConfigError(
-                    f"'model.{key}' is on{source}, but VCA's fused core does not apply {key} yet: set "
-                    f"model.{key}=false or model.attention=mhsa"
-                )
+    """RoPE needs a head dimension that splits into two axes of channel pairs, whether set or switched on by the
+    recipe."""
     from dit_vca.models import name_size
 
+    options = model.block_options
     _, width, heads = name_size(model.name)[0]
     head_dim = (model.hidden_size or width) // (model.num_heads or heads)
     if options["rope"] and head_dim % 4:
