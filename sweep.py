@@ -241,10 +241,12 @@ def posthoc_exports(run_dir: Path, sigma_rels: Sequence[float], step: int | None
     """The post-hoc EMA export of each sigma_rel at `step` (None: the run's newest snapshot), in the run's
     posthoc_exports/ (training.posthoc_ema's default), reconstructed where it is missing."""
     from generation.export import EXPORT_CONFIG
-    from training.posthoc_ema import DEFAULT_OUT, choose_snapshots, export_folder, reconstruct, stored_profiles
+    from generation.run_layout import POSTHOC_EXPORTS_FOLDER, posthoc_export_folder
+    from training.posthoc_ema import choose_snapshots, reconstruct, stored_profiles
 
     step = choose_snapshots(stored_profiles(run_dir), run_dir, step)[-1].step
-    folders = {sigma_rel: export_folder(run_dir / DEFAULT_OUT, sigma_rel, step) for sigma_rel in sigma_rels}
+    out = run_dir / POSTHOC_EXPORTS_FOLDER
+    folders = {sigma_rel: posthoc_export_folder(out, sigma_rel, step) for sigma_rel in sigma_rels}
     missing = [sigma_rel for sigma_rel, folder in folders.items() if not (folder / EXPORT_CONFIG).is_file()]
     if missing:
         print(f"sweep: reconstructing sigma_rel {', '.join(f'{s:g}' for s in missing)} of {run_dir}", flush=True)
