@@ -58,7 +58,7 @@ from generation.sample_file import (
     shard_reader,
 )
 from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
-from samplers.catalogue import SAMPLERS
+from objectives import SAMPLERS
 
 SAMPLER_OPTIONS = (
     "eta",

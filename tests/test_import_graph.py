@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # import each other.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("commands",),
-    ("atomic_files", "configs"),
+    ("atomic_files", "configs", "objectives"),  # objectives: the table of objectives and samplers, plain data
     ("fid", "samplers"),
     ("dit_vca",),
     ("sit_vca",),

@@ -742,7 +742,7 @@ def test_help_lists_each_objectives_samplers_with_their_default_steps(capsys):
     import re
 
     from dit_vca import create_diffusion
-    from samplers.catalogue import SAMPLERS
+    from objectives import SAMPLERS
     from sit_vca import create_transport
 
     with pytest.raises(SystemExit):
