@@ -147,7 +147,7 @@ class Sweep:
     def check(self, points: Sequence[Point]) -> None:
         """Refuse, before anything is sampled, sample.py options that a point sets itself or that sample.py
         refuses for a point (the output folder is made first: sample.py checks that it exists)."""
-        import sample
+        from sample_arguments import check_args, parse_args
 
         for option in self.sample_options:
             flag = option.split("=")[0]
@@ -155,15 +155,16 @@ class Sweep:
                 raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
         (self.out / "samples").mkdir(parents=True, exist_ok=True)
         for point in points:
-            sample.check_args(sample.parse_args(self.sample_argv(point)))
+            check_args(parse_args(self.sample_argv(point)))
 
     def score(self, point: Point) -> dict[str, Any]:
         """The record of `point`: read when a previous invocation made it with the same settings, else sampled
         (sample.py resumes its shards) and scored, then written atomically."""
         import sample
+        from sample_arguments import parse_args
 
         argv = self.sample_argv(point)
-        sampling = sample.run_settings(sample.parse_args(argv))
+        sampling = sample.run_settings(parse_args(argv))
         expected = {"point": asdict(point), "sampling": sampling, "scoring": self.scoring_settings}
         record_path = self.record_path(point)
         if record_path.is_file():

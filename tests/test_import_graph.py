@@ -28,6 +28,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("sit_vca",),
     ("generation",),
     ("training",),
+    ("sample_arguments",),  # sample.py's parser and checks; sweep.py checks its points with them
     ("train", "sample", "demo"),
     ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema
     ("bench",),

@@ -97,16 +97,16 @@ class DiffusionConfig:
     """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
 
     learn_sigma: bool = DIFFUSION.learn_sigma  # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
-    decoder_cdf: str = _setting(DECODER_CDF)  # normal CDF of the t = 0 decoder NLL: official tanh form, or exact
+    decoder_cdf: str = _setting(DECODER_CDF)  # normal CDF of the t = 0 decoder NLL: official tanh form
 
 
 @dataclass
 class TransportConfig:
     """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
 
-    path: str = _setting(PATH)  # the interpolant from noise to data: linear, gvp or vp
-    prediction: str = _setting(PREDICTION)  # what the network predicts: velocity, score or noise
-    loss_weight: str | None = _setting(LOSS_WEIGHT)  # score/noise prediction only: null, velocity or likelihood
+    path: str = _setting(PATH)  # the interpolant from noise to data
+    prediction: str = _setting(PREDICTION)  # what the network predicts
+    loss_weight: str | None = _setting(LOSS_WEIGHT)  # score/noise prediction only
     train_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
     sample_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
     time_distribution: str = _setting(TIME_DISTRIBUTION)  # of training times: uniform or logit-normal
