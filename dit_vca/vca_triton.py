@@ -48,16 +48,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dit_vca.triton_exclusions import usable_configs
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
-    """Autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few of
-    `compiled` (each is one more compilation per kernel, dtype and head dim: 5–20 s each on a CPU core for the
-    backward's kernels), under the interpreter `interpreted` alone (timing there means nothing; small blocks,
-    so that the tests' small shapes cross tile boundaries). A configuration that needs more shared memory than
-    the GPU has is skipped by the autotuner (OutOfResources)."""
-    choices = [interpreted] if INTERPRETED else compiled
+def _configs(kernel: str, names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
+    """`kernel`'s autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few
+    of `compiled` (each is one more compilation per kernel, dtype and head dim: 5–20 s each on a CPU core for the
+    backward's kernels) less those that failed to compile for this GPU and Triton version (the compile matrix's
+    table, dit_vca.triton_exclusions), under the interpreter `interpreted` alone (timing there means nothing;
+    small blocks, so that the tests' small shapes cross tile boundaries). A configuration that needs more shared
+    memory than the GPU has is skipped by the autotuner (OutOfResources)."""
+    choices = [interpreted] if INTERPRETED else usable_configs(kernel, names, compiled)
     return [triton.Config(dict(zip(names, c[:-2])), num_warps=c[-2], num_stages=c[-1]) for c in choices]
 
 
@@ -66,15 +69,20 @@ def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) 
 # first spills at most 40 bytes; docs/benchmarks.md); the last, unpipelined, is the one for fp32, where the
 # others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
 _STAGE1_FORWARD_BLOCKS = _configs(
-    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
+    "_stage1_forward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
 )
 _STAGE2_FORWARD_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
+    "_stage2_forward_kernel", ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
 )
 _STAGE2_BACKWARD_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)]
+    "_stage2_backward_kernel",
+    ("BLOCK_N", "BLOCK_C"),
+    (16, 16, 4, 1),
+    [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)],
 )
-_STAGE1_BACKWARD_BLOCKS = _configs(("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)])
+_STAGE1_BACKWARD_BLOCKS = _configs(
+    "_stage1_backward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)]
+)
 _AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_products)
     "_stage1_forward_kernel": _STAGE1_FORWARD_BLOCKS,
     "_stage2_forward_kernel": _STAGE2_FORWARD_BLOCKS,
