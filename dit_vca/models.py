@@ -8,11 +8,13 @@ the layout is LightningDiT's, up to the names of the SwiGLU matrices (generation
 """
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from objectives import MODEL_FAMILIES
 
 from .attention import ATTENTION_KINDS, build_attention, resolve_contrast_grid
 from .model_options import MLPS, NORMS, VCAOptions
@@ -297,20 +299,6 @@ PATCH_SIZES = (1, 2, 4, 8)  # 1: LightningDiT's XL/1 on 16x16 latents of an f16 
 
 # Model configs written before VCAOptions became one section held its fields at the top level.
 LEGACY_VCA_KEYS = tuple(field.name for field in fields(VCAOptions))
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """What a name prefix ("DiT-", "SiT-") decides: the objective a model trains with and its output default."""
-
-    objective: str  # "diffusion" (dit_vca.diffusion) or "transport" (sit_vca.transport)
-    learn_sigma: bool  # default: DDPM learns its variance; SiT predicts velocity only
-
-
-MODEL_FAMILIES = {
-    "DiT": ModelFamily(objective="diffusion", learn_sigma=True),
-    "SiT": ModelFamily(objective="transport", learn_sigma=False),
-}
 
 
 def model_names(family: str) -> tuple[str, ...]:

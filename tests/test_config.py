@@ -340,3 +340,40 @@ def test_a_new_key_is_listed_with_the_comment_beside_it():
     assert keys["new.mode"].description == "the mode, with a comment that goes on below it"
     assert keys["new.mode"].allowed == "one of a, b"
     assert keys["new.plain"].default == "true" and keys["new.plain"].description == ""
+
+
+def test_the_objective_sections_offer_what_the_objectives_table_lists():
+    """diffusion.* and transport.* take their choices and defaults from the objectives table, as the objectives'
+    factories do (which dispatch on the same names): no choice is typed a second time in the schema."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    from dit_vca.diffusion import create_diffusion
+    from objectives import DECODER_CDF, DIFFUSION, LOSS_WEIGHT, PATH, PREDICTION, TIME_DISTRIBUTION
+    from sit_vca.transport import PATHS, create_transport
+    from training.config import DiffusionConfig, TransportConfig
+
+    table = {
+        (DiffusionConfig, "decoder_cdf"): DECODER_CDF,
+        (TransportConfig, "path"): PATH,
+        (TransportConfig, "prediction"): PREDICTION,
+        (TransportConfig, "loss_weight"): LOSS_WEIGHT,
+        (TransportConfig, "time_distribution"): TIME_DISTRIBUTION,
+    }
+    for (schema, key), setting in table.items():
+        (field,) = [field for field in dataclasses.fields(schema) if field.name == key]
+        assert (field.default, field.metadata["choices"]) == (setting.default, setting.choices), key
+    assert DiffusionConfig().learn_sigma is DIFFUSION.learn_sigma
+    names = {choice for setting in table.values() for choice in setting.choices if isinstance(choice, str)}
+    for schema in (DiffusionConfig, TransportConfig):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+        typed = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
+        assert not typed, f"{schema.__name__} types {typed} again instead of reading the objectives table"
+
+    diffusion, transport = create_diffusion(), create_transport()
+    assert (diffusion.learn_sigma, diffusion.decoder_cdf) == (DIFFUSION.learn_sigma, DECODER_CDF.default)
+    assert isinstance(transport.path, PATHS[PATH.default]) and tuple(PATHS) == PATH.choices
+    defaults = (transport.prediction, transport.loss_weight, transport.time_distribution)
+    assert defaults == (PREDICTION.default, LOSS_WEIGHT.default, TIME_DISTRIBUTION.default)

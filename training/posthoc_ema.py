@@ -37,10 +37,20 @@ from safetensors import SafetensorError, safe_open
 
 from atomic_files import atomic_folder, atomic_output, check_writable, write_json_atomic
 from commands import CommandParser, UserError, run_command
+from generation.run_layout import (
+    POSTHOC_EXPORTS_FOLDER,
+    POSTHOC_STATE,
+    PROFILE_FILES,
+    SNAPSHOT_DESCRIPTION,
+    SNAPSHOT_FOLDER,
+    posthoc_export_folder,
+    profile_file,
+    step_name,
+    step_of,
+)
 from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, PosthocEMAConfig
 from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma, step_decay
-from training.run import SNAPSHOT_FOLDER
 
 # torch, safetensors.torch and generation.export (seconds to import) are imported where they are used, so that
 # `python -m training.posthoc_ema --help` and a bad argument answer at once.
@@ -50,27 +60,11 @@ if TYPE_CHECKING:
 
     from generation.export import ExportDescription
 
-CHECKPOINT_STATE = "posthoc_ema.safetensors"  # in each checkpoint folder: the running averages
-SNAPSHOT_DESCRIPTION = "description.json"
-DEFAULT_OUT = "posthoc_exports"  # in the run directory
 MIN_SNAPSHOTS = 4  # fewer stored profiles span too little to reconstruct anything but themselves
 
 
 class PosthocEMAError(UserError):
     """A reconstruction that cannot be made (no snapshots, a step without one, sigma_rel out of range, ...)."""
-
-
-def profile_file(sigma_rel: float) -> str:
-    return f"sigma_rel-{sigma_rel:g}.safetensors"
-
-
-def snapshot_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def export_folder(out: Path, sigma_rel: float, step: int) -> Path:
-    """Where `reconstruct` writes the export of `sigma_rel` at `step` under `out`."""
-    return Path(out) / f"sigma_rel-{sigma_rel:g}-{snapshot_name(step)}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,7 +142,7 @@ class PowerEMA:
         """Write every profile's average at `step` to <run>/posthoc_ema/step-XXXXXXX/ (main process, atomic)."""
         from safetensors.torch import save_file
 
-        final = Path(run_root) / SNAPSHOT_FOLDER / snapshot_name(step)
+        final = Path(run_root) / SNAPSHOT_FOLDER / step_name(step)
         with atomic_folder(final, needed=self.snapshot_bytes()) as temporary:
             for sigma_rel, gamma, average in zip(self.sigma_rels, self.gammas, self.averages):
                 tensors = {key: value.to(self.dtype).cpu().contiguous() for key, value in zip(self.keys, average)}
@@ -169,14 +163,14 @@ class PowerEMA:
 
         tensors = {key: value.cpu().contiguous() for key, value in self.state_tensors().items()}
         metadata = {"sigma_rel": json.dumps(self.sigma_rels), "images": str(self.images)}
-        with atomic_output(Path(checkpoint) / CHECKPOINT_STATE) as temporary:
+        with atomic_output(Path(checkpoint) / POSTHOC_STATE) as temporary:
             save_file(tensors, temporary, metadata)
 
     def load_state(self, checkpoint: Path) -> None:
         """Continue the averages of a checkpoint (check_resume first: it refuses other profiles in one line)."""
         from safetensors.torch import load_file
 
-        file = Path(checkpoint) / CHECKPOINT_STATE
+        file = Path(checkpoint) / POSTHOC_STATE
         saved = load_file(file)
         with safe_open(file, framework="pt") as header:
             self.images = int(header.metadata()["images"])
@@ -197,7 +191,7 @@ def create_posthoc_ema(
 def check_resume(checkpoint: Path, settings: PosthocEMAConfig) -> None:
     """Refuse, in one line, a resume whose profiles differ from the checkpoint's (a profile's history lives only
     there) or whose profile state is damaged; snapshot_every and dtype may change and apply from now on."""
-    file = Path(checkpoint) / CHECKPOINT_STATE
+    file = Path(checkpoint) / POSTHOC_STATE
     saved: list[float] = []
     if file.exists():
         try:
@@ -254,9 +248,9 @@ def _snapshot_folders(run_root: Path) -> list[SnapshotFolder]:
     if not root.is_dir():
         return []
     found = [
-        SnapshotFolder(int(path.name.removeprefix("step-")), path)
+        SnapshotFolder(step, path)
         for path in root.iterdir()
-        if path.is_dir() and path.name.startswith("step-") and path.name.removeprefix("step-").isdigit()
+        if path.is_dir() and (step := step_of(path.name)) is not None
     ]
     return sorted(found, key=lambda snapshot: snapshot.step)
 
@@ -269,7 +263,7 @@ def stored_profiles(run_root: str | Path) -> list[StoredProfile]:
     for snapshot in _snapshot_folders(Path(run_root)):
         if not snapshot.complete:
             continue
-        for file in sorted(snapshot.folder.glob("sigma_rel-*.safetensors")):
+        for file in sorted(snapshot.folder.glob(PROFILE_FILES)):
             profile = _read_profile_header(file)
             if profile.step != snapshot.step:
                 raise PosthocEMAError(
@@ -349,7 +343,7 @@ def reconstruct(
     step = used[-1].step
     target_images = used[-1].images
     description = _read_snapshot_description(used[-1].file.parent)
-    out = Path(out) if out is not None else run_root / DEFAULT_OUT
+    out = Path(out) if out is not None else run_root / POSTHOC_EXPORTS_FOLDER
     check_writable(out)  # a file, or a read-only folder, is refused before any weights are read
     times = np.array([profile.images for profile in used], np.float64)
     gammas = np.array([profile.gamma for profile in used], np.float64)
@@ -357,7 +351,7 @@ def reconstruct(
     for sigma_rel in sigma_rels:
         gamma = sigma_rel_to_gamma(sigma_rel)
         solution = reconstruct_profile(times, gammas, target_images, gamma)
-        folder = export_folder(out, sigma_rel, step)
+        folder = posthoc_export_folder(out, sigma_rel, step)
         _check_replaceable(folder)
         record = {
             "sigma_rel": sigma_rel,
@@ -447,7 +441,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sigma-rel", type=float, nargs="+", help=f"EMA lengths to reconstruct, in (0, {SIGMA_REL_MAX:.4f})"
     )
     parser.add_argument("--step", type=int, help="a snapshot step (default: the newest)")
-    parser.add_argument("--out", type=Path, help=f"folder for the exports (default RUN_DIR/{DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=f"folder for the exports (default RUN_DIR/{POSTHOC_EXPORTS_FOLDER})")
     parser.add_argument("--list", action="store_true", help="show the stored profiles and snapshot steps")
     args = parser.parse_args(argv)
     if not args.list and not args.sigma_rel:
