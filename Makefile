@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # with these settings Inception runs 1.5x faster on the CPU (up to 2x on benchmarks: first-touch page faults).
 CPU_ALLOCATOR := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000
 
-.PHONY: demo test bench bench-gpu bench-gpu-extended quality clean
+.PHONY: demo test triton-versions bench bench-gpu bench-gpu-extended quality clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
+
+# The Triton versions the supported torch versions pin (3.5.1, 3.6.0), each into its own folder under
+# VCA_TRITON_VERSIONS (~/.cache/dit-vca/triton), never into the venv: the compile matrix compiles with them
+# (bench/triton_compile.py; its tests skip a version that is missing). CI runs this before `make test`.
+triton-versions: $(STAMP)
+	$(PY) -m bench.triton_compile --install
 
 bench: $(STAMP)
 	$(CPU_ALLOCATOR) $(PY) -m bench.attention

@@ -108,6 +108,8 @@ def whole_run_rate(lines: list[dict[str, Any]]) -> float:
 
 def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
     """Run train.py on the digits config (resuming the run in run_dir, if any); return its figures."""
+    from generation.run_layout import METRICS_FILE
+
     command = [
         sys.executable,
         str(REPO / "train.py"),
@@ -125,7 +127,7 @@ def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
     if status != 0:  # train.py has said why
         raise SystemExit(status)
     seconds = time.perf_counter() - started
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
     last = lines[-1]
     return {
         "steps": last["step"],

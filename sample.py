@@ -31,7 +31,6 @@ written (`--debug` shows the traceback).
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import time
 from collections.abc import Sequence
@@ -40,11 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from atomic_files import allocation_unit, check_writable, free_bytes, write_json_atomic
+from atomic_files import allocation_unit, free_bytes, write_json_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
-from commands import CommandParser, UserError, check_launched_processes, end_processes, run_command
-from dit_vca.model_options import VCA_KERNEL_SETTINGS
-from generation.protocols import PROTOCOLS
+from commands import UserError, check_launched_processes, end_processes, run_command
 from generation.sample_file import (
     DamagedShardError,
     SampleFiles,
@@ -57,289 +54,14 @@ from generation.sample_file import (
     save_shard,
     shard_reader,
 )
-from generation.sample_plan import LABEL_MODES, SampleLabels, sample_seeds
-from samplers.catalogue import SAMPLERS
-
-SAMPLER_OPTIONS = (
-    "eta",
-    "clip_denoised",
-    "atol",
-    "rtol",
-    "diffusion_form",
-    "diffusion_norm",
-    "last_step",
-    "last_step_size",
-)  # options passed on to the objective's sampler when set
-PLAIN_DEFAULTS = {"labels": "balanced", "cfg_scale": 1.0}  # without a protocol; None in the parser, so that a
-# protocol can tell a value the user gave from a default
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(prog="sample.py", description=__doc__)
-    add = parser.add_argument
-    add("--ckpt", required=True, help="export / checkpoint / run folder, official .pt (path or released name), hub id")
-    add("--model", help="architecture of an official .pt whose file name does not say it, e.g. SiT-XL/2")
-    add("--image-size", type=int, help="image size of an official .pt (default: from its file name, else 256)")
-    add("--vae", help="VAE hub id or local folder; overrides the checkpoint's")
-    add("--num-samples", type=int, required=True)
-    add("--out", type=Path, required=True, help="output .npz file")
-    add(
-        "--protocol",
-        choices=tuple(PROTOCOLS),
-        help="preset of an official evaluation: "
-        + "; ".join(f"{name}: {protocol.published}" for name, protocol in PROTOCOLS.items())
-        + " (explicit flags win)",
-    )
-    add("--labels", choices=LABEL_MODES, help="default: balanced")
-    add("--seed", type=int, default=0)
-    add("--per-proc-batch-size", type=int, default=32)
-    add("--shard-size", type=int, default=256, help="samples per resumable shard file")
-    add(
-        "--grid-size",
-        type=int,
-        default=64,
-        help="about this many samples in the preview PNG, a row per class (0: none)",
-    )
-    add(
-        "--sampler",
-        help="sampler name, with its default --steps, by the checkpoint's objective: "
-        + "; ".join(f"{table.objective}: {table.describe()}" for table in SAMPLERS.values()),
-    )
-    add(
-        "--steps",
-        type=int,
-        help="sampling steps, counted as intervals (default: the sampler's, listed under --sampler; adaptive "
-        "solvers choose their own from --atol/--rtol)",
-    )
-    add("--eta", type=float, help="DDIM eta")
-    add("--clip-denoised", action="store_const", const=True, help="DDPM/DDIM: clamp the predicted x_0 to [-1, 1]")
-    add("--atol", type=float, help="adaptive ODE solver atol")
-    add("--rtol", type=float, help="adaptive ODE solver rtol")
-    add("--diffusion-form", help="SDE diffusion coefficient form")
-    add("--diffusion-norm", type=float, help="SDE diffusion scale")
-    add("--last-step", help="SDE last step type")
-    add("--last-step-size", type=float, help="SDE last step size")
-    add("--cfg-scale", type=float, help="classifier-free guidance scale (default 1: none)")
-    add("--guide-ckpt", help="autoguidance: a weaker model of the same objective, inputs and classes (as --ckpt)")
-    add("--guidance-scale", type=float, help="autoguidance scale W: guide + W * (model - guide); needs --guide-ckpt")
-    add("--guidance-channels", type=int, help="guide only the first k channels (3 reproduces DiT/SiT)")
-    add(
-        "--guidance-interval",
-        type=float,
-        nargs=2,
-        metavar=("LO", "HI"),
-        help="guide only for times in [LO, HI] (DDPM: timestep 0..999; SiT: 0 = noise .. 1 = data)",
-    )
-    add(
-        "--precision",
-        choices=("fp32", "tf32", "bf16"),
-        help="default: bf16 under `accelerate launch --mixed_precision bf16`, else tf32 on CUDA, fp32 on CPU",
-    )
-    add("--compile", action="store_true", help="torch.compile the model (pays off for large sample sets)")
-    add(
-        "--vca-kernel",
-        choices=VCA_KERNEL_SETTINGS,
-        default="auto",
-        help="VCA's core in ATen operations or Triton kernels (default auto: Triton on CUDA, ATen elsewhere)",
-    )
-    add("--cpu", action="store_true", help="CPU processes (needed for torchrun on a machine without GPUs)")
-    add("--progress", action="store_true", help="also show a progress bar over the sampler's steps")
-    add(
-        "--overwrite",
-        action="store_true",
-        help="replace the outputs and shards of an earlier sample.py run with "
-        "other settings at --out (only files sample.py wrote are deleted)",
-    )
-    parser.set_defaults(guide=None)  # the guide network, once load_guide has loaded --guide-ckpt
-    return parser
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The arguments with the protocol's settings filled in where the command line gave none, then the plain
-    defaults."""
-    args = build_parser().parse_args(argv)
-    preset = PROTOCOLS[args.protocol].settings if args.protocol else {}
-    if args.guide_ckpt is not None:  # autoguidance replaces the protocol's classifier-free guidance
-        preset = {name: value for name, value in preset.items() if name != "cfg_scale"}
-    for name, value in {**PLAIN_DEFAULTS, **preset}.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
-
-
-def describe_protocol(args: argparse.Namespace) -> str:
-    """What --protocol resolved to: each of its settings as used, those given on the command line marked."""
-    parts = []
-    for name, preset in PROTOCOLS[args.protocol].settings.items():
-        used = getattr(args, name)
-        parts.append(
-            f"--{name.replace('_', '-')} {used}" + ("" if used == preset else f" (given; the protocol's {preset})")
-        )
-    return f"sample.py: --protocol {args.protocol}: " + " ".join(parts)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Reject arguments that cannot work, before anything is loaded or written."""
-    for name in ("num_samples", "per_proc_batch_size", "shard_size", "steps", "guidance_channels"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("grid_size", "seed"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not math.isfinite(args.cfg_scale) or args.cfg_scale < 0:
-        raise SystemExit(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
-    check_autoguidance_args(args)
-    if args.guidance_interval is not None and not args.guidance_interval[0] < args.guidance_interval[1]:
-        low, high = args.guidance_interval
-        raise SystemExit(f"--guidance-interval {low} {high}: expected LO < HI")
-    if args.out.suffix != ".npz":
-        raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
-    if not args.out.parent.is_dir():
-        raise SystemExit(f"--out {args.out}: folder {args.out.parent} does not exist")
-    check_writable(args.out.parent)
-
-
-def check_autoguidance_args(args: argparse.Namespace) -> None:
-    """--guide-ckpt and --guidance-scale come together, and instead of --cfg-scale."""
-    if (args.guide_ckpt is None) != (args.guidance_scale is None):
-        given, missing = (
-            ("--guide-ckpt", "--guidance-scale")
-            if args.guidance_scale is None
-            else ("--guidance-scale", "--guide-ckpt")
-        )
-        raise SystemExit(f"{given} needs {missing} (autoguidance: guide + W * (model - guide))")
-    if args.guide_ckpt is None:
-        return
-    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
-        raise SystemExit(f"--guidance-scale must be a finite number >= 0, got {args.guidance_scale}")
-    if args.cfg_scale != 1:
-        raise SystemExit(f"--cfg-scale {args.cfg_scale} with --guide-ckpt: use one guidance, not both")
-
-
-def load_guide(args: argparse.Namespace, description, device, precision: str) -> None:
-    """Load --guide-ckpt onto `device` as args.guide, after checking in one line that it can guide the model."""
-    from generation import ExportError, load_export
-    from generation.autoguide import guide_mismatch
-    from generation.generator import load_model
-    from generation.official import OfficialCheckpointError
-
-    try:
-        export = load_export(args.guide_ckpt)
-    except (ExportError, OfficialCheckpointError) as error:
-        raise SystemExit(f"--guide-ckpt: {error}") from None
-    mismatch = guide_mismatch(description, export.description)
-    if mismatch is not None:
-        name, ours, theirs = mismatch
-        raise SystemExit(
-            f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
-            f"model's objective, inputs and classes"
-        )
-    args.guide = load_model(export, device, args.compile, args.vca_kernel, precision)
-    args.guide_description = {"train_step": export.description.train_step, "source": export.description.source}
-
-
-def check_against(description, args: argparse.Namespace) -> None:
-    """Reject sampler and guidance settings that the checkpoint cannot serve (before any file is written)."""
-    from dit_vca.models import model_family
-    from generation.objective import create_objective
-
-    family = model_family(description.model["name"])
-    if args.protocol and (made_for := PROTOCOLS[args.protocol].family) != family:
-        suited = [name for name, protocol in PROTOCOLS.items() if protocol.family == family]
-        raise SystemExit(
-            f"--protocol {args.protocol}: made for {made_for} models, but {args.ckpt} is a {family} "
-            f"model; use {' or '.join(suited)}"
-        )
-    names = create_objective(description.objective).sampler_names
-    if args.sampler is not None and args.sampler not in names:
-        raise SystemExit(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")
-    if args.cfg_scale != 1 and not description.has_null_class:
-        raise SystemExit(
-            f"--cfg-scale {args.cfg_scale}: the model was trained without label dropout, so it has no "
-            f"null class for classifier-free guidance"
-        )
-    if args.guidance_channels is not None and args.guidance_channels > description.channels:
-        raise SystemExit(
-            f"--guidance-channels {args.guidance_channels}: the model predicts only {description.channels} channels"
-        )
-    if args.vae is not None and description.in_pixel_space:
-        raise SystemExit(f"--vae {args.vae}: the model of {args.ckpt} works in pixel space and uses no VAE")
-
-
-def generation_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments of `ImageGenerator.generate` beyond labels and seeds."""
-    options = {name: getattr(args, name) for name in SAMPLER_OPTIONS if getattr(args, name) is not None}
-    interval = None if args.guidance_interval is None else tuple(args.guidance_interval)
-    autoguided = {"guide": args.guide} if args.guide is not None else {}  # the network load_guide loaded
-    return dict(
-        guidance=args.cfg_scale if args.guide_ckpt is None else args.guidance_scale,
-        **autoguided,
-        sampler=args.sampler,
-        steps=args.steps,
-        guidance_channels=args.guidance_channels,
-        guidance_interval=interval,
-        **options,
-    )
-
-
-def run_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Every setting that changes the output: shards and files of one run are never mixed with another's."""
-    ckpt = Path(args.ckpt)
-    protocol = {"protocol": args.protocol} if args.protocol else {}  # runs from before protocols keep matching
-    export = resolved_export(ckpt)  # a run folder's newest export: a rerun after more training is another run
-    newest = {"export": str(export)} if export is not None else {}
-    return {
-        **protocol,
-        "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt,
-        **newest,
-        "model": args.model,
-        "image_size": args.image_size,
-        "vae": args.vae,
-        "num_samples": args.num_samples,
-        "labels": args.labels,
-        "seed": args.seed,
-        "per_proc_batch_size": args.per_proc_batch_size,
-        "shard_size": args.shard_size,
-        **{key: value for key, value in generation_options(args).items() if key not in ("guidance_interval", "guide")},
-        **autoguidance_settings(args),
-        "guidance_interval": args.guidance_interval,
-        "precision": args.precision,
-        "compile": args.compile,
-        **({"vca_kernel": args.vca_kernel} if args.vca_kernel != "auto" else {}),  # runs from before it keep matching
-    }
-
-
-def autoguidance_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The guide and its scale, when autoguiding (runs from before autoguidance keep matching)."""
-    if args.guide_ckpt is None:
-        return {}
-    guide = Path(args.guide_ckpt)
-    export = resolved_export(guide, "--guide-ckpt")
-    return {
-        "guide_ckpt": str(guide.resolve()) if guide.exists() else args.guide_ckpt,
-        **({"guide_export": str(export)} if export is not None else {}),
-        "guidance_scale": args.guidance_scale,
-    }
-
-
-def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:
-    """The export folder that a run or checkpoint folder `option` (--ckpt, --guide-ckpt) stands for (a run's
-    newest); None for an export folder itself, a file or a hub id."""
-    from generation import ExportError
-    from generation.export import EXPORT_CONFIG, find_export
-
-    if not ckpt.is_dir() or (ckpt / EXPORT_CONFIG).is_file():
-        return None
-    try:
-        return find_export(ckpt).resolve()
-    except ExportError as error:
-        raise SystemExit(f"{option}: {error}") from None
+from generation.sample_plan import SampleLabels, sample_seeds
+from objectives import SAMPLER_OPTIONS
+from sample_arguments import check_against, check_args, describe_protocol, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse, check, load, sample the unfinished shards, and (main process) merge."""
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__)
     check_args(args)
     settings = run_settings(args)
     files = SampleFiles(args.out)
@@ -437,6 +159,71 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
 
 
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting that changes the output: shards and files of one run are never mixed with another's."""
+    ckpt = Path(args.ckpt)
+    protocol = {"protocol": args.protocol} if args.protocol else {}  # runs from before protocols keep matching
+    export = resolved_export(ckpt)  # a run folder's newest export: a rerun after more training is another run
+    newest = {"export": str(export)} if export is not None else {}
+    return {
+        **protocol,
+        "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt,
+        **newest,
+        "model": args.model,
+        "image_size": args.image_size,
+        "vae": args.vae,
+        "num_samples": args.num_samples,
+        "labels": args.labels,
+        "seed": args.seed,
+        "per_proc_batch_size": args.per_proc_batch_size,
+        "shard_size": args.shard_size,
+        **{key: value for key, value in generation_options(args).items() if key not in ("guidance_interval", "guide")},
+        **autoguidance_settings(args),
+        "guidance_interval": args.guidance_interval,
+        "precision": args.precision,
+        "compile": args.compile,
+        **({"vca_kernel": args.vca_kernel} if args.vca_kernel != "auto" else {}),  # runs from before it keep matching
+    }
+
+
+def autoguidance_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The guide and its scale, when autoguiding (runs from before autoguidance keep matching)."""
+    if args.guide_ckpt is None:
+        return {}
+    guide = Path(args.guide_ckpt)
+    export = resolved_export(guide, "--guide-ckpt")
+    return {
+        "guide_ckpt": str(guide.resolve()) if guide.exists() else args.guide_ckpt,
+        **({"guide_export": str(export)} if export is not None else {}),
+        "guidance_scale": args.guidance_scale,
+    }
+
+
+def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:
+    """The export folder that a run or checkpoint folder `option` (--ckpt, --guide-ckpt) stands for (a run's
+    newest); None for an export folder itself, a file or a hub id."""
+    from generation import ExportError
+    from generation.export import EXPORT_CONFIG, find_export
+
+    if not ckpt.is_dir() or (ckpt / EXPORT_CONFIG).is_file():
+        return None
+    try:
+        return find_export(ckpt).resolve()
+    except ExportError as error:
+        raise SystemExit(f"{option}: {error}") from None
+
+
+def load_checkpoint(args: argparse.Namespace):
+    """The export --ckpt names (official checkpoints are converted, hub ids fetched); user errors exit 2."""
+    from generation import ExportError, load_export
+    from generation.official import OfficialCheckpointError
+
+    try:
+        return load_export(args.ckpt, args.model, args.image_size)
+    except (ExportError, OfficialCheckpointError) as error:
+        raise SystemExit(f"--ckpt: {error}") from None
+
+
 def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFiles) -> None:
     """Refuse a run whose samples cannot fit on the disk of --out, before the model is built or the shard folder
     claimed: the shards and the merged .npz (`run_bytes`, about twice the images), the summary and the grid are all
@@ -456,15 +243,34 @@ def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFil
         )
 
 
-def load_checkpoint(args: argparse.Namespace):
-    """The export --ckpt names (official checkpoints are converted, hub ids fetched); user errors exit 2."""
+def create_accelerator(args: argparse.Namespace):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=args.cpu)
+    check_launched_processes(accelerator.num_processes, "sample.py", "--cpu")
+    return accelerator
+
+
+def load_guide(args: argparse.Namespace, description, device, precision: str) -> None:
+    """Load --guide-ckpt onto `device` as args.guide, after checking in one line that it can guide the model."""
     from generation import ExportError, load_export
+    from generation.autoguide import guide_mismatch
+    from generation.generator import load_model
     from generation.official import OfficialCheckpointError
 
     try:
-        return load_export(args.ckpt, args.model, args.image_size)
+        export = load_export(args.guide_ckpt)
     except (ExportError, OfficialCheckpointError) as error:
-        raise SystemExit(f"--ckpt: {error}") from None
+        raise SystemExit(f"--guide-ckpt: {error}") from None
+    mismatch = guide_mismatch(description, export.description)
+    if mismatch is not None:
+        name, ours, theirs = mismatch
+        raise SystemExit(
+            f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
+            f"model's objective, inputs and classes"
+        )
+    args.guide = load_model(export, device, args.compile, args.vca_kernel, precision)
+    args.guide_description = {"train_step": export.description.train_step, "source": export.description.source}
 
 
 def try_sampler(generator, labels: SampleLabels, args: argparse.Namespace) -> None:
@@ -488,30 +294,20 @@ def try_sampler(generator, labels: SampleLabels, args: argparse.Namespace) -> No
     generator.model_evaluations = 0  # the summary counts the sampling work only
 
 
-def create_accelerator(args: argparse.Namespace):
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=args.cpu)
-    check_launched_processes(accelerator.num_processes, "sample.py", "--cpu")
-    return accelerator
-
-
-def sample_shard(generator, shard: Shard, labels: SampleLabels, args: argparse.Namespace, bar=None) -> np.ndarray:
-    """(n, H, W, 3) uint8 images of one shard, batch by batch."""
-    batches = []
-    for start in range(shard.start, shard.stop, args.per_proc_batch_size):
-        indices = range(start, min(start + args.per_proc_batch_size, shard.stop))
-        batches.append(
-            generator.generate(
-                labels[indices.start : indices.stop],
-                sample_seeds(args.seed, indices),
-                progress=args.progress,
-                **generation_options(args),
-            )
-        )
-        if bar is not None:
-            bar.update(len(indices))
-    return np.concatenate(batches)
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of `ImageGenerator.generate` beyond labels and seeds."""
+    options = {name: getattr(args, name) for name in SAMPLER_OPTIONS if getattr(args, name) is not None}
+    interval = None if args.guidance_interval is None else tuple(args.guidance_interval)
+    autoguided = {"guide": args.guide} if args.guide is not None else {}  # the network load_guide loaded
+    return dict(
+        guidance=args.cfg_scale if args.guide_ckpt is None else args.guidance_scale,
+        **autoguided,
+        sampler=args.sampler,
+        steps=args.steps,
+        guidance_channels=args.guidance_channels,
+        guidance_interval=interval,
+        **options,
+    )
 
 
 def sample_shards(
@@ -532,6 +328,24 @@ def sample_shards(
             shard = shards[number]
             images = sample_shard(generator, shard, labels, args, bar)
             folder.write(shard.number, lambda path, shard=shard, images=images: save_shard(path, shard, images, labels))
+
+
+def sample_shard(generator, shard: Shard, labels: SampleLabels, args: argparse.Namespace, bar=None) -> np.ndarray:
+    """(n, H, W, 3) uint8 images of one shard, batch by batch."""
+    batches = []
+    for start in range(shard.start, shard.stop, args.per_proc_batch_size):
+        indices = range(start, min(start + args.per_proc_batch_size, shard.stop))
+        batches.append(
+            generator.generate(
+                labels[indices.start : indices.stop],
+                sample_seeds(args.seed, indices),
+                progress=args.progress,
+                **generation_options(args),
+            )
+        )
+        if bar is not None:
+            bar.update(len(indices))
+    return np.concatenate(batches)
 
 
 def finish(

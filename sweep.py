@@ -147,7 +147,7 @@ class Sweep:
     def check(self, points: Sequence[Point]) -> None:
         """Refuse, before anything is sampled, sample.py options that a point sets itself or that sample.py
         refuses for a point (the output folder is made first: sample.py checks that it exists)."""
-        import sample
+        from sample_arguments import check_args, parse_args
 
         for option in self.sample_options:
             flag = option.split("=")[0]
@@ -155,15 +155,16 @@ class Sweep:
                 raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
         (self.out / "samples").mkdir(parents=True, exist_ok=True)
         for point in points:
-            sample.check_args(sample.parse_args(self.sample_argv(point)))
+            check_args(parse_args(self.sample_argv(point)))
 
     def score(self, point: Point) -> dict[str, Any]:
         """The record of `point`: read when a previous invocation made it with the same settings, else sampled
         (sample.py resumes its shards) and scored, then written atomically."""
         import sample
+        from sample_arguments import parse_args
 
         argv = self.sample_argv(point)
-        sampling = sample.run_settings(sample.parse_args(argv))
+        sampling = sample.run_settings(parse_args(argv))
         expected = {"point": asdict(point), "sampling": sampling, "scoring": self.scoring_settings}
         record_path = self.record_path(point)
         if record_path.is_file():
@@ -241,10 +242,12 @@ def posthoc_exports(run_dir: Path, sigma_rels: Sequence[float], step: int | None
     """The post-hoc EMA export of each sigma_rel at `step` (None: the run's newest snapshot), in the run's
     posthoc_exports/ (training.posthoc_ema's default), reconstructed where it is missing."""
     from generation.export import EXPORT_CONFIG
-    from training.posthoc_ema import DEFAULT_OUT, choose_snapshots, export_folder, reconstruct, stored_profiles
+    from generation.run_layout import POSTHOC_EXPORTS_FOLDER, posthoc_export_folder
+    from training.posthoc_ema import choose_snapshots, reconstruct, stored_profiles
 
     step = choose_snapshots(stored_profiles(run_dir), run_dir, step)[-1].step
-    folders = {sigma_rel: export_folder(run_dir / DEFAULT_OUT, sigma_rel, step) for sigma_rel in sigma_rels}
+    out = run_dir / POSTHOC_EXPORTS_FOLDER
+    folders = {sigma_rel: posthoc_export_folder(out, sigma_rel, step) for sigma_rel in sigma_rels}
     missing = [sigma_rel for sigma_rel, folder in folders.items() if not (folder / EXPORT_CONFIG).is_file()]
     if missing:
         print(f"sweep: reconstructing sigma_rel {', '.join(f'{s:g}' for s in missing)} of {run_dir}", flush=True)

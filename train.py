@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Libraries are imported once the checks before them have passed: --help and a bad argument answer before
     # torch is imported; the launch's config (--config's file, or a resume's own config.yaml), its unknown keys
     # and bad values, and a missing checkpoint to resume from before accelerate, diffusers and timm (seconds each).
-    from training.checkpoint_folders import TRAIN_CONFIG, resolve_resume
+    from generation.run_layout import TRAIN_CONFIG
+    from training.checkpoint_folders import resolve_resume
     from training.config import config_to_yaml
     from training.run import RunDirectory, load_launch_config
 

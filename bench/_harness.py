@@ -92,9 +92,10 @@ def bf16_skip_reason(device: torch.device) -> str | None:
 
 
 def saved_activation_bytes(forward: Callable[[], object], parameters: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages that autograd saves for backward while `forward()` runs, parameters
-    excluded: the activation memory a training step holds between forward and backward. Counted through
-    saved-tensor hooks, so it depends on the code path, not on the machine or the allocator."""
+    """Bytes of the distinct storages that autograd saves for backward while `forward()` runs, `parameters`
+    excluded (a model's state: its parameters, and its buffers, e.g. RoPE's tables, where it has any): the
+    activation memory a training step holds between forward and backward. Counted through saved-tensor hooks,
+    so it depends on the code path, not on the machine or the allocator."""
     parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
     storages: dict[int, int] = {}
 

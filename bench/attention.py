@@ -11,12 +11,18 @@ A large matmul timed in the same run gives the machine's peak, so each row also 
 layer reaches (FLOPs counted by torch's FlopCounterMode). Forward+backward rows also give the activation memory
 each layer saves for backward (saved-tensor hooks: a count, independent of the machine).
 
-Writes bench/results/attention-<device>[-quick].{json,md,png}. On the CPU run it as `make bench` does, with
-MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000: glibc's default allocator maps every large tensor
+With --options it times LightningDiT's block options that enter the attention instead: MHSA on SDPA and VCA
+(n = 64) plain, with QK-norm, with 2-D RoPE and with both (the attention of the recipe lightning-qknorm; VCA
+applies them inside its fused core), and VCA's readable path with both (the options as autograd operations around
+the attention); per option set VCA's ratio to MHSA, each option's cost over the plain layer, and the activations
+saved for backward.
+
+Writes bench/results/attention-<device>[-options][-quick].{json,md,png}. On the CPU run it as `make bench` does,
+with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000: glibc's default allocator maps every large tensor
 afresh and the first-touch page faults distort timings by up to 2×.
 
-Usage: python -m bench.attention [--quick] [--device cpu|cuda] [--threads T] [--cpu-time] [--tokens N ...]
-                                 [--widths C ...] [--out bench/results]
+Usage: python -m bench.attention [--quick] [--options] [--device cpu|cuda] [--threads T] [--cpu-time]
+                                 [--tokens N ...] [--widths C ...] [--out bench/results]
 """
 
 import argparse
@@ -51,6 +57,13 @@ if TYPE_CHECKING:
 WIDTHS = ((384, 6), (1152, 16))  # DiT-S and DiT-XL: (C, heads)
 FIXED_CONTRAST = 64  # n = 64, an 8×8 contrast grid
 METHODS = ("mhsa-sdpa", "mhsa-bmm", "vca-64", "vca-N/4", "vca-64-readable", "vca-64-sdpa2")
+# --options: the block options QK-norm and RoPE, alone and together, as suffixes of a method's name.
+OPTION_SETS = ("", "+qknorm", "+rope", "+qknorm+rope")
+OPTION_METHODS = (
+    *(f"mhsa-sdpa{options}" for options in OPTION_SETS),
+    *(f"vca-64{options}" for options in OPTION_SETS),
+    "vca-64-readable+qknorm+rope",
+)
 MEMORY_GOALS = {256: 1.0, 1024: 0.5, 4096: 0.5}  # VCA / MHSA saved activations: ≤ at N = 256, well below beyond
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -72,14 +85,18 @@ class ReadableVCA(VisualContrastAttention):
 
 
 def build_layer(method: str, width: int, heads: int, tokens: int) -> nn.Module:
+    """The layer a method names: a base name (METHODS), then "+qknorm" and "+rope" for the block options."""
     grid = int(tokens**0.5)
+    method, *options = method.split("+")
+    qk_norm, rope = "qknorm" in options, "rope" in options
     if method == "mhsa-sdpa":
-        return MultiHeadSelfAttention(width, heads)
+        return MultiHeadSelfAttention(width, heads, qk_norm=qk_norm, rope_grid=grid if rope else None)
     if method == "mhsa-bmm":
-        return MatmulSelfAttention(width, heads)
+        return MatmulSelfAttention(width, heads, qk_norm=qk_norm, rope_grid=grid if rope else None)
     contrast_grid = None if method == "vca-N/4" else 8  # None: H/2, n = N/4
     layer_class = ReadableVCA if method == "vca-64-readable" else VisualContrastAttention
-    layer = layer_class(width, heads, grid, block_index=0, options=VCAOptions(contrast_grid=contrast_grid))
+    options = VCAOptions(contrast_grid=contrast_grid)
+    layer = layer_class(width, heads, grid, block_index=0, options=options, qk_norm=qk_norm, rope=rope)
     if method == "vca-64-sdpa2":  # Stage II as SDPA calls; the other VCA rows use the device's default
         layer.stage2_sdpa = True
     return layer
@@ -131,7 +148,7 @@ def saved_mib(layer: nn.Module, x: Tensor, dtype: torch.dtype, recompute_qkv: bo
         layer.recompute_qkv = recompute_qkv
     autocast = torch.autocast(x.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     with autocast:
-        saved = saved_activation_bytes(lambda: layer(x), layer.parameters())
+        saved = saved_activation_bytes(lambda: layer(x), [*layer.parameters(), *layer.buffers()])
     if isinstance(layer, VisualContrastAttention):
         layer.recompute_qkv = False
     return saved / 2**20
@@ -187,7 +204,8 @@ def run(args: argparse.Namespace) -> dict:
         for width, heads in widths:
             for dtype_name, dtype in dtypes.items():
                 for backward in (False, True):
-                    methods = [m for m in METHODS if not (m == "vca-N/4" and tokens // 4 == FIXED_CONTRAST)]
+                    methods = list(OPTION_METHODS) if args.options else METHODS
+                    methods = [m for m in methods if not (m == "vca-N/4" and tokens // 4 == FIXED_CONTRAST)]
                     torch.manual_seed(0)
                     layers = {m: build_layer(m, width, heads, tokens).to(device) for m in methods}
                     x = torch.randn(batch, tokens, width, device=device, requires_grad=backward)
@@ -214,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
                                 row["saved_mib_recompute_qkv"] = saved_mib(layers[method], x, dtype, True)
                         rows.append(row)
                         print(
-                            f"N={tokens:5d} C={width:4d} {dtype_name} {row['mode']:7s} {method:15s} "
+                            f"N={tokens:5d} C={width:4d} {dtype_name} {row['mode']:7s} {method:27s} "
                             f"{row['ms']:9.2f} ms  {100 * row['peak_fraction']:5.1f}% of peak",
                             flush=True,
                         )
@@ -224,6 +242,7 @@ def run(args: argparse.Namespace) -> dict:
         device_type=device.type,
         torch=torch.__version__,
         quick=args.quick,
+        options=args.options,
         cpu_flags=cpu_vector_flags(),
         allocator={name: os.environ.get(name) for name in ALLOCATOR_ENV},
         tokens_per_batch=tokens_per_batch,
@@ -233,23 +252,24 @@ def run(args: argparse.Namespace) -> dict:
     )
 
 
+def grouped_rows(results: dict) -> list[tuple[dict, dict]]:
+    """The rows by (N, C, dtype, pass): (that case's tokens, width, heads, dtype and mode, its rows by method)."""
+    groups: dict[tuple, tuple[dict, dict]] = {}
+    for row in results["rows"]:
+        case = {key: row[key] for key in ("tokens", "width", "heads", "dtype", "mode")}
+        groups.setdefault(tuple(case.values()), (case, {}))[1][row["method"]] = row
+    return list(groups.values())
+
+
 def comparisons(results: dict) -> list[dict]:
     """One entry per (N, C, dtype, pass): the times of every method, VCA's ratio to the faster MHSA and, for
     forward+backward, the activations each saves for backward."""
-    groups: dict[tuple, dict] = {}
-    for row in results["rows"]:
-        key = (row["tokens"], row["width"], row["heads"], row["dtype"], row["mode"])
-        groups.setdefault(key, {})[row["method"]] = row
     table = []
-    for (tokens, width, heads, dtype, mode), by_method in groups.items():
+    for case, by_method in grouped_rows(results):
         by_method.setdefault("vca-N/4", by_method["vca-64"])
         mhsa = min((by_method["mhsa-sdpa"], by_method["mhsa-bmm"]), key=lambda row: row["ms"])
         entry = dict(
-            tokens=tokens,
-            width=width,
-            heads=heads,
-            dtype=dtype,
-            mode=mode,
+            **case,
             ms={method: row["ms"] for method, row in by_method.items()},
             mhsa_best=mhsa["method"],
             mhsa_peak_fraction=mhsa["peak_fraction"],
@@ -259,11 +279,68 @@ def comparisons(results: dict) -> list[dict]:
             ratio_readable=by_method["vca-64-readable"]["ms"] / mhsa["ms"],
             ratio_sdpa2=by_method["vca-64-sdpa2"]["ms"] / mhsa["ms"],
         )
-        if mode == "fwd+bwd":
+        if case["mode"] == "fwd+bwd":
             entry["saved_mib"] = {method: row["saved_mib"] for method, row in by_method.items()}
             entry["saved_mib_vca64_recompute_qkv"] = by_method["vca-64"]["saved_mib_recompute_qkv"]
         table.append(entry)
     return table
+
+
+def option_comparisons(results: dict) -> list[dict]:
+    """--options: one entry per (N, C, dtype, pass): the times of every method; per option set VCA's ratio to MHSA
+    with the same options; each layer's time over its plain layer's (the options' cost); for forward+backward
+    the activations saved for backward."""
+    table = []
+    for case, by_method in grouped_rows(results):
+        ms = {method: row["ms"] for method, row in by_method.items()}
+        entry = dict(
+            **case,
+            ms=ms,
+            ratio={options: ms[f"vca-64{options}"] / ms[f"mhsa-sdpa{options}"] for options in OPTION_SETS},
+            over_plain={
+                method: ms[method] / ms[method.split("+")[0].removesuffix("-readable")] for method in OPTION_METHODS
+            },
+        )
+        if case["mode"] == "fwd+bwd":
+            entry["saved_mib"] = {method: row["saved_mib"] for method, row in by_method.items()}
+        table.append(entry)
+    return table
+
+
+def option_markdown(results: dict, table: list[dict]) -> str:
+    lines = [
+        f"Attention layer with the block options on {results['device']} "
+        f"({' '.join(results['cpu_flags']) or 'no AVX'}; torch {results['torch']}, {results['tokens_per_batch']} "
+        f"tokens per batch, allocator env {results['allocator']}).",
+        f"Times in ms ({results['clock']}, median of interleaved rounds) of MHSA on SDPA and VCA with n = 64, each "
+        "plain / with QK-norm / with RoPE / with both (both: the attention of model.recipe=lightning-qknorm; VCA "
+        "applies them inside its fused core); readable = VCA's readable path with both (the options as autograd "
+        "operations); ratio = VCA / MHSA with the same options; cost = time with both / the plain layer's; saved "
+        "= MiB of activations saved for backward with both (MHSA / VCA / VCA readable; plain VCA in brackets).",
+        "",
+        "| N | C / h | dtype | pass | MHSA ms | VCA ms | VCA readable ms | VCA / MHSA | cost of both, MHSA / VCA "
+        "| saved MiB |",
+        "|---:|---:|---|---|---|---|---:|---|---|---|",
+    ]
+    both = OPTION_SETS[-1]
+    for e in table:
+        ms, over = e["ms"], e["over_plain"]
+        saved = ""
+        if "saved_mib" in e:
+            mib = e["saved_mib"]
+            saved = " / ".join(f"{mib[m]:.0f}" for m in (f"mhsa-sdpa{both}", f"vca-64{both}", f"vca-64-readable{both}"))
+            saved += f" ({mib['vca-64']:.0f})"
+        mhsa, vca = (
+            " / ".join(f"{ms[base + options]:.2f}" for options in OPTION_SETS) for base in ("mhsa-sdpa", "vca-64")
+        )
+        ratios = " / ".join(f"{e['ratio'][options]:.2f}" for options in OPTION_SETS)
+        lines.append(
+            f"| {e['tokens']} | {e['width']} / {e['heads']} | {e['dtype']} | {e['mode']} | {mhsa} | {vca} "
+            f"| {ms['vca-64-readable' + both]:.2f} | {ratios} | {over['mhsa-sdpa' + both]:.2f} / "
+            f"{over['vca-64' + both]:.2f} | {saved} |"
+        )
+    lines += [""] + [f"Note: {note}." for note in results["notes"]] if results["notes"] else []
+    return "\n".join(lines) + "\n"
 
 
 def goal_lines(table: list[dict], device_type: str) -> list[str]:
@@ -338,7 +415,7 @@ def plot(results: dict) -> "Figure":
     fig, axes = subplots(len(widths), len(dtypes), figsize=(5 * len(dtypes), 4 * len(widths)), squeeze=False)
     for (width, heads), ax_row in zip(widths, axes):
         for dtype, ax in zip(dtypes, ax_row):
-            for method in METHODS:
+            for method in dict.fromkeys(row["method"] for row in results["rows"]):
                 points = sorted(
                     (r["tokens"], r["ms"])
                     for r in results["rows"]
@@ -371,6 +448,11 @@ def main() -> None:
         help="time with the process's CPU time instead of wall time (CPU, --threads 1 only): "
         "insensitive to other jobs on a shared machine",
     )
+    parser.add_argument(
+        "--options",
+        action="store_true",
+        help="time the block options QK-norm and RoPE (MHSA and VCA, alone and together) instead of the methods",
+    )
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts N (squares; default 256 1024 4096)")
     parser.add_argument(
         "--widths",
@@ -395,12 +477,15 @@ def main() -> None:
     if args.cpu_time and (args.device != "cpu" or args.threads != 1):
         parser.error("--cpu-time needs --device cpu --threads 1 (CPU time of several threads is not a duration)")
     results = {**run(args), "clock": "cpu time" if args.cpu_time else "wall time"}
-    table = comparisons(results)
+    table = (option_comparisons if args.options else comparisons)(results)
     results["comparisons"] = table
-    suffix = ("-quick" if args.quick else "") + ("-cputime" if args.cpu_time else "")
+    text = (option_markdown if args.options else markdown)(results, table)
+    suffix = (
+        ("-options" if args.options else "") + ("-quick" if args.quick else "") + ("-cputime" if args.cpu_time else "")
+    )
     stem = f"attention-{torch.device(args.device).type}{suffix}"
-    save_results(args.out, stem, results, markdown(results, table), plot)
-    print(markdown(results, table))
+    save_results(args.out, stem, results, text, plot)
+    print(text)
     print(f"wrote {args.out / stem}.{{json,md,png}}")
 
 

@@ -11,7 +11,8 @@ each part in its own process under its budget, the slowest last:
    Stage II as SDPA calls and as GEMMs against MHSA (goal at the largest N: ≤ 1/3 of flash MHSA);
 2. part `samplers`: DDIM-50 (DiT-S/2) and Euler-50 (SiT-S/2), VCA and MHSA, bf16, batch 32;
 3. part `train`: the DiT-S/2 training step at 256 and 512 px (and a fixed 8×8 contrast grid at 512), batch 32,
-   fp32 and bf16 (the goals of bench.gpu_training.TIME_GOALS), then compiled at 256 px in bf16.
+   fp32 and bf16 (the goals of bench.gpu_training.TIME_GOALS), at 256 px in bf16 with model.recipe=lightning-qknorm
+   (RMSNorm, SwiGLU, QK-norm, RoPE; VCA applies the last two inside its core), then compiled at 256 px in bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from bench._harness import bf16_skip_reason, saved_activation_bytes
 from bench.gpu import CONTRAST_GRID, RUNBOOK_SECONDS, XL_WIDTH, Runbook, main, training_rows, triton_layer_rows
-from bench.gpu_training import goal_cases
+from bench.gpu_training import TrainingCase, goal_cases
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ def sampler_rows(sizes: Sizes, device: torch.device) -> Iterator[dict]:
 def train_rows(sizes: Sizes, device: torch.device) -> Iterator[dict]:
     dtypes = precisions(sizes, device)
     cases = [case for dtype in dtypes for case in goal_cases(dtype)]  # the goal rows, fp32 and bf16
+    cases += [  # LightningDiT's block options
+        TrainingCase("DiT-S/2", 256, attention, dtypes[-1], recipe="lightning-qknorm") for attention in ("mhsa", "vca")
+    ]
     cases += [
         replace(case, compiled=True)
         for case in goal_cases(dtypes[-1])

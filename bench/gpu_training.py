@@ -19,6 +19,7 @@ import torch
 
 from bench._harness import synchronize
 from dit_vca.attention import VCAOptions, VisualContrastAttention, set_vca_kernel
+from dit_vca.model_options import recipe_options
 from dit_vca.models import create_backbone, model_family
 from generation.objective import create_objective, default_objective_spec
 
@@ -38,12 +39,14 @@ class TrainingCase:
     precision: str  # "fp32" or "bf16"
     compiled: bool = False
     contrast_grid: int | None = None  # VCA's p; None: H/2
+    recipe: str = "dit"  # the block options' preset (dit_vca.model_options.RECIPES)
 
     @property
     def label(self) -> str:
         grid = f" grid {self.contrast_grid}" if self.contrast_grid else ""
+        recipe = f" {self.recipe}" if self.recipe != "dit" else ""
         compiled = " compiled" if self.compiled else ""
-        return f"{self.model} {self.image_size}px {self.attention}{grid} {self.precision}{compiled}"
+        return f"{self.model} {self.image_size}px {self.attention}{grid}{recipe} {self.precision}{compiled}"
 
 
 def goal_cases(precision: str) -> list[TrainingCase]:
@@ -80,6 +83,7 @@ def measure_training(
             attention=case.attention,
             input_size=latent,
             vca=VCAOptions(contrast_grid=case.contrast_grid),
+            **recipe_options(case.recipe),
             **(sizes or {}),
         )
     from timm.utils import ModelEmaV3  # imported here: seconds (torchvision) that the layer parts do not need

@@ -27,6 +27,7 @@ import torch
 from matplotlib.figure import Figure
 
 from bench._harness import benchmark_parser, describe_device, save_results, subplots
+from generation.run_layout import TRAIN_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {  # what a user types, after `python`
@@ -56,7 +57,7 @@ def measure(trees: dict[str, Path], repeats: int) -> list[dict]:
     """One row per command and tree: the median and every run's seconds, the trees' runs interleaved."""
     runs: dict[tuple[str, str], list[float]] = {(name, label): [] for name in COMMANDS for label in trees}
     with tempfile.TemporaryDirectory() as run:
-        shutil.copy(ROOT / "configs" / "digits.yaml", Path(run) / "config.yaml")
+        shutil.copy(ROOT / "configs" / "digits.yaml", Path(run) / TRAIN_CONFIG)
         for _ in range(repeats):
             for name, arguments in COMMANDS.items():
                 for label, tree in trees.items():

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench._harness import benchmark_parser, describe_device, save_results, subplots
+from generation.run_layout import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_EVERY = 10
@@ -57,7 +58,7 @@ def run_training(threads: int, steps: int) -> dict:
         done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"bench.threads: train.py with {threads} threads failed:\n{done.stderr[-3000:]}")
-        rate = steady_rate(Path(folder) / "run" / "metrics.jsonl")
+        rate = steady_rate(Path(folder) / "run" / METRICS_FILE)
     return {
         "threads": threads,
         "load_before": load,

@@ -2,6 +2,7 @@
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python -m bench.train           # full matrix
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python -m bench.train --goal-rows --rounds 3
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python -m bench.train --options --rounds 3
     python -m bench.train --quick                                                         # smoke run, < 1 min
 
 Cases: DiT-S/2 and SiT-S/2 (the experiment configs of configs/) at 256 px (32x32 latents) and 512 px
@@ -13,11 +14,15 @@ online encoding for DiT-S/2 at 256 px only, and no bf16 rows where bf16 GEMMs ar
 matrix would take hours on two cores). --quick runs one case per code path with 2-block
 models at batch 2 for 2 timed steps: it checks that the benchmark works; its numbers are not meaningful.
 --goal-rows runs only the cases of the issue's goals (DiT-S/2, fp32, from latents: 256 px, 512 px with the
-default and the 8x8 grid); --rounds R measures every case R times in turn (interleaved, so a machine shared
-with other jobs slows all cases alike) and keeps the median. Each case also reports the activation memory one
-forward pass of the model saves for backward (saved-tensor hooks: a count, independent of the machine).
+default and the 8x8 grid); --options runs DiT-S/2 at 256 px from latents, MHSA and VCA, plain and with each of
+LightningDiT's block options that enter the attention and its recipes: RoPE, QK-norm, model.recipe=lightning
+(RMSNorm, SwiGLU, RoPE) and lightning-qknorm (all four), each VCA case against MHSA with the same options (VCA
+applies QK-norm and RoPE inside its fused core). --rounds R measures every case R times in turn (interleaved,
+so a machine shared with other jobs slows all cases alike) and keeps the median. Each case also reports the
+activation memory one forward pass of the model saves for backward (saved-tensor hooks: a count, independent of
+the machine).
 
-Writes bench/results/train-<device>.json, a Markdown table (.md) and a bar plot (.png).
+Writes bench/results/train-<device>[-options].json, a Markdown table (.md) and a bar plot (.png).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from bench.gpu_training import FIXED_GRID, TIME_GOALS
 from generation.objective import create_objective
 from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling
 from training.accelerator import create_accelerator
-from training.build import TrainingParts, build_model, create_optimizer, objective_spec
+from training.build import TrainingParts, build_model, create_optimizer, export_description, objective_spec
 from training.config import Config, load_config
 from training.data import ShardedBatches
 from training.ema import create_ema
@@ -59,6 +64,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LATENT_CHANNELS = SD_VAE_ARCHITECTURE["latent_channels"]
 DOWNSAMPLING = latent_downsampling(SD_VAE_ARCHITECTURE)
 QUICK_DEPTH = 2
+# Block options of --options (Case.options): config overrides, by the name a case's label carries.
+BLOCK_OPTIONS = {
+    "rope": ["model.rope=true"],
+    "qk-norm": ["model.qk_norm=true"],
+    "lightning": ["model.recipe=lightning"],
+    "lightning-qknorm": ["model.recipe=lightning-qknorm"],
+}
 
 
 @dataclass(frozen=True)
@@ -70,12 +82,16 @@ class Case:
     precision: str  # "fp32" or "bf16"
     source: str  # "latents" or "images" (online VAE encoding)
     compiled: bool = False  # the model under torch.compile (train.compile=true)
+    options: str = ""  # block options: a key of BLOCK_OPTIONS, or "" for DiT's
 
     @property
     def label(self) -> str:
         grid = f" grid {self.contrast_grid}" if self.contrast_grid else ""
         compiled = " compiled" if self.compiled else ""
-        return f"{self.model} {self.image_size}px {self.attention}{grid} {self.precision} {self.source}{compiled}"
+        options = f" {self.options}" if self.options else ""
+        return (
+            f"{self.model} {self.image_size}px {self.attention}{grid}{options} {self.precision} {self.source}{compiled}"
+        )
 
 
 def all_cases(precisions: tuple[str, ...], online: set[tuple[str, int]]) -> list[Case]:
@@ -103,6 +119,15 @@ def goal_cases(precision: str = "fp32") -> list[Case]:
     ]
 
 
+def option_cases(precision: str = "fp32") -> list[Case]:
+    """DiT-S/2 at 256 px from latents, MHSA and VCA, plain and with each of BLOCK_OPTIONS."""
+    return [
+        Case("DiT-S/2", 256, attention, None, precision, "latents", options=options)
+        for options in ("", *BLOCK_OPTIONS)
+        for attention in ("mhsa", "vca")
+    ]
+
+
 def quick_cases() -> list[Case]:
     """One case per code path (MHSA, VCA, fixed grid, SiT, bf16, online encoding), small enough for seconds."""
     return [
@@ -110,6 +135,7 @@ def quick_cases() -> list[Case]:
         Case("DiT-S/2", 256, "vca", None, "fp32", "latents"),
         Case("SiT-S/2", 256, "vca", FIXED_GRID, "bf16", "latents"),
         Case("DiT-S/2", 64, "vca", None, "fp32", "images"),
+        Case("DiT-S/2", 256, "vca", None, "fp32", "latents", options="lightning-qknorm"),
     ]
 
 
@@ -143,6 +169,7 @@ def case_config(case: Case, batch_size: int, run_dir: Path, extra: list[str]) ->
         overrides.append(f"model.vca.contrast_grid={case.contrast_grid}")
     if case.compiled:
         overrides.append("train.compile=true")
+    overrides += BLOCK_OPTIONS.get(case.options, [])
     return load_config(ROOT / "configs" / f"{family}-s2-{case.attention}.yaml", overrides)
 
 
@@ -176,7 +203,7 @@ def measure(case: Case, batch_size: int, warmup: int, steps: int, extra: list[st
             batches,
             encoder=vae,
             preview=None,
-            export=None,
+            export=export_description(config, model),  # the latents' normalisation for online encoding
             fid_extractor=None,
         )  # no grids, checkpoints, FID
         trainer = Trainer(accelerator, config, RunDirectory(Path(run_dir)), parts, TrainerState())
@@ -222,7 +249,8 @@ def saved_forward_mib(
     labels = torch.randint(0, 1000, (batch_size,), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     with autocast:
-        return saved_activation_bytes(lambda: model(latents, timesteps, labels), model.parameters()) / 2**20
+        forward = lambda: model(latents, timesteps, labels)  # noqa: E731
+        return saved_activation_bytes(forward, [*model.parameters(), *model.buffers()]) / 2**20
 
 
 def median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
@@ -247,7 +275,14 @@ def vca_speedups(results: list[dict]) -> list[dict]:
     inverse, VCA's time per step over MHSA's (the issue's goals are written in it)."""
 
     def key(r):
-        return (r["model"], r["image_size"], r["precision"], r["source"], r.get("compiled", False))
+        return (
+            r["model"],
+            r["image_size"],
+            r["precision"],
+            r["source"],
+            r.get("compiled", False),
+            r.get("options", ""),
+        )
 
     mhsa = {key(r): r for r in results if r["attention"] == "mhsa"}
     return [
@@ -346,10 +381,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 5 GPU, 1 CPU/quick)")
     parser.add_argument("--goal-rows", action="store_true", help="only the cases of the issue's time goals")
     parser.add_argument(
+        "--options", action="store_true", help="DiT-S/2 256 px, MHSA and VCA, plain and with each block option"
+    )
+    parser.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
         default="fp32",
-        help="precision of the --goal-rows cases (the goals are written for fp32)",
+        help="precision of the --goal-rows and --options cases (the goals are written for fp32)",
     )
     parser.add_argument(
         "--compile",
@@ -383,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         cases = [case for case in quick_cases() if case.precision in precisions]
     elif args.goal_rows:
         cases = goal_cases(args.precision)
+    elif args.options:
+        cases = option_cases(args.precision)
     else:
         cases = all_cases(precisions, online)
     if args.compile:
@@ -416,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
         "results": results,
         "vca_speedups": vca_speedups(results),
     }
-    save_results(args.out, f"train-{device.type}{'-quick' if args.quick else ''}", report, markdown(report), plot)
+    suffix = ("-options" if args.options and not args.quick else "") + ("-quick" if args.quick else "")
+    save_results(args.out, f"train-{device.type}{suffix}", report, markdown(report), plot)
     print(markdown(report))
 
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from commands import UserError
 from dit_vca.kernel_layout import KernelLayout
-from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCA_PENDING_OPTIONS, VCAOptions
+from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
 from dit_vca.vca_core import stage2_uses_sdpa, vca_core
 
@@ -119,9 +119,25 @@ class VisualContrastAttention(nn.Module):
     - `joint_softmax=False`: Stage II uses two softmaxes (paper text) instead of one over 2n columns.
     The paper's "plain differential attention in both stages" row is not defined precisely enough in
     VCA.md to reproduce, so it has no switch. Parameters that a configuration never uses are not created.
+
+    Block options, as MultiHeadSelfAttention's (off by default; docs/VCA.md, "QK-norm and 2-D RoPE"): `qk_norm`
+    normalises each head's queries and keys by an RMSNorm with a learned gain (`q_norm`, `k_norm`), before the
+    pooling, so the contrast tokens are pooled from normalised queries (and not normalised again); `rope` rotates
+    queries and keys by 2-D RoPE at their tokens' positions and the pooled content of each contrast token at the
+    centre of its pooling cell (`contrast_rope`), after QK-norm. Both apply inside the fused core.
     """
 
-    def __init__(self, dim: int, num_heads: int, grid_size: int, block_index: int, options: VCAOptions = VCAOptions()):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        grid_size: int,
+        block_index: int,
+        options: VCAOptions = VCAOptions(),
+        *,
+        qk_norm: bool = False,
+        rope: bool = False,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -145,6 +161,13 @@ class VisualContrastAttention(nn.Module):
             self.norm2 = nn.RMSNorm(self.head_dim, eps=NORM_EPS)
         self.value_conv = nn.Conv2d(dim, dim, kernel_size=3, padding=1, groups=dim)
         self.proj = nn.Linear(dim, dim)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        # RoPE tables (non-persistent buffers): the tokens' positions, and the centres of the r×r pooling cells,
+        # where the contrast tokens sit (r = H / p; a half-integer position for even r).
+        pooling_cell = grid_size // self.contrast_grid
+        self.rope = RotaryEmbedding2d(self.head_dim, grid_size) if rope else None
+        self.contrast_rope = RotaryEmbedding2d(self.head_dim, grid_size, pooling_cell) if rope else None
 
         # Not parameters or buffers (exports are unchanged). recompute_qkv: True trades one more qkv GEMM in
         # backward for 3·B·N·C fewer values saved for it (see dit_vca.vca_core). stage2_sdpa: Stage II of the
@@ -184,7 +207,11 @@ class VisualContrastAttention(nn.Module):
             self.recompute_qkv,
             stage2_uses_sdpa(x.device.type) if self.stage2_sdpa is None else self.stage2_sdpa,
             triton,
+            QK_NORM_EPS if self.q_norm is not None else None,
         )
+        rope = None
+        if self.rope is not None:
+            rope = (self.rope.cos, self.rope.sin, self.contrast_rope.cos, self.contrast_rope.sin)
         return vca_core(
             x,  # (B, N, C)
             self.qkv.weight,
@@ -197,6 +224,9 @@ class VisualContrastAttention(nn.Module):
             self.value_conv.weight,
             self.value_conv.bias,
             layout,
+            q_norm=None if self.q_norm is None else self.q_norm.weight,
+            k_norm=None if self.k_norm is None else self.k_norm.weight,
+            rope=rope,
         )  # (B, N, C)
 
     def uses_triton(self, device_type: str) -> bool:
@@ -221,7 +251,9 @@ class VisualContrastAttention(nn.Module):
         o = self.options
         switches = (o.joint_softmax, o.stage1_differential, o.stage2_differential, o.pooled_content)
         forced_by = option if self.kernel == "triton" else None
-        return triton_core_passes(device, dtype, self.head_dim, self.grid_size, self.contrast_grid, switches, forced_by)
+        return triton_core_passes(
+            type(self), device, dtype, self.head_dim, self.grid_size, self.contrast_grid, switches, forced_by
+        )
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The readable path: VCA step by step in autograd-differentiated torch operations. It is the
@@ -231,13 +263,19 @@ class VisualContrastAttention(nn.Module):
         options = self.options
         q, k, v = self.qkv(x).view(B, N, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, h, N, d)
         n = p * p
+        if self.q_norm is not None:  # QK-norm, as MHSA's: everything below reads the normalised q and k
+            q, k = _scaled_rms_norm(self.q_norm, q, 1.0), _scaled_rms_norm(self.k_norm, k, 1.0)  # (B, h, N, d)
 
         # 1-2. Contrast streams [T⁺; T⁻] = adaptive average pool of q to p×p, plus E±.
         streams = self.contrast_embed.expand(B, -1, -1, -1, -1)  # (B, h, 2 or 1, n, d)
         if options.pooled_content:
             q_image = q.transpose(1, 2).reshape(B, H, H, C).permute(0, 3, 1, 2)  # (B, C, H, W), a view
             pooled = F.adaptive_avg_pool2d(q_image, p).flatten(2).unflatten(1, (h, d)).transpose(2, 3)  # (B, h, n, d)
+            if self.rope is not None:  # RoPE: the pooled content turned to its pooling cell's centre
+                pooled = self.contrast_rope(pooled)  # (B, h, n, d)
             streams = streams + pooled.unsqueeze(2)
+        if self.rope is not None:  # RoPE: queries and keys turned to their tokens' positions (after the pooling)
+            q, k = self.rope(q), self.rope(k)  # (B, h, N, d)
         # (B, h, 2n, d): T⁺ rows first, then T⁻; in q's dtype (E± is a float32 parameter), so that the SDPA
         # operands share one dtype, as the fused kernels require (dit_vca.vca_core.SDPA_FUSED_CONSTRAINTS).
         streams = streams.flatten(2, 3).to(q.dtype)
@@ -309,12 +347,9 @@ def build_attention(
     rope: bool = False,
 ) -> nn.Module:
     """The token mixer of block `block_index`: "mhsa" (official DiT) or "vca"; `qk_norm` and `rope` as in
-    MultiHeadSelfAttention (VCA refuses them until its fused core applies them: VCA_PENDING_OPTIONS)."""
+    MultiHeadSelfAttention, and in VCA as VisualContrastAttention applies them (docs/VCA.md)."""
     if kind == "mhsa":
         return MultiHeadSelfAttention(dim, num_heads, qk_norm=qk_norm, rope_grid=grid_size if rope else None)
     if kind == "vca":
-        pending = [name for name, on in zip(VCA_PENDING_OPTIONS, (qk_norm, rope)) if on]
-        if pending:
-            raise ValueError(f"attention='vca' does not take {' or '.join(pending)} yet: its fused core applies none")
-        return VisualContrastAttention(dim, num_heads, grid_size, block_index, vca_options)
+        return VisualContrastAttention(dim, num_heads, grid_size, block_index, vca_options, qk_norm=qk_norm, rope=rope)
     raise ValueError(f"unknown attention {kind!r}; expected one of {ATTENTION_KINDS}")

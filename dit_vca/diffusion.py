@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from dit_vca.losses import mean_flat
+from objectives import DECODER_CDF, DIFFUSION, DIFFUSION_SAMPLERS, MULTISTEP_SOLVERS
 from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
-from samplers.catalogue import DIFFUSION_SAMPLERS, MULTISTEP_SOLVERS
 from samplers.ddpm import ReverseStep
 from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
 from samplers.multistep import multistep_solver
@@ -21,7 +21,6 @@ BETA_START = 1e-4  # for 1000 steps; scaled by 1000 / num_timesteps otherwise, a
 BETA_END = 0.02
 PIXEL_BIN_HALF_WIDTH = 1.0 / 255.0  # decoder NLL: data in [-1, 1] discretised to 256 levels
 PROBABILITY_FLOOR = 1e-12  # decoder NLL: bin probabilities below this count as this, as in ADM/DiT
-DECODER_CDFS = ("tanh", "exact")  # the official tanh approximation (default) or the exact normal CDF
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -86,7 +85,9 @@ def approximate_normal_cdf(z: Tensor) -> Tensor:
     return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
 
 
-def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tensor, cdf: str = "tanh") -> Tensor:
+def discretized_gaussian_log_likelihood(
+    x: Tensor, mean: Tensor, log_scale: Tensor, cdf: str = DECODER_CDF.default
+) -> Tensor:
     """log P(x) per element for x on the 256-level grid of [-1, 1] under N(mean, e^(2 log_scale)) integrated over
     x's bin of half-width 1/255; the end bins (x = -1, x = +1) extend to -inf and +inf.
 
@@ -106,7 +107,7 @@ def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tens
         cdf_upper, cdf_lower = torch.special.ndtr(upper), torch.special.ndtr(lower)
         log_left, log_right = torch.special.log_ndtr(upper), torch.special.log_ndtr(-lower)
     else:
-        raise ValueError(f"decoder cdf {cdf!r} is not one of {DECODER_CDFS}")
+        raise ValueError(f"decoder cdf {cdf!r} is not one of {DECODER_CDF.choices}")
     log_middle = torch.log((cdf_upper - cdf_lower).clamp(min=PROBABILITY_FLOOR))
     return torch.where(x < -0.999, log_left, torch.where(x > 0.999, log_right, log_middle))
 
@@ -129,15 +130,15 @@ class GaussianDiffusion:
     def __init__(
         self,
         betas: np.ndarray,
-        learn_sigma: bool = True,
+        learn_sigma: bool = DIFFUSION.learn_sigma,
         timestep_map: list[int] | None = None,
-        decoder_cdf: str = "tanh",
+        decoder_cdf: str = DECODER_CDF.default,
     ):
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array with values in (0, 1]")
-        if decoder_cdf not in DECODER_CDFS:
-            raise ValueError(f"decoder_cdf={decoder_cdf!r}; expected one of {DECODER_CDFS}")
+        if decoder_cdf not in DECODER_CDF.choices:
+            raise ValueError(f"decoder_cdf={decoder_cdf!r}; expected one of {DECODER_CDF.choices}")
         self.learn_sigma = learn_sigma
         self.decoder_cdf = decoder_cdf
         self.num_timesteps = len(betas)
@@ -295,7 +296,7 @@ class GaussianDiffusion:
         x_T: Tensor,
         labels: Tensor,
         *,
-        sampler: str = "ddpm",
+        sampler: str = DIFFUSION_SAMPLERS.default,
         steps: int | None = None,
         noise: PerSampleNoise | None = None,
         progress: bool = False,
@@ -317,9 +318,9 @@ class GaussianDiffusion:
 
 def create_diffusion(
     timestep_respacing: str = "",
-    learn_sigma: bool = True,
+    learn_sigma: bool = DIFFUSION.learn_sigma,
     diffusion_steps: int = NUM_TIMESTEPS,
-    decoder_cdf: str = "tanh",
+    decoder_cdf: str = DECODER_CDF.default,
 ) -> GaussianDiffusion:
     """DiT's diffusion: `diffusion_steps` linear-beta steps, respaced by `timestep_respacing` ("" = all steps).
 

@@ -23,6 +23,7 @@ class KernelLayout:
     recompute_qkv: bool  # recompute q, k, v in backward instead of saving them
     stage2_sdpa: bool  # Stage II of the forward as SDPA calls (see STAGE2_SDPA)
     triton: bool = False  # both attention stages on the Triton kernels of dit_vca.vca_triton
+    qk_norm_eps: float | None = None  # eps of QK-norm's RMSNorms of q and k (dit_vca.vca_qk); None: no QK-norm
 
     def as_args(self) -> tuple:
         """The fields in order: the scalar arguments of the operators."""
@@ -39,6 +40,7 @@ class KernelLayout:
             self.recompute_qkv,
             self.stage2_sdpa,
             self.triton,
+            self.qk_norm_eps,
         )
 
     @property

@@ -13,8 +13,6 @@ VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
 VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
 NORMS = ("layernorm", "rmsnorm")  # the blocks' norms (dit_vca.models.block_norm)
 MLPS = ("gelu", "swiglu")  # the blocks' feed-forward layers (dit_vca.models.feed_forward)
-# Attention options of the backbone that VCA's fused core (dit_vca.vca_core) does not apply yet: refused for VCA.
-VCA_PENDING_OPTIONS = ("qk_norm", "rope")
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,13 @@ the layout is LightningDiT's, up to the names of the SwiGLU matrices (generation
 """
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from objectives import MODEL_FAMILIES
 
 from .attention import ATTENTION_KINDS, build_attention, resolve_contrast_grid
 from .model_options import MLPS, NORMS, VCAOptions
@@ -299,20 +301,6 @@ PATCH_SIZES = (1, 2, 4, 8)  # 1: LightningDiT's XL/1 on 16x16 latents of an f16 
 LEGACY_VCA_KEYS = tuple(field.name for field in fields(VCAOptions))
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """What a name prefix ("DiT-", "SiT-") decides: the objective a model trains with and its output default."""
-
-    objective: str  # "diffusion" (dit_vca.diffusion) or "transport" (sit_vca.transport)
-    learn_sigma: bool  # default: DDPM learns its variance; SiT predicts velocity only
-
-
-MODEL_FAMILIES = {
-    "DiT": ModelFamily(objective="diffusion", learn_sigma=True),
-    "SiT": ModelFamily(objective="transport", learn_sigma=False),
-}
-
-
 def model_names(family: str) -> tuple[str, ...]:
     """The sixteen names of a family, e.g. "DiT-S/1" … "DiT-XL/8"."""
     return tuple(f"{family}-{size}/{patch}" for size in MODEL_SIZES for patch in PATCH_SIZES)
@@ -364,7 +352,7 @@ def create_backbone(
     family's default (DiT True, SiT False). vca: the `VCAOptions` (contrast grid and ablation switches, see
     `dit_vca.attention`), or a dict of them; None means the defaults. depth, hidden_size, num_heads and
     mlp_ratio override the size given by the name (for tiny test and demo models). norm ("layernorm" |
-    "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (MHSA only, for now) are the block options, DiT's by
+    "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (in MHSA and in VCA's core) are the block options, DiT's by
     default; `dit_vca.model_options.recipe_options` gives a recipe's set (RECIPES).
     """
     if model_family(name) != family:

@@ -24,6 +24,7 @@ def saved_like(heads: Tensor, layout: KernelLayout) -> list[Tensor]:
 def add_attention(
     result: Tensor,
     heads: Tensor,
+    pooled: Tensor | None,
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -33,9 +34,10 @@ def add_attention(
 ) -> list[Tensor]:
     """Adds both attention stages of the VCA core, computed from q, k, v `heads` (3, B, h, N, d), into `result`
     (B, N, C) (the depthwise convolution's output); returns what `attention_backward` needs besides the
-    operator's inputs: nothing."""
+    operator's inputs: nothing. `pooled` (B, h, n, d): the streams' content T given (with RoPE: dit_vca.vca_qk),
+    else the pool of q."""
     _, B, h, N, d = heads.shape
-    out = _attention_forward(heads, embed, lambda1, lambda2, norm1, layout)  # O, (B, h, N, d)
+    out = _attention_forward(heads, pooled, embed, lambda1, lambda2, norm1, layout)  # O, (B, h, N, d)
     if layout.stage2_differential:  # step 5: Y = (1 − λ_init)·RMSNorm(O)
         out = out * inverse_rms(out, layout.eps) * (norm2 * (1 - layout.lambda_init))
     result.view(B, N, h, d).add_(out.transpose(1, 2))
@@ -55,22 +57,30 @@ def inverse_rms(x: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps).to(x.dtype)
 
 
-def _contrast_streams(q: Tensor, embed: Tensor, layout: KernelLayout) -> Tensor:
-    """Steps 1–2: [T⁺; T⁻] = E± + the p×p average pool of q (B, h, N, d), as (B, h, S·n, d): T⁺ rows first, contiguous.
-    p divides H, so adaptive average pooling is a mean over r×r blocks."""
+def pool_queries(q: Tensor, layout: KernelLayout) -> Tensor:
+    """Step 1: T, the p×p average pool of q (B, h, N, d), as (B, h, n, d). p divides H, so adaptive average
+    pooling is a mean over r×r blocks; q of one head is a channels-last (d, H, W) image, pooled as one."""
     B, h, N, d = q.shape
     p, H = layout.contrast_grid, layout.grid_size
-    n = p * p
+    q_image = q.reshape(B * h, H, H, d).permute(0, 3, 1, 2)  # (G, d, H, W), a view
+    return F.avg_pool2d(q_image, H // p).permute(0, 2, 3, 1).reshape(B, h, p * p, d)  # (B, h, n, d)
+
+
+def _contrast_streams(q: Tensor, pooled: Tensor | None, embed: Tensor, layout: KernelLayout) -> Tensor:
+    """Steps 1–2: [T⁺; T⁻] = E± + T, T the p×p average pool of q (B, h, N, d) or `pooled` (B, h, n, d) where
+    given, as (B, h, S·n, d): T⁺ rows first, contiguous."""
+    B, h, N, d = q.shape
+    n = layout.contrast_grid**2
     streams = embed.expand(B, h, -1, n, d)  # (B, h, S, n, d)
-    if layout.pooled_content:  # q of one head is a channels-last (d, H, W) image: pool it as one
-        q_image = q.reshape(B * h, H, H, d).permute(0, 3, 1, 2)  # (G, d, H, W), a view
-        pooled = F.avg_pool2d(q_image, H // p).permute(0, 2, 3, 1)  # (G, p, p, d)
-        streams = streams + pooled.reshape(B, h, 1, n, d)
+    if layout.pooled_content:
+        content = pool_queries(q, layout) if pooled is None else pooled  # (B, h, n, d)
+        streams = streams + content.unsqueeze(2)
     return streams.reshape(B, h, -1, d).contiguous()  # (B, h, S·n, d)
 
 
 def _attention_forward(
     heads: Tensor,
+    pooled: Tensor | None,
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -82,7 +92,7 @@ def _attention_forward(
     SDPA operand is a 4-D (B, h, L, d) tensor with unit last stride, all in one dtype."""
     q, k, v = heads.unbind(0)  # (B, h, N, d) each, contiguous
     n = layout.contrast_grid**2
-    streams = _contrast_streams(q, embed, layout)  # steps 1–2: T±, (B, h, S·n, d)
+    streams = _contrast_streams(q, pooled, embed, layout)  # steps 1–2: T±, (B, h, S·n, d)
 
     # Step 4, Stage I: the contrast tokens attend to all N keys: one fused call for both streams.
     read = F.scaled_dot_product_attention(streams[:, :, : layout.stage1_rows], k, v)  # (B, h, m1, d)
@@ -125,6 +135,7 @@ class _Recomputed:
     def __init__(
         self,
         heads: Tensor,
+        pooled: Tensor | None,
         embed: Tensor,
         lambda1: Tensor | None,
         lambda2: Tensor | None,
@@ -135,7 +146,7 @@ class _Recomputed:
         n, G = layout.contrast_grid**2, B * h
         self.n, self.scale = n, d**-0.5
         self.q, self.k, self.v = (t.view(G, N, d) for t in heads.unbind(0))  # views, each (G, N, d)
-        self.streams = _contrast_streams(heads[0], embed, layout).view(G, -1, d)  # (G, S·n, d)
+        self.streams = _contrast_streams(heads[0], pooled, embed, layout).view(G, -1, d)  # (G, S·n, d)
 
         # Step 4, Stage I (weighing the streams before the value product: (P⁺ − λ₁P⁻)·v, one product of n rows).
         self.stage1_queries = self.streams[:, : layout.stage1_rows] * self.scale  # (G, m1, d), scaled
@@ -161,10 +172,13 @@ class _Recomputed:
         self.out = torch.bmm(self.weights, self.v_hat)  # O, (G, N, d)
 
 
-def _rms_norm_backward(grad: Tensor, normed: Tensor, inverse_rms: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+def rms_norm_backward(grad: Tensor, normed: Tensor, inverse_rms: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients of y = normed·weight, normed = x·inverse_rms(x), with respect to x and to weight (the latter
-    summed in float32; the products stay in grad's dtype, |normed| ≤ √d)."""
-    grad_weight = sum_to_fp32((grad * normed).flatten(0, -2), 0)  # (d,)
+    summed in float32 over the dimensions the weight is broadcast along: a (d,) weight over all rows, a stack of
+    weights (S, 1, …, 1, d) over the rows of each; the products stay in grad's dtype, |normed| ≤ √d)."""
+    shape = (1,) * (grad.dim() - weight.dim()) + tuple(weight.shape)
+    broadcast = tuple(dim for dim, size in enumerate(shape) if size == 1)
+    grad_weight = sum_to_fp32(grad * normed, broadcast).view(weight.shape)  # as weight
     grad_normed = grad * weight
     grad_x = (grad_normed - normed * (grad_normed * normed).mean(dim=-1, keepdim=True)) * inverse_rms
     return grad_x, grad_weight
@@ -205,6 +219,7 @@ def _weights_backward(
 def attention_backward(
     grad: Tensor,
     heads: Tensor,
+    pooled: Tensor | None,
     saved: list[Tensor],
     embed: Tensor,
     lambda1: Tensor | None,
@@ -216,12 +231,12 @@ def attention_backward(
 ) -> tuple[Tensor | None, ...]:
     """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result (`saved`
     is unused: add_attention saves nothing): the gradient of the qkv projection's output (B·N, 3C), the
-    convolution's share `grad_local` of dv included, then those of E±, λ₁, λ₂ and the norm weights (None where a
-    switch is off)."""
+    convolution's share `grad_local` of dv included, then those of E±, λ₁, λ₂, the norm weights and the given
+    streams' content `pooled` (None where a switch is off or T was pooled here: then its share is in dq)."""
     _, B, h, N, d = heads.shape
     H, p = layout.grid_size, layout.contrast_grid
     n, r, c, G = p * p, H // p, 1 - layout.lambda_init, B * h
-    fwd = _Recomputed(heads, embed, lambda1, lambda2, norm1, layout)
+    fwd = _Recomputed(heads, pooled, embed, lambda1, lambda2, norm1, layout)
     grad_heads = torch.empty_like(heads)  # (3, B, h, N, d): dq, dk, dv written in place
     grad_q, grad_k, grad_v = (t.view(G, N, d) for t in grad_heads.unbind(0))
 
@@ -230,7 +245,7 @@ def attention_backward(
     grad_lambda2 = grad_norm2 = None
     if layout.stage2_differential:
         inverse_rms2 = inverse_rms(fwd.out, layout.eps)
-        grad_out, grad_norm2 = _rms_norm_backward(grad_out, fwd.out * inverse_rms2, inverse_rms2, norm2 * c)
+        grad_out, grad_norm2 = rms_norm_backward(grad_out, fwd.out * inverse_rms2, inverse_rms2, norm2 * c)
         grad_norm2 = grad_norm2 * c
     grad_weights = torch.bmm(grad_out, fwd.v_hat.transpose(1, 2))  # dW, (G, N, n)
     grad_v_hat = torch.bmm(fwd.weights.transpose(1, 2), grad_out)  # dV̂, (G, n, d)
@@ -254,7 +269,7 @@ def attention_backward(
     grad_lambda1 = grad_norm1 = None
     grad_contrast = grad_v_hat  # (G, n, d)
     if layout.stage1_differential:
-        grad_contrast, grad_norm1 = _rms_norm_backward(grad_v_hat, fwd.normed1, fwd.inverse_rms1, norm1 * c)
+        grad_contrast, grad_norm1 = rms_norm_backward(grad_v_hat, fwd.normed1, fwd.inverse_rms1, norm1 * c)
         grad_norm1 = grad_norm1 * c
     grad_weights1 = torch.bmm(grad_contrast, fwd.v.transpose(1, 2))  # (G, n, N)
     torch.bmm(fwd.stage1_weights.transpose(1, 2), grad_contrast, out=grad_v)
@@ -280,10 +295,19 @@ def attention_backward(
     grad_streams[:, : layout.stage2_cols] += grad_stage2_keys
     grad_streams = grad_streams.view(B, h, -1, n, d)
     grad_embed = sum_to_fp32(grad_streams, 0).unsqueeze(0)  # (1, h, S, n, d)
-    if layout.pooled_content:
-        grad_pooled = grad_streams.sum(dim=2).div_(r * r).view(B, h, p, 1, p, 1, d)
-        grad_q.view(B, h, p, r, p, r, d).add_(grad_pooled)
+    grad_pooled = grad_streams.sum(dim=2) if layout.pooled_content else None  # dT, (B, h, n, d)
+    if grad_pooled is not None and pooled is None:  # T pooled from q here: dq gains dT / r² in every window
+        grad_q.view(B, h, p, r, p, r, d).add_(grad_pooled.div(r * r).view(B, h, p, 1, p, 1, d))
+        grad_pooled = None
     grad_heads[2].add_(grad_local.permute(0, 2, 3, 1).reshape(B, N, h, d).transpose(1, 2))
     grad_qkv = heads.new_empty(B, N, 3, h, d)
     grad_qkv.copy_(grad_heads.permute(1, 3, 0, 2, 4))  # (B, N, 3, h, d)
-    return grad_qkv.view(B * N, 3 * h * d), grad_embed, grad_lambda1, grad_lambda2, grad_norm1, grad_norm2
+    return (
+        grad_qkv.view(B * N, 3 * h * d),
+        grad_embed,
+        grad_lambda1,
+        grad_lambda2,
+        grad_norm1,
+        grad_norm2,
+        grad_pooled,
+    )

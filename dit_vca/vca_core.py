@@ -19,6 +19,9 @@ operations (VisualContrastAttention.reference_forward, the specification):
   and `saved_like`: dit_vca.vca_aten (ATen operations, the CPU default and the reference) and dit_vca.vca_triton
   (fused Triton kernels, the CUDA default). The projection, the convolution and their gradients are here,
   shared.
+- QK-norm and 2-D RoPE (the model options `qk_norm`, `rope`) apply inside the operator, as a pre-step on q and k
+  that both implementations share and whose backward is chained by hand (dit_vca.vca_qk): with them a layer is
+  still this one operator.
 - Mixed precision. The core computes in the dtype of its input x (the caller casts x to the autocast dtype);
   the parameters arrive in their own dtype and their gradients are summed in float32, so that a loss scaled
   for fp16 cannot overflow sums over B·h·N rows (λ, RMSNorm weights, E±, the biases).
@@ -34,9 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from dit_vca import vca_aten
+from dit_vca import vca_aten, vca_qk
 from dit_vca.kernel_layout import KernelLayout
 from dit_vca.vca_aten import sum_to_fp32
+from dit_vca.vca_qk import RopeTables
 
 # What PyTorch 2.14's SDPA dispatcher (aten/src/ATen/native/transformers/sdp_utils_cpp.h and
 # cuda/sdp_utils.cpp) checks before it picks the flash or memory-efficient kernel for dense inputs; an input
@@ -58,6 +62,10 @@ SDPA_FUSED_CONSTRAINTS = (
 STAGE2_SDPA = {"cpu": False, "cuda": True}
 
 
+# The operator's optional tensors after the conv bias: the QK-norm gains and the four RoPE tables (vca_qk.RopeTables).
+CORE_OPTIONAL_TENSORS = 6
+
+
 def stage2_uses_sdpa(device_type: str) -> bool:
     return STAGE2_SDPA.get(device_type, False)
 
@@ -74,12 +82,19 @@ def vca_core(
     conv_weight: Tensor,
     conv_bias: Tensor,
     layout: KernelLayout,
+    *,
+    q_norm: Tensor | None = None,
+    k_norm: Tensor | None = None,
+    rope: RopeTables | None = None,
 ) -> Tensor:
     """The VCA core on tokens x (B, N, C), computed in x's dtype; returns the input of the output projection
-    (B, N, C). Differentiable with respect to every tensor argument."""
+    (B, N, C). Differentiable with respect to every tensor argument but the RoPE tables. QK-norm with the gains
+    `q_norm`, `k_norm` (d,) (and layout.qk_norm_eps), 2-D RoPE with the tables `rope` (dit_vca.vca_qk)."""
+    tables = rope or (None,) * 4
     result, _, _ = _core_op(
-        x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, *layout.as_args()
-    )
+        x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, q_norm, k_norm,
+        *tables, *layout.as_args(),
+    )  # fmt: skip
     return result
 
 
@@ -100,6 +115,12 @@ def _core_op(
     norm2: Tensor | None,
     conv_weight: Tensor,
     conv_bias: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    rope_cos: Tensor | None,
+    rope_sin: Tensor | None,
+    contrast_cos: Tensor | None,
+    contrast_sin: Tensor | None,
     num_heads: int,
     grid_size: int,
     contrast_grid: int,
@@ -112,10 +133,12 @@ def _core_op(
     recompute_qkv: bool,
     stage2_sdpa: bool,
     triton: bool,
+    qk_norm_eps: float | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """(result (B, N, C), heads (3, B, h, N, d), saved): the core's output, the head-major q, k, v it computed
-    and what its attention stages save for the backward (`saved_like` of the implementation), returned so that
-    backward can keep them instead of recomputing them."""
+    """(result (B, N, C), heads (3, B, h, N, d), saved): the core's output, the head-major q, k, v of the
+    projection and what its attention stages save for the backward (`saved_like` of the implementation), returned
+    so that backward can keep them instead of recomputing them. With QK-norm or RoPE the stages read q̃, k̃ of the
+    pre-step (dit_vca.vca_qk), which backward recomputes from q, k."""
     layout = KernelLayout(
         num_heads,
         grid_size,
@@ -129,7 +152,9 @@ def _core_op(
         recompute_qkv,
         stage2_sdpa,
         triton,
+        qk_norm_eps,
     )
+    rope = _rope_tables(rope_cos, rope_sin, contrast_cos, contrast_sin)
     B, N, C = x.shape
     with _autocast_off(x.device.type):
         qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias = _in_dtype(
@@ -138,14 +163,32 @@ def _core_op(
         heads = _project_heads(x, qkv_weight, qkv_bias, num_heads)  # (3, B, h, N, d)
         local = F.conv2d(_value_image(heads[2], grid_size), conv_weight, conv_bias, padding=1, groups=C)
         result = local.permute(0, 2, 3, 1).reshape(B, N, C).contiguous()  # (B, N, C); a view when channels-last
-        saved = _attention(layout).add_attention(result, heads, embed, lambda1, lambda2, norm1, norm2, layout)
+        attended, pooled = _prepared(heads, q_norm, k_norm, rope, layout)  # q̃, k̃, v; T at the cells' centres
+        saved = _attention(layout).add_attention(
+            result, attended, pooled, embed, lambda1, lambda2, norm1, norm2, layout
+        )
     return result, heads, saved
+
+
+def _rope_tables(*tables: Tensor | None) -> RopeTables | None:
+    """The operator's four RoPE arguments as one value: all four tensors, or None (no RoPE)."""
+    return None if tables[0] is None else tables
+
+
+def _prepared(
+    heads: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, rope: RopeTables | None, layout: KernelLayout
+) -> tuple[Tensor, Tensor | None]:
+    """What the attention stages read: q, k, v `heads` as they are, or after the pre-step (dit_vca.vca_qk)."""
+    if q_norm is None and rope is None:
+        return heads, None
+    return vca_qk.prepare(heads, q_norm, k_norm, rope, layout)
 
 
 @_core_op.register_fake
 def _core_op_fake(
-    x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, num_heads, *layout
+    x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_bias, *optional_and_layout
 ):
+    num_heads, *layout = optional_and_layout[CORE_OPTIONAL_TENSORS:]
     B, N, C = x.shape
     heads = x.new_empty(3, B, num_heads, N, C // num_heads)
     layout = KernelLayout(num_heads, *layout)
@@ -180,6 +223,12 @@ def _core_backward_op(
     norm1: Tensor | None,
     norm2: Tensor | None,
     conv_weight: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    rope_cos: Tensor | None,
+    rope_sin: Tensor | None,
+    contrast_cos: Tensor | None,
+    contrast_sin: Tensor | None,
     num_heads: int,
     grid_size: int,
     contrast_grid: int,
@@ -192,10 +241,12 @@ def _core_backward_op(
     recompute_qkv: bool,
     stage2_sdpa: bool,
     triton: bool,
+    qk_norm_eps: float | None,
 ) -> list[Tensor]:
-    """Gradients of x, qkv weight and bias, E±, λ₁, λ₂, both norm weights, conv weight and bias, in that order
-    (an empty tensor for an absent optional input), each in its input's dtype. The `saved_*` tensors are what
-    the Triton forward saved (vca_triton.saved_like), None on the ATen path, which saves nothing."""
+    """Gradients of x, qkv weight and bias, E±, λ₁, λ₂, both norm weights, conv weight and bias, the QK-norm
+    gains, in that order (an empty tensor for an absent optional input), each in its input's dtype. The `saved_*`
+    tensors are what the Triton forward saved (vca_triton.saved_like), None on the ATen path, which saves
+    nothing."""
     saved = [
         t
         for t in (saved_streams, saved_v_hat, saved_reads, saved_stage1_lse, saved_outs, saved_stage2_lse)
@@ -214,12 +265,15 @@ def _core_backward_op(
         recompute_qkv,
         stage2_sdpa,
         triton,
+        qk_norm_eps,
     )
+    rope = _rope_tables(rope_cos, rope_sin, contrast_cos, contrast_sin)
     with _autocast_off(x.device.type):
         grads = _core_backward(
-            grad, x, qkv_weight, qkv_bias, heads, saved, embed, lambda1, lambda2, norm1, norm2, conv_weight, layout
-        )
-    inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
+            grad, x, qkv_weight, qkv_bias, heads, saved, embed, lambda1, lambda2, norm1, norm2, conv_weight,
+            q_norm, k_norm, rope, layout,
+        )  # fmt: skip
+    inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight, q_norm, k_norm)
     return [x.new_empty(0) if g is None else _like(g, t) for g, t in zip(grads, inputs)]
 
 
@@ -237,26 +291,30 @@ def _like(grad: Tensor, tensor: Tensor) -> Tensor:
 
 @_core_backward_op.register_fake
 def _core_backward_op_fake(grad, x, qkv_weight, qkv_bias, heads, *args):
-    embed, lambda1, lambda2, norm1, norm2, conv_weight = args[6:12]
+    embed, lambda1, lambda2, norm1, norm2, conv_weight, q_norm, k_norm = args[6:14]
     inputs = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight)
-    return [x.new_empty(0) if t is None else torch.empty_like(t) for t in inputs] + [
-        conv_weight.new_empty(conv_weight.shape[0])
-    ]
+
+    def like(t: Tensor | None) -> Tensor:
+        return x.new_empty(0) if t is None else torch.empty_like(t)
+
+    return [*map(like, inputs), conv_weight.new_empty(conv_weight.shape[0]), like(q_norm), like(k_norm)]
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, _conv_bias, *layout = inputs
+    x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, _conv_bias, *rest = inputs
+    optional, layout = rest[:CORE_OPTIONAL_TENSORS], rest[CORE_OPTIONAL_TENSORS:]
     _, heads, saved = output
     ctx.layout = layout
     ctx.mark_non_differentiable(heads, *saved)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for them: only the result has one
     kept_heads = None if KernelLayout(*layout).recompute_qkv else heads
-    kept = (x, qkv_weight, qkv_bias, kept_heads, embed, lambda1, lambda2, norm1, norm2, conv_weight)
+    kept = (x, qkv_weight, qkv_bias, kept_heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *optional)
     ctx.save_for_backward(*kept, *saved)
 
 
 def _backward(ctx, grad: Tensor, _grad_heads: Tensor | None, _grad_saved: list[Tensor] | None):
-    x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *saved = ctx.saved_tensors
+    x, qkv_weight, qkv_bias, heads, embed, lambda1, lambda2, norm1, norm2, conv_weight, *rest = ctx.saved_tensors
+    optional, saved = rest[:CORE_OPTIONAL_TENSORS], rest[CORE_OPTIONAL_TENSORS:]
     grads = _core_backward_op(
         grad,
         x,
@@ -270,10 +328,15 @@ def _backward(ctx, grad: Tensor, _grad_heads: Tensor | None, _grad_saved: list[T
         norm1,
         norm2,
         conv_weight,
+        *optional,
         *ctx.layout,
     )
+    q_norm, k_norm = optional[:2]
     present = (x, qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight, conv_weight)
-    return (*(g if t is not None else None for g, t in zip(grads, present)), *(None for _ in ctx.layout))
+    differentiable = [g if t is not None else None for g, t in zip(grads, present)]
+    differentiable += [g if t is not None else None for g, t in zip(grads[len(present) :], (q_norm, k_norm))]
+    rope_tables = (None,) * (CORE_OPTIONAL_TENSORS - 2)  # constants: no gradient
+    return (*differentiable, *rope_tables, *(None for _ in ctx.layout))
 
 
 _core_op.register_autograd(_backward, setup_context=_setup_context)
@@ -329,11 +392,14 @@ def _core_backward(
     norm1: Tensor | None,
     norm2: Tensor | None,
     conv_weight: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    rope: RopeTables | None,
     layout: KernelLayout,
 ) -> tuple[Tensor | None, ...]:
     """The gradients of _core_op's inputs (see _core_backward_op), computed in x's dtype, parameter sums in
     float32: the convolution and the qkv projection here, the attention stages in dit_vca.vca_aten or on the
-    Triton kernels (dit_vca.vca_triton)."""
+    Triton kernels (dit_vca.vca_triton), QK-norm and RoPE in dit_vca.vca_qk."""
     B, N, C = x.shape
     H = layout.grid_size
     qkv_weight, qkv_bias, embed, lambda1, lambda2, norm1, norm2, conv_weight = _in_dtype(
@@ -351,15 +417,19 @@ def _core_backward(
     )
     grad_conv_bias = sum_to_fp32(grad.view(B * N, C), 0)  # (C,)
 
-    grad_qkv, *grad_attention = _attention(layout).attention_backward(
-        grad, heads, saved, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
+    attended, pooled = _prepared(heads, q_norm, k_norm, rope, layout)  # what the stages read in forward
+    grad_qkv, *grad_attention, grad_pooled = _attention(layout).attention_backward(
+        grad, attended, pooled, saved, embed, lambda1, lambda2, norm1, norm2, grad_local, layout
     )
+    grad_gains = (None, None)  # of QK-norm: g_q, g_k
+    if attended is not heads:  # dq̃, dk̃ back to dq, dk
+        grad_gains = vca_qk.prepare_backward(grad_qkv, heads, grad_pooled, q_norm, k_norm, rope, layout)
 
     # The qkv projection (the weight's gradient a GEMM in x's dtype, as nn.Linear's under autocast).
     grad_x = (grad_qkv @ qkv_weight).view(B, N, C)
     grad_qkv_weight = grad_qkv.T @ x.reshape(B * N, C)  # (3C, C)
     grad_qkv_bias = sum_to_fp32(grad_qkv, 0)
-    return (grad_x, grad_qkv_weight, grad_qkv_bias, *grad_attention, grad_conv_weight, grad_conv_bias)
+    return (grad_x, grad_qkv_weight, grad_qkv_bias, *grad_attention, grad_conv_weight, grad_conv_bias, *grad_gains)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,7 +453,7 @@ def _attention_macs(x_shape, layout: KernelLayout) -> dict[str, int]:
 
 @register_flop_formula(torch.ops.dit_vca.vca_core)
 def _core_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
-    layout = KernelLayout(*args[9:])
+    layout = KernelLayout(*args[9 + CORE_OPTIONAL_TENSORS :])
     return 2 * sum(_attention_macs(x_shape, layout).values())
 
 
@@ -395,7 +465,7 @@ def _core_backward_flops(grad_shape, x_shape, *args, out_shape=None, **kwargs) -
     II: scores, dq and dT per stream, dW and dV̂; Stage I: scores, dP, dk, dv and dT, see
     vca_triton.tile_products); then the convolution's and the qkv projection's gradients (and the qkv GEMM
     again with recompute_qkv)."""
-    layout = KernelLayout(*args[15:])
+    layout = KernelLayout(*args[15 + CORE_OPTIONAL_TENSORS :])
     B, N, C = x_shape
     n, m1, m2 = layout.contrast_grid**2, layout.stage1_rows, layout.stage2_cols
     if layout.triton:

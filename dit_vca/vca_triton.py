@@ -48,16 +48,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dit_vca.triton_exclusions import usable_configs
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
-    """Autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few of
-    `compiled` (each is one more compilation per kernel, dtype and head dim: 5–20 s each on a CPU core for the
-    backward's kernels), under the interpreter `interpreted` alone (timing there means nothing; small blocks,
-    so that the tests' small shapes cross tile boundaries). A configuration that needs more shared memory than
-    the GPU has is skipped by the autotuner (OutOfResources)."""
-    choices = [interpreted] if INTERPRETED else compiled
+def _configs(kernel: str, names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) -> list[triton.Config]:
+    """`kernel`'s autotuning configurations from (block sizes..., num_warps, num_stages) tuples: on the GPU the few
+    of `compiled` (each is one more compilation per kernel, dtype and head dim: 5–20 s each on a CPU core for the
+    backward's kernels) less those that failed to compile for this GPU and Triton version (the compile matrix's
+    table, dit_vca.triton_exclusions), under the interpreter `interpreted` alone (timing there means nothing;
+    small blocks, so that the tests' small shapes cross tile boundaries). A configuration that needs more shared
+    memory than the GPU has is skipped by the autotuner (OutOfResources)."""
+    choices = [interpreted] if INTERPRETED else usable_configs(kernel, names, compiled)
     return [triton.Config(dict(zip(names, c[:-2])), num_warps=c[-2], num_stages=c[-1]) for c in choices]
 
 
@@ -66,15 +69,20 @@ def _configs(names: tuple[str, ...], interpreted: tuple, compiled: list[tuple]) 
 # first spills at most 40 bytes; docs/benchmarks.md); the last, unpipelined, is the one for fp32, where the
 # others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
 _STAGE1_FORWARD_BLOCKS = _configs(
-    ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
+    "_stage1_forward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
 )
 _STAGE2_FORWARD_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
+    "_stage2_forward_kernel", ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
 )
 _STAGE2_BACKWARD_BLOCKS = _configs(
-    ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)]
+    "_stage2_backward_kernel",
+    ("BLOCK_N", "BLOCK_C"),
+    (16, 16, 4, 1),
+    [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)],
 )
-_STAGE1_BACKWARD_BLOCKS = _configs(("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)])
+_STAGE1_BACKWARD_BLOCKS = _configs(
+    "_stage1_backward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)]
+)
 _AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_products)
     "_stage1_forward_kernel": _STAGE1_FORWARD_BLOCKS,
     "_stage2_forward_kernel": _STAGE2_FORWARD_BLOCKS,
@@ -795,6 +803,7 @@ def saved_like(heads: Tensor, layout) -> list[Tensor]:
 def add_attention(
     result: Tensor,
     heads: Tensor,
+    pooled: Tensor | None,
     embed: Tensor,
     lambda1: Tensor | None,
     lambda2: Tensor | None,
@@ -804,14 +813,17 @@ def add_attention(
 ) -> list[Tensor]:
     """Adds both attention stages of the VCA core, computed from q, k, v `heads` (3, B, h, N, d), into `result`
     (B, N, C) (the depthwise convolution's output); returns what `attention_backward` needs besides the
-    operator's inputs (see `saved_like`; FlashAttention saves its output and log-sum-exps alike)."""
+    operator's inputs (see `saved_like`; FlashAttention saves its output and log-sum-exps alike). `pooled`
+    (B, h, n, d): the streams' content T given (with RoPE: dit_vca.vca_qk), else the pool of q."""
     _check_device(heads)
     s = _Shape(heads, layout)
     saved = saved_like(heads, layout)
     streams, v_hat, reads, lse1, outs, lse2 = saved
     precision = _precision(heads.dtype)
+    # T given: the streams kernel "pools" the p×p grid of T by windows of one token (its H = p), i.e. copies it.
+    content, side = (heads[0], s.H) if pooled is None else (pooled, s.p)
     _launch(_contrast_streams_kernel, (s.G, triton.cdiv(s.n, _TOKEN_BLOCK)))(
-        heads[0], embed, streams, s.h, s.H, s.p, s.d, s.S, layout.pooled_content, s.D0, s.D1, _TOKEN_BLOCK
+        content, embed, streams, s.h, side, s.p, s.d, s.S, layout.pooled_content, s.D0, s.D1, _TOKEN_BLOCK
     )
     _launch(_stage1_forward_kernel, lambda meta: (s.G, triton.cdiv(s.n, meta["BLOCK_M"])))(
         streams, heads[1], heads[2], _with_dummy(lambda1, streams), _with_dummy(norm1, streams), v_hat, reads,
@@ -830,6 +842,7 @@ def add_attention(
 def attention_backward(
     grad: Tensor,
     heads: Tensor,
+    pooled: Tensor | None,
     saved: list[Tensor],
     embed: Tensor,
     lambda1: Tensor | None,
@@ -838,11 +851,11 @@ def attention_backward(
     norm2: Tensor | None,
     grad_local: Tensor,
     layout,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """The backward of both attention stages from the gradient `grad` (B, N, C) of the core's result and what
     `add_attention` saved: (the gradient of the qkv projection's output (B·N, 3C), the convolution's share
-    `grad_local` (B, C, H, W) of dv included; then dE±, dλ₁, dλ₂, d norm1, d norm2 in float32, None where a
-    switch is off)."""
+    `grad_local` (B, C, H, W) of dv included; then dE±, dλ₁, dλ₂, d norm1, d norm2 and dT of a given `pooled`
+    in float32, None where a switch is off or T was pooled here: then its share is in dq)."""
     _check_device(heads)
     s = _Shape(heads, layout)
     B, N, G, n, d, h = s.B, s.N, s.G, s.n, s.d, s.h
@@ -879,11 +892,16 @@ def attention_backward(
         s.rows, h, s.scale, PRECISION=precision, D0=s.D0, D1=s.D1,
     )  # fmt: skip
     grad_embed = torch.empty(1, h, s.S, n, d, **floats)
+    pools_q = layout.pooled_content and pooled is None  # dq gains the pooling's share in the kernel
     _launch(_contrast_streams_backward_kernel, (h, triton.cdiv(n, _TOKEN_BLOCK)))(
         grad_stage1, grad_stage2, grad_embed, grad_qkv, B, h, s.H, s.p, d,
-        S=s.S, M1=s.m1 // n, M2=s.m2 // n, POOLED=layout.pooled_content, D0=s.D0, D1=s.D1, BLOCK_J=_TOKEN_BLOCK,
+        S=s.S, M1=s.m1 // n, M2=s.m2 // n, POOLED=pools_q, D0=s.D0, D1=s.D1, BLOCK_J=_TOKEN_BLOCK,
         num_warps=_TOKEN_WARPS,
     )  # fmt: skip
+    grad_pooled = None  # dT of a given T: the sum of every stream's gradient from both stages, (B, h, n, d)
+    if layout.pooled_content and pooled is not None:
+        grad_pooled = grad_stage1.view(G, -1, n, d).sum(1) + grad_stage2.view(G, -1, n, d).sum(1)
+        grad_pooled = grad_pooled.view(B, h, n, d)
 
     return (
         grad_qkv.view(B * N, 3 * s.C),
@@ -892,6 +910,7 @@ def attention_backward(
         grad_lambda2 if layout.stage2_differential else None,
         grad_norm1 if layout.stage1_differential else None,
         grad_norm2 if layout.stage2_differential else None,
+        grad_pooled,
     )
 
 

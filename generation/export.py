@@ -24,10 +24,9 @@ from safetensors.torch import load_file, save_file
 from atomic_files import atomic_output, write_json_atomic
 from commands import UserError
 from dit_vca.models import current_model_config
-from generation.run_layout import CHECKPOINTS_FOLDER, TRAINER_STATE, list_checkpoints
+from generation.run_layout import CHECKPOINTS_FOLDER, EXPORT_FOLDER, STEP_PREFIX, TRAINER_STATE, list_checkpoints
 from generation.vae import LatentNormalization
 
-EXPORT_DIR = "export"
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
 FORMAT_VERSION = 4  # 4: latent_mean, latent_std, class_names; 3: vae_path; 2 and 3 are read as 4 without what they lack
@@ -245,18 +244,19 @@ def find_export(path: str | Path) -> Path:
     """The export folder of an export folder, a checkpoint folder, or a run directory (its newest complete
     checkpoint, generation.run_layout.list_checkpoints)."""
     path = Path(path)
-    candidates = [path, path / EXPORT_DIR]
+    candidates = [path, path / EXPORT_FOLDER]
     checkpoints = list_checkpoints(path / CHECKPOINTS_FOLDER)  # complete ones only
     if checkpoints:
-        candidates.append(checkpoints[-1] / EXPORT_DIR)
+        candidates.append(checkpoints[-1] / EXPORT_FOLDER)
     for candidate in candidates:
         if (candidate / EXPORT_CONFIG).is_file() and (candidate / EXPORT_WEIGHTS).is_file():
             return candidate
-    exports = sorted((path / CHECKPOINTS_FOLDER).glob(f"step-*/{EXPORT_DIR}/{EXPORT_CONFIG}"))  # of incomplete ones
+    incomplete = f"{STEP_PREFIX}*/{EXPORT_FOLDER}/{EXPORT_CONFIG}"  # the exports of incomplete checkpoints
+    exports = sorted((path / CHECKPOINTS_FOLDER).glob(incomplete))
     hint = f" ({exports[-1].parent} is in a checkpoint without {TRAINER_STATE}: pass it itself)" if exports else ""
     raise ExportError(
         f"no export at {path}: expected {EXPORT_WEIGHTS} and {EXPORT_CONFIG} in it, in its "
-        f"{EXPORT_DIR}/ folder, or in the newest complete checkpoint of a run directory{hint}"
+        f"{EXPORT_FOLDER}/ folder, or in the newest complete checkpoint of a run directory{hint}"
     )
 
 

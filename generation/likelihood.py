@@ -38,7 +38,7 @@ import numpy as np
 from atomic_files import check_writable, write_json_atomic
 from commands import CommandParser, UserError, run_command
 from generation.sample_plan import sample_seeds
-from samplers.catalogue import DEFAULT_ATOL, DEFAULT_RTOL
+from objectives import DEFAULT_ATOL, DEFAULT_RTOL
 
 if TYPE_CHECKING:
     import torch

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from dit_vca import GaussianDiffusion, create_diffusion
-from dit_vca.models import MODEL_FAMILIES
+from objectives import DIFFUSION, MODEL_FAMILIES, TRANSPORT
 from sit_vca import Transport, create_transport
 
 Objective = GaussianDiffusion | Transport
-_FACTORIES = {"diffusion": create_diffusion, "transport": create_transport}
+_FACTORIES = {DIFFUSION.kind: create_diffusion, TRANSPORT.kind: create_transport}
 
 
 def create_objective(spec: dict[str, Any]) -> Objective:
@@ -23,4 +23,4 @@ def create_objective(spec: dict[str, Any]) -> Objective:
 
 def default_objective_spec(family: str) -> dict[str, Any]:
     """The objective of a model family with its factory's defaults (what the official checkpoints used)."""
-    return {"kind": MODEL_FAMILIES[family].objective}
+    return {"kind": MODEL_FAMILIES[family].kind}

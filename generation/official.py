@@ -29,9 +29,10 @@ import torch
 import yaml
 
 from commands import CommandParser, UserError, run_command
-from dit_vca.models import MODEL_FAMILIES, all_model_names, build_model_from_config, model_family
+from dit_vca.models import all_model_names, build_model_from_config, model_family
 from generation.export import Export, ExportDescription, write_export
 from generation.objective import default_objective_spec
+from objectives import DIFFUSION, MODEL_FAMILIES
 
 # The recipe the official checkpoints were trained with (VAE, latent scale, classes), written down once.
 OFFICIAL_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "imagenet256.yaml"
@@ -146,7 +147,7 @@ def official_description(model: str, image_size: int, state: dict[str, torch.Ten
         )
     learn_sigma = outputs == 2 * LATENT_CHANNELS
     objective = default_objective_spec(family)
-    if MODEL_FAMILIES[family].objective == "diffusion":
+    if MODEL_FAMILIES[family] is DIFFUSION:
         objective["learn_sigma"] = learn_sigma
     config = {
         "name": model,

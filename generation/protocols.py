@@ -19,7 +19,7 @@ class Protocol:
     """A named preset: the model family it applies to, its settings (sample.py argument names), and the
     numbers it reproduces on ImageNet 256 with the official XL/2 checkpoint."""
 
-    family: str  # "DiT" or "SiT" (dit_vca.models.MODEL_FAMILIES)
+    family: str  # "DiT" or "SiT" (objectives.MODEL_FAMILIES)
     settings: dict[str, Any] = field(default_factory=dict)
     published: str = ""
 

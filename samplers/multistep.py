@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .catalogue import MULTISTEP_SOLVERS
+from objectives import MULTISTEP_SOLVERS
+
 from .ddpm import DiscreteProcess
 from .interface import ModelFn, SampleResult, SamplerOptionError
 
@@ -55,7 +56,7 @@ def _unipc(**schedule) -> "SchedulerMixin":
     )
 
 
-# Sampler name (samplers.catalogue, in its order) -> the diffusers scheduler it runs, given the noise schedule as
+# Sampler name (the objectives table, in its order) -> the diffusers scheduler it runs, given the noise schedule as
 # diffusers' keyword arguments (num_train_timesteps and trained_betas, or beta_start, beta_end and beta_schedule).
 SCHEDULERS: dict[str, Callable[..., "SchedulerMixin"]] = dict(zip(MULTISTEP_SOLVERS, (_dpm_solver_pp_2m, _unipc)))
 

@@ -10,7 +10,8 @@ from torch import Tensor
 from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
-from .catalogue import ADAPTIVE_METHODS
+from objectives import ADAPTIVE_METHODS
+
 from .interface import SampleResult, SamplerOptionError, batch_time
 from .noise import PerSampleNoise, standard_normal_like
 

@@ -10,19 +10,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dit_vca.losses import mean_flat
+from objectives import (
+    ADAPTIVE_METHODS,
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    DEFAULT_SDE,
+    DIFFUSION_FORMS,
+    LAST_STEPS,
+    LOSS_WEIGHT,
+    PATH,
+    PREDICTION,
+    TIME_DISTRIBUTION,
+    TRANSPORT_SAMPLERS,
+)
 from samplers import PerSampleNoise, SampleResult, ode, sde
-from samplers.catalogue import ADAPTIVE_METHODS, DEFAULT_ATOL, DEFAULT_RTOL, TRANSPORT_SAMPLERS
 from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
-from sit_vca.transport_options import TIME_DISTRIBUTIONS
-
-PREDICTIONS = ("velocity", "score", "noise")
-LOSS_WEIGHTS = (None, "velocity", "likelihood")
-DIFFUSION_FORMS = ("constant", "SBDM", "sigma", "linear", "decreasing", "increasing-decreasing")
-LAST_STEPS = ("Mean", "Tweedie", "Euler", None)
-
-# SiT's sampling defaults (the adaptive solvers' tolerances: samplers.catalogue).
-DEFAULT_SDE = {"diffusion_form": "sigma", "diffusion_norm": 1.0, "last_step": "Mean", "last_step_size": 0.04}
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Paths
@@ -34,8 +36,6 @@ class Path:
 
     Time arguments are tensors broadcastable against the data, e.g. (B, 1, 1, 1).
     """
-
-    name: str
 
     def alpha(self, t: Tensor) -> tuple[Tensor, Tensor]:
         """(alpha_t, d alpha_t / dt)."""
@@ -92,8 +92,6 @@ class Path:
 class LinearPath(Path):
     """alpha_t = t, sigma_t = 1 - t (rectified flow / SiT "Linear")."""
 
-    name = "linear"
-
     def alpha(self, t):
         return t, torch.ones_like(t)
 
@@ -103,8 +101,6 @@ class LinearPath(Path):
 
 class GVPPath(Path):
     """alpha_t = sin(pi t / 2), sigma_t = cos(pi t / 2): variance preserving for unit-variance data."""
-
-    name = "gvp"
 
     def alpha(self, t):
         return torch.sin(0.5 * math.pi * t), 0.5 * math.pi * torch.cos(0.5 * math.pi * t)
@@ -117,8 +113,6 @@ class VPPath(Path):
     """The VP-SDE of score-based models with linear beta from sigma_min to sigma_max, time reversed (t = 1 data):
     alpha_t = exp(m_t), m_t = -(1/4)(1-t)^2 (sigma_max - sigma_min) - (1/2)(1-t) sigma_min,
     sigma_t = sqrt(1 - alpha_t^2)."""
-
-    name = "vp"
 
     def __init__(self, sigma_min: float = 0.1, sigma_max: float = 20.0):
         self.sigma_min, self.sigma_max = sigma_min, sigma_max
@@ -141,7 +135,7 @@ class VPPath(Path):
         return s, -torch.exp(2 * m) * dm / s  # sigma' = -alpha alpha' / sigma
 
 
-PATHS = {"linear": LinearPath, "gvp": GVPPath, "vp": VPPath}
+PATHS = dict(zip(PATH.choices, (LinearPath, GVPPath, VPPath)))  # the table's names, in its order
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,7 +167,7 @@ class Transport:
         loss_weight: str | None,
         train_eps: float,
         sample_eps: float,
-        time_distribution: str = "uniform",
+        time_distribution: str = TIME_DISTRIBUTION.default,
         logit_normal_location: float = 0.0,
         logit_normal_scale: float = 1.0,
         cosine_loss_weight: float = 0.0,
@@ -273,7 +267,7 @@ class Transport:
         x_T: Tensor,
         labels: Tensor,
         *,
-        sampler: str = "dopri5",
+        sampler: str = TRANSPORT_SAMPLERS.default,
         steps: int | None = None,
         noise: PerSampleNoise | None = None,
         progress: bool = False,
@@ -413,12 +407,12 @@ class Transport:
 
 
 def create_transport(
-    path: str = "linear",
-    prediction: str = "velocity",
-    loss_weight: str | None = None,
+    path: str = PATH.default,
+    prediction: str = PREDICTION.default,
+    loss_weight: str | None = LOSS_WEIGHT.default,
     train_eps: float | None = None,
     sample_eps: float | None = None,
-    time_distribution: str = "uniform",
+    time_distribution: str = TIME_DISTRIBUTION.default,
     logit_normal_location: float = 0.0,
     logit_normal_scale: float = 1.0,
     cosine_loss_weight: float = 0.0,
@@ -429,14 +423,16 @@ def create_transport(
     key = path.lower()
     if key not in PATHS:
         raise ValueError(f"unknown path {path!r}; expected one of {sorted(PATHS)} (case-insensitive)")
-    if prediction not in PREDICTIONS:
-        raise ValueError(f"unknown prediction {prediction!r}; expected one of {list(PREDICTIONS)}")
-    if loss_weight not in LOSS_WEIGHTS:
-        raise ValueError(f"unknown loss_weight {loss_weight!r}; expected one of {list(LOSS_WEIGHTS)}")
+    if prediction not in PREDICTION.choices:
+        raise ValueError(f"unknown prediction {prediction!r}; expected one of {list(PREDICTION.choices)}")
+    if loss_weight not in LOSS_WEIGHT.choices:
+        raise ValueError(f"unknown loss_weight {loss_weight!r}; expected one of {list(LOSS_WEIGHT.choices)}")
     if loss_weight is not None and prediction == "velocity":
         raise ValueError(f"loss_weight {loss_weight!r} applies to score or noise prediction, not velocity")
-    if time_distribution not in TIME_DISTRIBUTIONS:
-        raise ValueError(f"unknown time_distribution {time_distribution!r}; expected one of {list(TIME_DISTRIBUTIONS)}")
+    if time_distribution not in TIME_DISTRIBUTION.choices:
+        raise ValueError(
+            f"unknown time_distribution {time_distribution!r}; expected one of {list(TIME_DISTRIBUTION.choices)}"
+        )
     if not logit_normal_scale > 0:
         raise ValueError(f"logit_normal_scale must be > 0, got {logit_normal_scale}")
     if cosine_loss_weight < 0 or (cosine_loss_weight and prediction != "velocity"):

@@ -95,10 +95,10 @@ def checkpoint_steps(budget: Budget) -> list[int]:
 
 def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> Path:
     """Train (or resume, or skip when finished) one run of `config` with train.py; returns its run directory."""
-    from training.checkpoint_folders import checkpoint_name
+    from generation.run_layout import CHECKPOINTS_FOLDER, step_name
 
     run_dir = out / "runs" / run_name(arm, seed)
-    if (run_dir / "checkpoints" / checkpoint_name(budget.max_steps)).is_dir():  # run layout: h-names
+    if (run_dir / CHECKPOINTS_FOLDER / step_name(budget.max_steps)).is_dir():
         return run_dir
     every = checkpoint_steps(budget)[0]
     command = [
@@ -143,20 +143,18 @@ def train_record(out: Path, arm: Arm, seed: int) -> Path:
 
 def checkpoint_export(run_dir: Path, step: int) -> Path:
     """The export folder that train.py writes into the run's checkpoint of `step`."""
-    from generation.export import EXPORT_DIR
-    from generation.run_layout import CHECKPOINTS_FOLDER
-    from training.checkpoint_folders import checkpoint_name
+    from generation.run_layout import CHECKPOINTS_FOLDER, EXPORT_FOLDER, step_name
 
-    return run_dir / CHECKPOINTS_FOLDER / checkpoint_name(step) / EXPORT_DIR
+    return run_dir / CHECKPOINTS_FOLDER / step_name(step) / EXPORT_FOLDER
 
 
 def score_checkpoint(
     run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path, arm: Arm, seed: int
 ) -> dict[str, Any]:
     """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
-    from training.checkpoint_folders import checkpoint_name
+    from generation.run_layout import step_name
 
-    name = f"{run_name(arm, seed)}/{checkpoint_name(step)}"
+    name = f"{run_name(arm, seed)}/{step_name(step)}"
     identity = {"arm": arm.name, "seed": seed, "step": step, "final": final}
     count = budget.final_samples if final else budget.curve_samples
     title = f"{run_name(arm, seed)} at step {step}"

@@ -1,9 +1,11 @@
 """A slow, literal Visual-Contrast Attention written line by line from docs/VCA.md.
 
 One batch element and one head at a time, in float64, in the notation and step numbers of docs/VCA.md, with
-adaptive average pooling, hand-written softmax and RMSNorm, and the two Stage-II softmaxes written out. It reads
-only the module's parameters and its documented switches, never its forward code, so it is an independent check
-of `VisualContrastAttention`.
+adaptive average pooling, hand-written softmax and RMSNorm, and the two Stage-II softmaxes written out; with the
+block options QK-norm (an RMSNorm of q and k, eps 1e-6) and 2-D RoPE (channel pairs turned as complex numbers,
+tokens at their grid positions, contrast tokens at their pooling cells' centres) as docs/VCA.md states them. It
+reads only the module's parameters and its documented switches, never its forward code, so it is an independent
+check of `VisualContrastAttention`.
 """
 
 import math
@@ -24,6 +26,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 
 
+def rope_rotate(x: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """x (P, d) turned by 2-D RoPE at positions (rows, cols) (P,): channel pair m of the first half, read as the
+    complex number x_2m + i·x_2m+1, times e^(i·row·ω_m), pair m of the second half times e^(i·col·ω_m),
+    ω_m = 10000^(−m/(d/4))."""
+    P, d = x.shape
+    omega = 10000.0 ** (-torch.arange(d // 4, dtype=torch.float64) / (d // 4))  # (d/4,)
+    angles = torch.cat([rows[:, None] * omega, cols[:, None] * omega], dim=1)  # (P, d/2)
+    pairs = torch.view_as_complex(x.reshape(P, d // 2, 2).contiguous())
+    return torch.view_as_real(pairs * torch.exp(1j * angles)).reshape(P, d)
+
+
 def reference_vca(module: VisualContrastAttention, x: Tensor, block_index: int) -> Tensor:
     """VCA of tokens x (B, N, C) on a square grid, with the parameters of `module`, in float64."""
     params = {name: value.detach().double() for name, value in module.named_parameters()}
@@ -42,6 +55,12 @@ def reference_vca(module: VisualContrastAttention, x: Tensor, block_index: int) 
         q1, k1, q2, k2 = (params[f"{prefix}.{name}"] for name in ("q1", "k1", "q2", "k2"))
         return torch.exp(q1 @ k1) - torch.exp(q2 @ k2) + lam_init
 
+    qk_norm, rope = module.q_norm is not None, module.rope is not None
+    r = H // p  # pooling cells of r×r tokens
+    token_rows, token_cols = (torch.arange(N) // H).double(), (torch.arange(N) % H).double()
+    centre_rows = (torch.arange(n) // p).double() * r + (r - 1) / 2  # a cell's centre: its first row + (r − 1)/2
+    centre_cols = (torch.arange(n) % p).double() * r + (r - 1) / 2
+
     w_qkv, b_qkv = params["qkv.weight"], params["qkv.bias"]
     q_all = x @ w_qkv[:C].T + b_qkv[:C]  # (B, N, C)
     k_all = x @ w_qkv[C : 2 * C].T + b_qkv[C : 2 * C]
@@ -52,9 +71,15 @@ def reference_vca(module: VisualContrastAttention, x: Tensor, block_index: int) 
         for head in range(h):
             cols = slice(head * d, (head + 1) * d)
             q, k, v = q_all[b, :, cols], k_all[b, :, cols], v_all[b, :, cols]  # (N, d) each
+            if qk_norm:  # QK-norm: q and k normalised before anything reads them
+                q = rms_norm(q, params["q_norm.weight"], eps=1e-6)
+                k = rms_norm(k, params["k_norm.weight"], eps=1e-6)
 
             # 1. contrast tokens: adaptive average pooling of q on the H×H grid to p×p
             pooled = F.adaptive_avg_pool2d(q.T.reshape(d, H, H), p).reshape(d, n).T  # (n, d)
+            if rope:  # the pooled content at its cell's centre; then queries and keys at their tokens
+                pooled = rope_rotate(pooled, centre_rows, centre_cols)
+                q, k = rope_rotate(q, token_rows, token_cols), rope_rotate(k, token_rows, token_cols)
             content = pooled if options.pooled_content else torch.zeros_like(pooled)
             # 2. positive and negative streams (the module stores E⁺, E⁻ as contrast_embed[:, :, 0], [:, :, 1])
             t_pos = content + params["contrast_embed"][0, head, 0]

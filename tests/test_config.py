@@ -74,7 +74,7 @@ def test_lightning_configs_carry_lightning_dits_published_recipe(path):
     config = load_config(path)
     _, family, size_patch, attention = path.stem.split("-")
     assert config.model.name.lower().replace("/", "").replace("-", "") == family + size_patch
-    assert (config.model.attention, config.model.recipe) == (attention, "lightning") == ("mhsa", "lightning")
+    assert (config.model.attention, config.model.recipe) == (attention, "lightning") and attention in ("mhsa", "vca")
     assert config.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True)
     train = config.train
     assert (train.global_batch_size, train.lr, train.betas, train.weight_decay, train.max_steps) == (
@@ -93,21 +93,24 @@ def test_lightning_configs_carry_lightning_dits_published_recipe(path):
         "base",
         "model",
     }
-    families = {stem.split("-")[1] + "-" + stem.split("-")[2] for stem in (p.stem for p in LIGHTNING)}
-    assert families == {f"{family}-{size}2" for family in ("dit", "sit") for size in ("s", "b", "l", "xl")}
+    # every size of both families, each with both attentions: a VCA twin per MHSA file
+    assert {p.stem for p in LIGHTNING} == {
+        f"lightning-{family}-{size}2-{kind}"
+        for family in ("dit", "sit")
+        for size in ("s", "b", "l", "xl")
+        for kind in ("mhsa", "vca")
+    }
 
 
-def test_block_options_resolve_from_the_recipe_and_vca_refuses_what_its_core_lacks():
+def test_block_options_resolve_from_the_recipe_for_either_attention():
     mhsa = CONFIGS / "lightning-sit-b2-mhsa.yaml"
     assert load_config(mhsa, ["model.rope=false"]).model.block_options["rope"] is False  # a key beats the recipe
     assert load_config(mhsa, ["model.recipe=dit", "model.mlp=swiglu"]).model.block_options == dict(
         norm="layernorm", mlp="swiglu", qk_norm=False, rope=False
     )
-    with pytest.raises(ConfigError, match=r"'model.rope' is on \(by model.recipe=lightning\), but VCA's fused core"):
-        load_config(mhsa, ["model.attention=vca"])
-    # RMSNorm and SwiGLU live outside the attention: VCA takes them
-    vca = load_config(mhsa, ["model.attention=vca", "model.rope=false"])
-    assert vca.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=False)
+    # VCA takes the whole recipe: QK-norm and RoPE apply inside its core
+    vca = load_config(CONFIGS / "lightning-sit-b2-vca.yaml", ["model.recipe=lightning-qknorm"])
+    assert vca.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True)
 
 
 def test_a_checkpoint_written_before_a_key_existed_resumes_with_the_keys_default():
@@ -337,3 +340,40 @@ def test_a_new_key_is_listed_with_the_comment_beside_it():
     assert keys["new.mode"].description == "the mode, with a comment that goes on below it"
     assert keys["new.mode"].allowed == "one of a, b"
     assert keys["new.plain"].default == "true" and keys["new.plain"].description == ""
+
+
+def test_the_objective_sections_offer_what_the_objectives_table_lists():
+    """diffusion.* and transport.* take their choices and defaults from the objectives table, as the objectives'
+    factories do (which dispatch on the same names): no choice is typed a second time in the schema."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    from dit_vca.diffusion import create_diffusion
+    from objectives import DECODER_CDF, DIFFUSION, LOSS_WEIGHT, PATH, PREDICTION, TIME_DISTRIBUTION
+    from sit_vca.transport import PATHS, create_transport
+    from training.config import DiffusionConfig, TransportConfig
+
+    table = {
+        (DiffusionConfig, "decoder_cdf"): DECODER_CDF,
+        (TransportConfig, "path"): PATH,
+        (TransportConfig, "prediction"): PREDICTION,
+        (TransportConfig, "loss_weight"): LOSS_WEIGHT,
+        (TransportConfig, "time_distribution"): TIME_DISTRIBUTION,
+    }
+    for (schema, key), setting in table.items():
+        (field,) = [field for field in dataclasses.fields(schema) if field.name == key]
+        assert (field.default, field.metadata["choices"]) == (setting.default, setting.choices), key
+    assert DiffusionConfig().learn_sigma is DIFFUSION.learn_sigma
+    names = {choice for setting in table.values() for choice in setting.choices if isinstance(choice, str)}
+    for schema in (DiffusionConfig, TransportConfig):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+        typed = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
+        assert not typed, f"{schema.__name__} types {typed} again instead of reading the objectives table"
+
+    diffusion, transport = create_diffusion(), create_transport()
+    assert (diffusion.learn_sigma, diffusion.decoder_cdf) == (DIFFUSION.learn_sigma, DECODER_CDF.default)
+    assert isinstance(transport.path, PATHS[PATH.default]) and tuple(PATHS) == PATH.choices
+    defaults = (transport.prediction, transport.loss_weight, transport.time_distribution)
+    assert defaults == (PREDICTION.default, LOSS_WEIGHT.default, TIME_DISTRIBUTION.default)

@@ -1,6 +1,7 @@
 """No hidden host<->device traffic: a training step and every sampler's loop, run with the model and data on the
 `meta` device under a guard that raises on a CPU -> device copy or a host read of a device value
-(tests/_device_traffic.py says why that catches what a GPU would pay for); AdamW fused on CUDA."""
+(tests/_device_traffic.py says why that catches what a GPU would pay for), also with LightningDiT's block options
+(VCA's QK-norm and RoPE inside its core, their tables buffers that move with the model); AdamW fused on CUDA."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from _device_traffic import HostDeviceTraffic, HostDeviceTrafficGuard
 from dit_vca.diffusion import create_diffusion
+from dit_vca.model_options import recipe_options
 from dit_vca.models import create_model
 from sit_vca.models import create_model as create_sit_model
 from sit_vca.transport import create_transport
@@ -28,10 +30,13 @@ TINY = dict(input_size=8, in_channels=1, num_classes=10, depth=1, hidden_size=32
 BATCH = 4
 
 
-def meta_model(family: str) -> torch.nn.Module:
+RECIPE = recipe_options("lightning-qknorm")  # RMSNorm, SwiGLU, QK-norm, RoPE
+
+
+def meta_model(family: str, **block_options) -> torch.nn.Module:
     with torch.device(META):
         create = create_model if family == "DiT" else create_sit_model
-        return create(f"{family}-S/2", attention="vca", **TINY)
+        return create(f"{family}-S/2", attention="vca", **TINY, **block_options)
 
 
 def test_the_guard_catches_a_copy_and_a_host_read():
@@ -51,8 +56,14 @@ def meta_accelerator(monkeypatch):
     GradientState._reset_state()
 
 
-@pytest.mark.parametrize("family,objective", [("DiT", create_diffusion), ("SiT", create_transport)])
-def test_a_training_step_moves_nothing_between_host_and_device(family, objective, meta_accelerator, tmp_path):
+@pytest.mark.parametrize(
+    "family,objective,block_options",
+    [("DiT", create_diffusion, {}), ("SiT", create_transport, {}), ("SiT", create_transport, RECIPE)],
+    ids=["DiT", "SiT", "SiT-lightning-qknorm"],
+)
+def test_a_training_step_moves_nothing_between_host_and_device(
+    family, objective, block_options, meta_accelerator, tmp_path
+):
     """Trainer.train_step (forward, backward, clipping, AdamW, LR schedule, EMA) on batches already on the
     device. The first step moves the schedule to the device (once per device); the second must move nothing."""
     model_name = f"{family}-S/2"
@@ -67,7 +78,9 @@ def test_a_training_step_moves_nothing_between_host_and_device(family, objective
             "log.trackers=[]",
         ],
     )
-    model = (create_model if family == "DiT" else create_sit_model)(model_name, attention="vca", **TINY)
+    model = (create_model if family == "DiT" else create_sit_model)(
+        model_name, attention="vca", **TINY, **block_options
+    )
     ema = create_ema(model, config.train).to(META)  # built on the CPU: timm seeds a generator on its device
     model.to(META)
     optimizer, scheduler = create_optimizer(model, config, META)
@@ -103,10 +116,14 @@ TRANSPORT_SAMPLERS = ("euler", "heun", "sde-euler", "sde-heun")
 
 
 @pytest.mark.parametrize(
-    "family,sampler", [("DiT", s) for s in DIFFUSION_SAMPLERS] + [("SiT", s) for s in TRANSPORT_SAMPLERS]
+    "family,sampler,block_options",
+    [("DiT", s, {}) for s in DIFFUSION_SAMPLERS]
+    + [("SiT", s, {}) for s in TRANSPORT_SAMPLERS]
+    + [("SiT", "euler", RECIPE)],
+    ids=lambda value: ("lightning-qknorm" if value else "plain") if isinstance(value, dict) else None,
 )
-def test_sampler_loops_move_nothing_between_host_and_device(family, sampler):
-    model = meta_model(family).eval()
+def test_sampler_loops_move_nothing_between_host_and_device(family, sampler, block_options):
+    model = meta_model(family, **block_options).eval()
     objective = create_diffusion(learn_sigma=True) if family == "DiT" else create_transport()
     options = {"eta": 0.5} if sampler == "ddim" else {}  # with noise: every branch of the DDIM step
     x = torch.zeros(BATCH, 1, 8, 8, device=META)

@@ -23,12 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 # import each other.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("commands",),
-    ("atomic_files", "configs"),
+    ("atomic_files", "configs", "objectives"),  # objectives: the table of objectives and samplers, plain data
     ("fid", "samplers"),
     ("dit_vca",),
     ("sit_vca",),
     ("generation",),
     ("training",),
+    ("sample_arguments",),  # sample.py's parser and checks; sweep.py checks its points with them
     ("judges",),  # the classifiers and real images that the demo, the studies and bench.demo score with
     ("train", "sample", "demo"),
     ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema

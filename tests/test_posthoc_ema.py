@@ -23,10 +23,12 @@ from _launch import TORCHRUN_TWO_PROCESSES
 from faults import run_train, signal_at_step
 from generation import ImageGenerator, read_export
 from generation.diffusers_interop import load_mhsa_model, to_diffusers
+from generation.run_layout import POSTHOC_STATE as CHECKPOINT_STATE
+from generation.run_layout import SNAPSHOT_FOLDER
 from training.config import ConfigError, PosthocEMAConfig
 from training.posthoc_ema import PosthocEMAError, reconstruct
 from training.posthoc_ema import main as posthoc_main
-from training.power_ema import CHECKPOINT_STATE, PowerEMA
+from training.power_ema import PowerEMA
 from training.power_profiles import (
     SIGMA_REL_MAX,
     gamma_to_sigma_rel,
@@ -34,7 +36,7 @@ from training.power_profiles import (
     reconstruct_profile,
     sigma_rel_to_gamma,
 )
-from training.run import SNAPSHOT_FOLDER, RunDirectory
+from training.run import RunDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
 

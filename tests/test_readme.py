@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import tomllib
 
-from generation.export import EXPORT_DIR
+from generation.run_layout import EXPORT_FOLDER as EXPORT_DIR
+from generation.run_layout import POSTHOC_EXPORTS_FOLDER as POSTHOC_OUT
 from training.config import load_config
-from training.posthoc_ema import DEFAULT_OUT as POSTHOC_OUT
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -15,7 +15,7 @@ import sit_vca
 from dit_vca.attention import MultiHeadSelfAttention
 from dit_vca.model_options import RECIPES, recipe_options
 from dit_vca.models import block_norm, feed_forward, swiglu_hidden_size
-from dit_vca.rope import RotaryEmbedding2d, rope_angles, rotate_pairs
+from dit_vca.rope import RotaryEmbedding2d, grid_positions, rope_angles, rotate_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=3, num_classes=10)
@@ -171,13 +171,32 @@ def test_the_startup_summary_names_the_block_options_that_are_not_dits():
     assert describe_model(dit.config) == "DiT-XL/2"
 
 
-def test_vca_refuses_qk_norm_and_rope_until_its_core_applies_them():
-    for option in ("qk_norm", "rope"):
-        with pytest.raises(ValueError, match=f"attention='vca' does not take {option} yet"):
-            dit_vca.create_model("DiT-S/2", attention="vca", **TINY, **{option: True})
-    # the options that live outside the attention work with VCA
-    model = dit_vca.create_model("DiT-S/2", attention="vca", **TINY, **recipe_options("lightning", rope=False))
-    assert model.config["norm"] == "rmsnorm" and model.config["mlp"] == "swiglu"
+def test_vca_takes_every_block_option_of_the_recipes():
+    # QK-norm and RoPE apply inside VCA's core (tests/test_attention.py, test_vca_triton.py check the arithmetic);
+    # a recipe switches them on for VCA as for MHSA, and the config rebuilds the same model.
+    model = dit_vca.create_model("DiT-S/2", attention="vca", **TINY, **recipe_options("lightning-qknorm"))
+    assert {key: model.config[key] for key in RECIPES["lightning-qknorm"]} == RECIPES["lightning-qknorm"]
+    attention = model.blocks[0].attn
+    assert attention.q_norm.weight.shape == (16,) and attention.rope.cos.shape == (16, 8)  # d = 16, N = 16
+    assert attention.contrast_rope.cos.shape == (4, 8)  # n = 4 contrast tokens, p = H/2 = 2
+    rebuilt = dit_vca.build_model_from_config(model.config)
+    assert list(rebuilt.state_dict()) == list(model.state_dict())
+
+
+def test_contrast_tokens_sit_at_their_pooling_cells_centres():
+    # Cells of r×r tokens: cell (a, b) covers rows a·r … a·r + r − 1, its centre a·r + (r − 1)/2 (half-integer for
+    # even r), in the tokens' own units; r = 1 gives the tokens themselves.
+    rows, cols = grid_positions(4, 2)
+    assert rows.tolist() == [0.5, 0.5, 2.5, 2.5] and cols.tolist() == [0.5, 2.5, 0.5, 2.5]
+    rows, cols = grid_positions(6, 3)
+    assert rows.tolist() == [1, 1, 4, 4] and cols.tolist() == [1, 4, 1, 4]
+    rows, cols = grid_positions(3)
+    assert rows.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and cols.tolist() == [0, 1, 2] * 3
+    centres = RotaryEmbedding2d(16, 4, cell=2)
+    angles = rope_angles(torch.tensor([2.5]), torch.tensor([0.5]), 16)  # cell (1, 0)
+    torch.testing.assert_close(centres.cos[2], angles[0].cos().float())
+    with pytest.raises(ValueError, match="cells of 3x3 tokens do not tile a 4x4 grid"):
+        grid_positions(4, 3)
 
 
 def test_unknown_options_and_head_dimensions_that_rope_cannot_split_name_the_value():
@@ -216,14 +235,19 @@ def test_the_block_options_do_not_change_the_official_layout_or_its_key_order():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family, objective",
+    "family, attention, objective",
     [
-        ("DiT", ["model.name=DiT-S/2"]),
-        ("SiT", ["model.name=SiT-S/2", "transport.time_distribution=logit-normal", "transport.cosine_loss_weight=1"]),
+        ("DiT", "vca", ["model.name=DiT-S/2"]),
+        (
+            "SiT",
+            "mhsa",
+            ["model.name=SiT-S/2", "transport.time_distribution=logit-normal", "transport.cosine_loss_weight=1"],
+        ),
     ],
 )
-def test_the_lightning_recipe_trains_and_samples_from_the_shipped_digits_config(tmp_path, family, objective):
-    """The preset from the repository alone: the shipped digits config, three steps, then sample.py on the run."""
+def test_the_lightning_recipe_trains_and_samples_from_the_shipped_digits_config(tmp_path, family, attention, objective):
+    """The preset from the repository alone: the shipped digits config, three steps, then sample.py on the run;
+    with VCA (QK-norm and RoPE in its core) and with MHSA."""
     import numpy as np
 
     import sample
@@ -234,7 +258,7 @@ def test_the_lightning_recipe_trains_and_samples_from_the_shipped_digits_config(
     run_train(
         "--config",
         str(ROOT / "configs" / "digits.yaml"),
-        *["model.attention=mhsa", "model.recipe=lightning-qknorm", "model.hidden_size=32", "model.depth=2"],
+        *[f"model.attention={attention}", "model.recipe=lightning-qknorm", "model.hidden_size=32", "model.depth=2"],
         *["model.num_heads=2", "train.betas=[0.9,0.95]", "train.global_batch_size=32", "train.max_steps=3"],
         *["log.sample_every=0", "log.trackers=[]", f"run.dir={run}", *objective],
     )

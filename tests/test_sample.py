@@ -419,6 +419,25 @@ def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
+def test_the_sampler_is_checked_against_the_objectives_table_without_building_an_objective(tmp_path, monkeypatch):
+    """sample.py's check of --sampler reads the checkpoint's objective kind in the objectives table (the table that
+    --help lists): the same one line, with no objective built only to list its sampler names."""
+    import generation.objective
+    from objectives import SAMPLERS
+    from sample_arguments import check_against, parse_args
+
+    monkeypatch.setattr(generation.objective, "create_objective", lambda spec: pytest.fail("an objective was built"))
+    sit = types.SimpleNamespace(
+        model={"name": "SiT-S/2"}, objective={"kind": "transport"}, has_null_class=True, channels=4
+    )
+    args = parse_args(["--ckpt", "x", "--out", str(tmp_path / "s.npz"), "--num-samples", "1", "--sampler", "ddpm"])
+    offered = ", ".join(SAMPLERS["transport"].names)
+    with pytest.raises(SystemExit, match=f"^--sampler 'ddpm': this checkpoint's objective offers {offered}$"):
+        check_against(sit, args)
+    args.sampler = "sde-heun"
+    check_against(sit, args)  # one of the table's
+
+
 def test_only_a_sampler_option_error_of_the_trial_sample_is_one_line(export, tmp_path, monkeypatch):
     """The trial sample answers the samplers' own option check in one line; any other error there is a bug and
     keeps its traceback (it is not dressed up as a bad option); nothing is written either way."""
@@ -742,7 +761,7 @@ def test_help_lists_each_objectives_samplers_with_their_default_steps(capsys):
     import re
 
     from dit_vca import create_diffusion
-    from samplers.catalogue import SAMPLERS
+    from objectives import SAMPLERS
     from sit_vca import create_transport
 
     with pytest.raises(SystemExit):

@@ -107,7 +107,7 @@ def posthoc_run(run_dir: Path, export: Path) -> None:
 @pytest.mark.slow
 def test_post_hoc_ema_lengths_of_a_run_are_reconstructed_once_and_swept(tmp_path, reference, capsys):
     from generation import read_export
-    from training.posthoc_ema import DEFAULT_OUT
+    from generation.run_layout import POSTHOC_EXPORTS_FOLDER as DEFAULT_OUT
 
     run_dir = tmp_path / "run"
     posthoc_run(run_dir, tiny_export(tmp_path / "export"))

@@ -221,9 +221,9 @@ def test_a_guidance_scale_that_overflows_is_one_line(export, tmp_path, capsys, o
 def fake_snapshots(run_dir: Path, steps=(2, 4, 6, 8), sigma_rels=(0.05, 0.1), batch: int = 4) -> Path:
     """Post-hoc EMA snapshots as training stores them (headers, description.json last) of a one-tensor "model"."""
     from generation.export import read_description
-    from training.power_ema import SNAPSHOT_DESCRIPTION, profile_file, snapshot_name
+    from generation.run_layout import SNAPSHOT_DESCRIPTION, SNAPSHOT_FOLDER, profile_file
+    from generation.run_layout import step_name as snapshot_name
     from training.power_profiles import sigma_rel_to_gamma
-    from training.run import SNAPSHOT_FOLDER
 
     description = read_description(tiny_export(run_dir.parent / "snapshot-export")).to_json()
     generator = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sample
+import sample_arguments as sample
 from dit_vca.attention import VCA_KERNEL_SETTINGS
 from test_sample import environment, tiny_export
 from training.config import ConfigError, load_config

@@ -2,7 +2,7 @@
 
 `build_training(config, accelerator)` is what train.py calls. DiT models ("DiT-...") train with the DDPM objective
 of `dit_vca`, SiT models ("SiT-...") with the transport objective of `sit_vca` (the family table
-`dit_vca.models.MODEL_FAMILIES` decides), so model and objective cannot be mismatched.
+`objectives.MODEL_FAMILIES` decides), so model and objective cannot be mismatched.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from dit_vca.attention import set_vca_kernel
-from dit_vca.models import MODEL_FAMILIES, DiT, build_model_from_config, model_family, name_size
+from dit_vca.models import DiT, build_model_from_config, model_family, name_size
 from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
+from objectives import DIFFUSION, MODEL_FAMILIES
 from training.accelerator import micro_batch_size
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
@@ -83,7 +84,7 @@ def model_input_shape(config: Config, dataset: Dataset, vae: AutoencoderKL | Non
 def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
     """The network of `config` for inputs (B, in_channels, input_size, input_size)."""
     model = config.model
-    family = model_family(model.name)
+    objective = MODEL_FAMILIES[model_family(model.name)]  # diffusion.learn_sigma is DDPM's; SiT's is the family's
     arguments: dict[str, Any] = dict(
         name=model.name,
         attention=model.attention,
@@ -91,7 +92,7 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
         in_channels=in_channels,
         num_classes=config.data.num_classes,
         class_dropout_prob=model.class_dropout_prob,
-        learn_sigma=config.diffusion.learn_sigma if MODEL_FAMILIES[family].objective == "diffusion" else False,
+        learn_sigma=config.diffusion.learn_sigma if objective is DIFFUSION else objective.learn_sigma,
         gradient_checkpointing=model.gradient_checkpointing,
         **model.block_options,
     )
@@ -110,8 +111,8 @@ def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
 
 def objective_spec(config: Config) -> dict[str, Any]:
     """{"kind": "diffusion" | "transport", **keyword arguments of its factory} (JSON-serialisable)."""
-    kind = MODEL_FAMILIES[model_family(config.model.name)].objective
-    if kind == "diffusion":
+    kind = MODEL_FAMILIES[model_family(config.model.name)].kind
+    if kind == DIFFUSION.kind:
         return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma, "decoder_cdf": config.diffusion.decoder_cdf}
     transport = config.transport
     return {

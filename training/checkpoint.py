@@ -9,7 +9,8 @@
         config.yaml                  the resolved training config
         export/                      EMA weights and their description (generation.export): what sampling needs
 
-The folders' names, and which one a resume means, are training.checkpoint_folders's.
+The names in the run folder and in its checkpoint folders are generation.run_layout's (Accelerate's own files,
+below, are Accelerate's); which checkpoint a resume means is training.checkpoint_folders's.
 Nothing here unpickles arbitrary objects: weights are safetensors and Accelerate reads its .bin/.pkl files
 with torch.load(weights_only=True) (tensors, numbers and NumPy RNG arrays only). Accelerate's
 `register_for_checkpointing` would pickle with weights_only=False, so the EMA is stored as safetensors instead.
@@ -54,9 +55,9 @@ from atomic_files import (
     write_text_atomic,
 )
 from commands import UserError
-from generation.export import EXPORT_DIR, EXPORT_WEIGHTS, ExportDescription, read_weights, write_export
-from generation.run_layout import CHECKPOINT_PATTERN, TRAINER_STATE, checkpoint_step, list_checkpoints
-from training.checkpoint_folders import TRAIN_CONFIG, CheckpointError, checkpoint_name
+from generation.export import EXPORT_WEIGHTS, ExportDescription, read_weights, write_export
+from generation.run_layout import EXPORT_FOLDER, TRAIN_CONFIG, TRAINER_STATE, list_checkpoints, step_name, step_of
+from training.checkpoint_folders import CheckpointError
 from training.ema import ema_state_dict, load_ema_state_dict
 
 MODEL_WEIGHTS = "model.safetensors"  # Accelerate's file name for the first prepared model
@@ -102,7 +103,7 @@ def save_checkpoint(
     read-only folder on any of them raises OutputError on all, with the hidden partial folder removed and the
     earlier checkpoints untouched. `needed` (bytes, about) is checked against the free space first."""
     root = Path(root)
-    final = root / checkpoint_name(step)
+    final = root / step_name(step)
     temporary = staging_folder(final)
     main = accelerator.is_main_process
 
@@ -113,7 +114,7 @@ def save_checkpoint(
             check_room(final, needed)
 
     def finish() -> None:
-        write_export(temporary / EXPORT_DIR, ema_state_dict(ema), replace(export, train_step=step))
+        write_export(temporary / EXPORT_FOLDER, ema_state_dict(ema), replace(export, train_step=step))
         write_text_atomic(temporary / TRAIN_CONFIG, config_yaml)
         write_json_atomic(temporary / TRAINER_STATE, trainer_state)
         if write_more is not None:
@@ -183,15 +184,15 @@ def checkpoint_bytes(*parts: Any) -> int:
 def rotated_away(checkpoints: list[Path], newest: Path, keep: int) -> list[Path]:
     """The checkpoints to delete once `newest` is written: all but the `keep - 1` latest before it, and every
     later one (left by an abandoned timeline, e.g. a resume from an older checkpoint)."""
-    step = checkpoint_step(newest)
-    earlier = [path for path in checkpoints if checkpoint_step(path) < step]
-    later = [path for path in checkpoints if checkpoint_step(path) > step]
+    step = step_of(newest.name)
+    earlier = [path for path in checkpoints if step_of(path.name) < step]
+    later = [path for path in checkpoints if step_of(path.name) > step]
     return earlier[: max(len(earlier) - (keep - 1), 0)] + later
 
 
 def save_milestone_export(root: str | Path, step: int, ema: ModelEmaV3, export: ExportDescription) -> Path:
     """Write the EMA export of `step` to root/step-XXXXXXX (main process only); milestones are never rotated."""
-    final = Path(root) / checkpoint_name(step)
+    final = Path(root) / step_name(step)
     with atomic_folder(final) as temporary:
         write_export(temporary, ema_state_dict(ema), replace(export, train_step=step))
     return final
@@ -204,7 +205,7 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
     state = _read_trainer_state(path)
     try:
         extra_models = sorted(path.glob(MODEL_WEIGHTS.replace(".", "_*.")))  # REPA's projector: model_1.safetensors
-        for file in (path / MODEL_WEIGHTS, *extra_models, path / EXPORT_DIR / EXPORT_WEIGHTS):
+        for file in (path / MODEL_WEIGHTS, *extra_models, path / EXPORT_FOLDER / EXPORT_WEIGHTS):
             _check_safetensors(file)
         for name in (OPTIMIZER_STATE, SCHEDULER_STATE):
             _check_zip(path / name)
@@ -255,7 +256,7 @@ def load_checkpoint(accelerator: Accelerator, path: str | Path, ema: ModelEmaV3)
     state = _read_trainer_state(path)
     try:
         accelerator.load_state(str(path))
-        load_ema_state_dict(ema, read_weights(path / EXPORT_DIR))  # copied onto the EMA's device
+        load_ema_state_dict(ema, read_weights(path / EXPORT_FOLDER))  # copied onto the EMA's device
     except UserError:
         raise
     except (RuntimeError, ValueError, KeyError) as error:  # torch: missing, unexpected or mis-shaped keys
@@ -307,13 +308,10 @@ def _check_random_states(file: Path) -> None:
 
 
 def _damaged(path: Path, problem: str) -> str:
+    step = step_of(path.name)
     earlier = (
-        [
-            checkpoint
-            for checkpoint in list_checkpoints(path.parent)
-            if checkpoint_step(checkpoint) < checkpoint_step(path)
-        ]
-        if CHECKPOINT_PATTERN.match(path.name)
+        [checkpoint for checkpoint in list_checkpoints(path.parent) if step_of(checkpoint.name) < step]
+        if step is not None
         else []
     )
     instead = f"--resume {earlier[-1]}" if earlier else "a fresh run"

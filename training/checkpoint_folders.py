@@ -1,8 +1,7 @@
-"""A run's checkpoint folders by name: `step-XXXXXXX`, complete once its trainer_state.json is written (which ones
-are complete, and their steps, are generation.run_layout's: sample.py reads the same), and the one that
-`--resume latest|CHECKPOINT` means.
+"""The checkpoint that `--resume latest|CHECKPOINT` means (the folders' names, which ones are complete, and their
+steps, are generation.run_layout's: sample.py reads the same).
 
-They live apart from training.checkpoint, which writes and reads what is inside the folders with torch,
+It lives apart from training.checkpoint, which writes and reads what is inside the folders with torch,
 Accelerate and timm, so that train.py resolves a resume (training.run.load_launch_config) before it imports
 those.
 """
@@ -12,18 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from commands import UserError
-from generation.run_layout import TRAINER_STATE, list_checkpoints
+from generation.run_layout import TRAINER_STATE, list_checkpoints, step_name
 
-TRAIN_CONFIG = "config.yaml"
 RESUME_LATEST = "latest"
 
 
 class CheckpointError(UserError):
     """A checkpoint to resume from that is missing or damaged (the message names the file)."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:07d}"
 
 
 def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
@@ -38,7 +32,6 @@ def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
     if not (path / TRAINER_STATE).is_file():
         reason = "does not exist" if not path.exists() else f"is not a checkpoint folder (no {TRAINER_STATE})"
         raise CheckpointError(
-            f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as "
-            f"{Path(root) / checkpoint_name(0)}"
+            f"resume checkpoint {path} {reason}; pass --resume latest or a folder such as {Path(root) / step_name(0)}"
         )
     return path

@@ -31,11 +31,10 @@ from dit_vca.model_options import (
     NORMS,
     RECIPES,
     VCA_KERNEL_SETTINGS,
-    VCA_PENDING_OPTIONS,
     VCAOptions,
     recipe_options,
 )
-from sit_vca.transport_options import TIME_DISTRIBUTIONS
+from objectives import DECODER_CDF, DIFFUSION, LOSS_WEIGHT, PATH, PREDICTION, TIME_DISTRIBUTION, Setting
 from training.encoder_source import encoder_source
 
 BASE_KEY = "base"
@@ -49,6 +48,11 @@ class ConfigError(UserError):
 def _choice(default: Any, *choices: Any) -> Any:
     """A field whose value must be one of `choices` (checked after all sources are merged)."""
     return field(default=default, metadata={"choices": choices})
+
+
+def _setting(setting: Setting) -> Any:
+    """A field of an objective's setting: its default and choices, from the objectives table."""
+    return _choice(setting.default, *setting.choices)
 
 
 def _range(default: Any, minimum: float, maximum: float = math.inf, above: bool = False) -> Any:
@@ -78,8 +82,8 @@ class ModelConfig:
     recipe: str = _choice("dit", *RECIPES)  # block options preset: dit (2022), lightning (RMSNorm, SwiGLU, RoPE), ...
     norm: str | None = _choice(None, None, *NORMS)  # block norms: layernorm (DiT) or rmsnorm; null: the recipe's
     mlp: str | None = _choice(None, None, *MLPS)  # gelu (DiT) or swiglu (2/3 of the GELU width); null: the recipe's
-    qk_norm: bool | None = None  # RMSNorm of each head's queries and keys (MHSA only, for now); null: the recipe's
-    rope: bool | None = None  # 2-D rotary position embedding of queries and keys (MHSA only, for now); null: recipe's
+    qk_norm: bool | None = None  # RMSNorm of each head's queries and keys (docs/models.md); null: the recipe's
+    rope: bool | None = None  # 2-D rotary position embedding of queries and keys (docs/models.md); null: the recipe's
 
     @property
     def block_options(self) -> dict[str, Any]:
@@ -91,20 +95,20 @@ class ModelConfig:
 class DiffusionConfig:
     """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
 
-    learn_sigma: bool = True  # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
-    decoder_cdf: str = _choice("tanh", "tanh", "exact")  # normal CDF of the t = 0 decoder NLL: official tanh form
+    learn_sigma: bool = DIFFUSION.learn_sigma  # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
+    decoder_cdf: str = _setting(DECODER_CDF)  # normal CDF of the t = 0 decoder NLL: official tanh form
 
 
 @dataclass
 class TransportConfig:
     """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
 
-    path: str = _choice("linear", "linear", "gvp", "vp")  # the interpolant from noise to data
-    prediction: str = _choice("velocity", "velocity", "score", "noise")  # what the network predicts
-    loss_weight: str | None = _choice(None, None, "velocity", "likelihood")  # score/noise prediction only
+    path: str = _setting(PATH)  # the interpolant from noise to data
+    prediction: str = _setting(PREDICTION)  # what the network predicts
+    loss_weight: str | None = _setting(LOSS_WEIGHT)  # score/noise prediction only
     train_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
     sample_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
-    time_distribution: str = _choice("uniform", *TIME_DISTRIBUTIONS)  # of training times: uniform or logit-normal
+    time_distribution: str = _setting(TIME_DISTRIBUTION)  # of training times: uniform or logit-normal
     logit_normal_location: float = _range(0.0, -math.inf)  # m of t = sigmoid(m + s·N(0, 1)); t = 1 is data
     logit_normal_scale: float = _range(1.0, 0.0, above=True)  # s of the same
     cosine_loss_weight: float = _range(0.0, 0.0)  # weight of the direction loss 1 - cos(v, u) (LightningDiT: 1); 0: off
@@ -548,19 +552,11 @@ def _check_model_heads(model: ModelConfig) -> None:
 
 
 def _check_block_options(model: ModelConfig) -> None:
-    """VCA refuses the attention options its fused core does not apply yet (dit_vca.attention), whether set or
-    switched on by the recipe; RoPE needs a head dimension that splits into two axes of channel pairs."""
-    options = model.block_options
-    if model.attention == "vca":
-        for key in VCA_PENDING_OPTIONS:
-            if options[key]:
-                source = "" if getattr(model, key) else f" (by model.recipe={model.recipe})"
-                raise ConfigError(
-                    f"'model.{key}' is on{source}, but VCA's fused core does not apply {key} yet: set "
-                    f"model.{key}=false or model.attention=mhsa"
-                )
+    """RoPE needs a head dimension that splits into two axes of channel pairs, whether set or switched on by the
+    recipe."""
     from dit_vca.models import name_size
 
+    options = model.block_options
     _, width, heads = name_size(model.name)[0]
     head_dim = (model.hidden_size or width) // (model.num_heads or heads)
     if options["rope"] and head_dim % 4:

@@ -22,10 +22,10 @@ from tqdm import tqdm
 
 from atomic_files import OutputError
 from commands import UserError, end_processes
+from generation.run_layout import grid_name
 from generation.vae import sample_latents
 from training.build import TrainingParts
 from training.checkpoint import checkpoint_bytes, save_checkpoint, save_milestone_export
-from training.checkpoint_folders import checkpoint_name
 from training.config import Config, config_to_yaml
 from training.curves import draw_curves
 from training.data import CorruptImageError
@@ -331,7 +331,7 @@ class Trainer:
     def save_grid(self) -> None:
         if self.accelerator.is_main_process:
             self.run.samples.mkdir(parents=True, exist_ok=True)
-            grid = self.run.samples / f"{checkpoint_name(self.state.step)}.png"
+            grid = self.run.samples / grid_name(self.state.step)
             log = self.config.log
             title = f"step {self.state.step:,}, {self.parts.preview_weights.label}, guidance {log.sample_guidance:g}"
             self.parts.preview_weights.refresh(self.accelerator.unwrap_model(self.model))

@@ -24,9 +24,15 @@ from safetensors import SafetensorError, safe_open
 
 from atomic_files import atomic_folder, check_writable
 from commands import CommandParser, UserError, run_command
-from training.power_ema import SNAPSHOT_DESCRIPTION, snapshot_folders, snapshot_name
+from generation.run_layout import (
+    POSTHOC_EXPORTS_FOLDER,
+    PROFILE_FILES,
+    SNAPSHOT_DESCRIPTION,
+    SNAPSHOT_FOLDER,
+    posthoc_export_folder,
+)
+from training.power_ema import snapshot_folders
 from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma
-from training.run import SNAPSHOT_FOLDER
 
 # torch, safetensors.torch and generation.export (seconds to import) are imported where they are used, so that
 # `python -m training.posthoc_ema --help` and a bad argument answer at once.
@@ -35,17 +41,11 @@ if TYPE_CHECKING:
 
     from generation.export import ExportDescription
 
-DEFAULT_OUT = "posthoc_exports"  # in the run directory
 MIN_SNAPSHOTS = 4  # fewer stored profiles span too little to reconstruct anything but themselves
 
 
 class PosthocEMAError(UserError):
     """A reconstruction that cannot be made (no snapshots, a step without one, sigma_rel out of range, ...)."""
-
-
-def export_folder(out: Path, sigma_rel: float, step: int) -> Path:
-    """Where `reconstruct` writes the export of `sigma_rel` at `step` under `out`."""
-    return Path(out) / f"sigma_rel-{sigma_rel:g}-{snapshot_name(step)}"
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def stored_profiles(run_root: str | Path) -> list[StoredProfile]:
     for snapshot in snapshot_folders(Path(run_root)):
         if not snapshot.complete:
             continue
-        for file in sorted(snapshot.folder.glob("sigma_rel-*.safetensors")):
+        for file in sorted(snapshot.folder.glob(PROFILE_FILES)):
             profile = _read_profile_header(file)
             if profile.step != snapshot.step:
                 raise PosthocEMAError(
@@ -147,7 +147,7 @@ def reconstruct(
     step = used[-1].step
     target_images = used[-1].images
     description = _read_snapshot_description(used[-1].file.parent)
-    out = Path(out) if out is not None else run_root / DEFAULT_OUT
+    out = Path(out) if out is not None else run_root / POSTHOC_EXPORTS_FOLDER
     check_writable(out)  # a file, or a read-only folder, is refused before any weights are read
     times = np.array([profile.images for profile in used], np.float64)
     gammas = np.array([profile.gamma for profile in used], np.float64)
@@ -155,7 +155,7 @@ def reconstruct(
     for sigma_rel in sigma_rels:
         gamma = sigma_rel_to_gamma(sigma_rel)
         solution = reconstruct_profile(times, gammas, target_images, gamma)
-        folder = export_folder(out, sigma_rel, step)
+        folder = posthoc_export_folder(out, sigma_rel, step)
         _check_replaceable(folder)
         record = {
             "sigma_rel": sigma_rel,
@@ -245,7 +245,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sigma-rel", type=float, nargs="+", help=f"EMA lengths to reconstruct, in (0, {SIGMA_REL_MAX:.4f})"
     )
     parser.add_argument("--step", type=int, help="a snapshot step (default: the newest)")
-    parser.add_argument("--out", type=Path, help=f"folder for the exports (default RUN_DIR/{DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=f"folder for the exports (default RUN_DIR/{POSTHOC_EXPORTS_FOLDER})")
     parser.add_argument("--list", action="store_true", help="show the stored profiles and snapshot steps")
     args = parser.parse_args(argv)
     if not args.list and not args.sigma_rel:

@@ -26,29 +26,25 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError, safe_open
 
 from atomic_files import atomic_folder, atomic_output, write_json_atomic
+from generation.run_layout import (
+    POSTHOC_STATE,
+    SNAPSHOT_DESCRIPTION,
+    SNAPSHOT_FOLDER,
+    profile_file,
+    step_name,
+    step_of,
+)
 from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, PosthocEMAConfig
 from training.power_profiles import sigma_rel_to_gamma, step_decay
-from training.run import SNAPSHOT_FOLDER
 
 # torch and safetensors.torch (seconds to import) are imported where they are used, so that the reconstruction
-# command (training.posthoc_ema), which reads the snapshots' names from here, answers `--help` at once.
+# command (training.posthoc_ema), which reads the snapshot folders through this module, answers `--help` at once.
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from generation.export import ExportDescription
-
-CHECKPOINT_STATE = "posthoc_ema.safetensors"  # in each checkpoint folder: the running averages
-SNAPSHOT_DESCRIPTION = "description.json"
-
-
-def profile_file(sigma_rel: float) -> str:
-    return f"sigma_rel-{sigma_rel:g}.safetensors"
-
-
-def snapshot_name(step: int) -> str:
-    return f"step-{step:07d}"
 
 
 class PowerEMA:
@@ -121,7 +117,7 @@ class PowerEMA:
         """Write every profile's average at `step` to <run>/posthoc_ema/step-XXXXXXX/ (main process, atomic)."""
         from safetensors.torch import save_file
 
-        final = Path(run_root) / SNAPSHOT_FOLDER / snapshot_name(step)
+        final = Path(run_root) / SNAPSHOT_FOLDER / step_name(step)
         with atomic_folder(final, needed=self.snapshot_bytes()) as temporary:
             for sigma_rel, gamma, average in zip(self.sigma_rels, self.gammas, self.averages):
                 tensors = {key: value.to(self.dtype).cpu().contiguous() for key, value in zip(self.keys, average)}
@@ -142,14 +138,14 @@ class PowerEMA:
 
         tensors = {key: value.cpu().contiguous() for key, value in self.state_tensors().items()}
         metadata = {"sigma_rel": json.dumps(self.sigma_rels), "images": str(self.images)}
-        with atomic_output(Path(checkpoint) / CHECKPOINT_STATE) as temporary:
+        with atomic_output(Path(checkpoint) / POSTHOC_STATE) as temporary:
             save_file(tensors, temporary, metadata)
 
     def load_state(self, checkpoint: Path) -> None:
         """Continue the averages of a checkpoint (check_resume first: it refuses other profiles in one line)."""
         from safetensors.torch import load_file
 
-        file = Path(checkpoint) / CHECKPOINT_STATE
+        file = Path(checkpoint) / POSTHOC_STATE
         saved = load_file(file)
         with safe_open(file, framework="pt") as header:
             self.images = int(header.metadata()["images"])
@@ -170,7 +166,7 @@ def create_posthoc_ema(
 def check_resume(checkpoint: Path, settings: PosthocEMAConfig) -> None:
     """Refuse, in one line, a resume whose profiles differ from the checkpoint's (a profile's history lives only
     there) or whose profile state is damaged; snapshot_every and dtype may change and apply from now on."""
-    file = Path(checkpoint) / CHECKPOINT_STATE
+    file = Path(checkpoint) / POSTHOC_STATE
     saved: list[float] = []
     if file.exists():
         try:
@@ -212,8 +208,8 @@ def snapshot_folders(run_root: Path) -> list[SnapshotFolder]:
     if not root.is_dir():
         return []
     found = [
-        SnapshotFolder(int(path.name.removeprefix("step-")), path)
+        SnapshotFolder(step, path)
         for path in root.iterdir()
-        if path.is_dir() and path.name.startswith("step-") and path.name.removeprefix("step-").isdigit()
+        if path.is_dir() and (step := step_of(path.name)) is not None
     ]
     return sorted(found, key=lambda snapshot: snapshot.step)

@@ -1,17 +1,5 @@
-"""The run directory of one training run, and the config and checkpoint a launch into it continues with.
-
-    results/<run>/
-        config.yaml          resolved config of the latest launch
-        startup.txt          what the latest launch said it would do (training.summary)
-        metrics.jsonl        one JSON line per logging step (main process only)
-        fid.jsonl            FID during training (of the log.fid_weights samples), when log.fid_every > 0
-        curves.png           the loss and FID curves, drawn again at checkpoints (training.curves, training.loop)
-        samples/step-XXXXXXX.png   sample grids, one labelled row per class
-        tensorboard/         TensorBoard events (log.trackers; wandb/ too for wandb, see training.trackers)
-        checkpoints/step-XXXXXXX/  see training.checkpoint (the newest log.keep_checkpoints)
-        exports/step-XXXXXXX/      milestone exports every log.export_every steps (never deleted)
-        posthoc_ema/step-XXXXXXX/  post-hoc EMA snapshots every train.posthoc_ema.snapshot_every steps (never deleted)
-        posthoc_exports/           exports reconstructed from them by `python -m training.posthoc_ema`
+"""The run directory of one training run (results/<run>/, whose layout is generation.run_layout's), and the
+config and checkpoint a launch into it continues with.
 
 A new launch never damages an earlier run: a run directory that already holds one is refused unless the
 launch continues it (--resume) or replaces it (--overwrite). While a launch runs, its main process holds the
@@ -25,7 +13,6 @@ train.py reads and checks the launch's config, and resolves its resume, before i
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,20 +20,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atomic_files.folder_lock import lock_folder, lock_holder, locked_by_another, release_folder
-from generation.run_layout import CHECKPOINTS_FOLDER, TRAINER_STATE, list_checkpoints
-from training.checkpoint_folders import RESUME_LATEST, TRAIN_CONFIG, resolve_resume
+from generation.run_layout import (
+    CHECKPOINTS_FOLDER,
+    CURVES_FILE,
+    EXPORTS_FOLDER,
+    FID_FILE,
+    METRICS_FILE,
+    SAMPLES_FOLDER,
+    SNAPSHOT_FOLDER,
+    STARTUP_FILE,
+    STEP_FILE,
+    TRACKER_FOLDERS,
+    TRAIN_CONFIG,
+    TRAINER_STATE,
+    list_checkpoints,
+)
+from training.checkpoint_folders import RESUME_LATEST, resolve_resume
 from training.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-SNAPSHOT_FOLDER = "posthoc_ema"  # post-hoc EMA snapshots (training.posthoc_ema)
-TENSORBOARD_FOLDER = "tensorboard"
-TRACKER_FOLDERS = (TENSORBOARD_FOLDER, "wandb")  # what trackers write here (train.py --overwrite clears them)
-
-# step-XXXXXXX (a checkpoint or export folder), step-XXXXXXX.png (a grid), and the hidden folders and files of
-# saves that were killed or failed (.step-XXXXXXX.tmp, .old, .step-XXXXXXX.png.tmp-<pid>)
-STEP_FILE = re.compile(r"^\.?step-\d{7,}(\.png)?(\.tmp|\.old|\.tmp-\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -90,27 +83,27 @@ class RunDirectory:
 
     @property
     def config(self) -> Path:
-        return self.root / "config.yaml"
+        return self.root / TRAIN_CONFIG
 
     @property
     def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
+        return self.root / METRICS_FILE
 
     @property
     def fid(self) -> Path:
-        return self.root / "fid.jsonl"
+        return self.root / FID_FILE
 
     @property
     def curves(self) -> Path:
-        return self.root / "curves.png"
+        return self.root / CURVES_FILE
 
     @property
     def startup(self) -> Path:
-        return self.root / "startup.txt"
+        return self.root / STARTUP_FILE
 
     @property
     def samples(self) -> Path:
-        return self.root / "samples"
+        return self.root / SAMPLES_FOLDER
 
     @property
     def checkpoints(self) -> Path:
@@ -118,12 +111,16 @@ class RunDirectory:
 
     @property
     def exports(self) -> Path:
-        return self.root / "exports"
+        return self.root / EXPORTS_FOLDER
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / SNAPSHOT_FOLDER
 
     @property
     def step_folders(self) -> tuple[Path, ...]:
         """The folders of step-XXXXXXX entries that runs write."""
-        return (self.checkpoints, self.exports, self.samples, self.root / SNAPSHOT_FOLDER)
+        return (self.checkpoints, self.exports, self.samples, self.snapshots)
 
     def earlier_run(self) -> list[Path]:
         """What an earlier launch left here: checkpoints, logs, exports (empty for a new directory). A config.yaml

@@ -20,8 +20,8 @@ from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 from accelerate.utils import LoggerType
 
+from generation.run_layout import TENSORBOARD_FOLDER
 from training.config import Config, ConfigError, LogConfig, config_to_dict
-from training.run import TENSORBOARD_FOLDER
 
 TRACKER_NAMES = tuple(kind.value for kind in LoggerType if kind is not LoggerType.ALL)  # each also its module name
 STATE_KEY = "trackers"  # trainer_state.json: {"trackers": {"wandb": "<run id>"}}

@@ -1,0 +1,124 @@
+"""The run folder's layout has one home, generation.run_layout: no other module spells its names (checked on the
+source tree), and it holds the one parse of the step folders. (That every reader of a run's newest checkpoint takes
+only a complete one: tests/test_third_day.py.)"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from generation import run_layout
+from generation.run_layout import STEP_FILE, posthoc_export_folder, step_name, step_of
+
+REPO = Path(__file__).resolve().parents[1]
+HOME = REPO / "generation" / "run_layout.py"
+
+# Every name of the layout: the home's string constants (file and folder names, the step and profile prefixes).
+NAMES = {
+    value
+    for key, value in vars(run_layout).items()
+    if key.isupper() and isinstance(value, str) and not key.endswith(("_SUFFIX", "_FILES"))
+} | set(run_layout.TRACKER_FOLDERS)
+PREFIXES = (run_layout.STEP_PREFIX, run_layout.PROFILE_PREFIX)  # step-XXXXXXX, sigma_rel-S...
+# Names that are also plain words of other vocabularies (JSON keys of records, tracker names): a stray spelling
+# only where the string is a path part, an operand of `/`.
+WORDS = {"export", "exports", "samples", "tensorboard", "wandb"}
+
+# (file, string): why that file may spell it.
+EXCEPTIONS = {
+    ("fid/weights.py", "checkpoints"): "torch.hub's own folder of downloaded weights (TORCH_HOME/hub/checkpoints)",
+    ("generation/official.py", "checkpoints"): "torch.hub's own folder of downloaded weights, as fid/weights.py",
+    ("sweep.py", "samples"): "the sweep's own output folder (OUT/samples/<point>.npz), not a run's",
+    ("studies/runner.py", "samples"): "a study's own output folder (OUT/samples/<name>.npz), not a run's",
+}
+
+
+def source_files() -> list[Path]:
+    """The project's Python files: the tests spell the layout on purpose (as the expected values), and hidden
+    folders hold environments and caches."""
+    return sorted(
+        path
+        for path in REPO.rglob("*.py")
+        if not any(part.startswith(".") for part in path.relative_to(REPO).parts)
+        and path.relative_to(REPO).parts[0] != "tests"
+        and path != HOME
+    )
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def stray_spellings(source: str) -> list[tuple[int, str]]:
+    """(line, string) of every string in `source` (f-strings' literal parts too; docstrings are prose) that spells
+    a name of the run layout as a part of a path."""
+    tree = ast.parse(source)
+    prose = docstrings(tree)
+    path_operands = {
+        id(side)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+        for side in (node.left, node.right)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Constant) or not isinstance(node.value, str) or id(node) in prose:
+            continue
+        for part in node.value.split("/"):
+            bare = part.lstrip("^\\.?")  # a regular expression's r"^\.?step-" or a hidden ".step-"
+            if part in WORDS and id(node) not in path_operands:
+                continue
+            if part in NAMES or bare.startswith(PREFIXES):
+                found.append((node.lineno, node.value))
+                break
+    return found
+
+
+def test_no_module_but_the_home_spells_the_run_layout():
+    strays, used = [], set()
+    for path in source_files():
+        name = str(path.relative_to(REPO))
+        for line, text in stray_spellings(path.read_text()):
+            if (name, text) in EXCEPTIONS:
+                used.add((name, text))
+            else:
+                strays.append(f"{name}:{line}: {text!r}")
+    assert not strays, "names of the run layout outside generation.run_layout (import them from there):\n" + "\n".join(
+        strays
+    )
+    assert used == set(EXCEPTIONS), f"exceptions that no longer apply: {sorted(set(EXCEPTIONS) - used)}"
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ('x = run / "checkpoints" / name', True),
+        ('x = f"{run}/checkpoints/{name}"', True),
+        ('name = f"step-{step:07d}"', True),
+        ('pattern = r"^\\.?step-\\d{7,}$"', True),
+        ('folder = f"sigma_rel-{s:g}"', True),
+        ('x = run / "samples"', True),
+        ('record = {"samples": 3, "export": "e"}', False),  # JSON keys, not paths
+        ('"""A docstring naming checkpoints/step-0000020/ as prose."""', False),
+        ('flag = "--last-step-size"', False),
+    ],
+)
+def test_the_scan_finds_path_spellings_only(source, expected):
+    assert bool(stray_spellings(source)) is expected
+
+
+def test_step_folders_have_one_parse():
+    assert step_name(20) == "step-0000020" and step_of(step_name(20)) == 20 and step_of("step-12345678") == 12345678
+    for other in ("step-20", ".step-0000020.tmp", "step-0000020.old", "step-0000020.png", "steps-0000020"):
+        assert step_of(other) is None, other
+    for written in ("step-0000020", ".step-0000020.tmp", "step-0000020.png", ".step-0000020.png.tmp-42"):
+        assert STEP_FILE.match(written), written
+    assert posthoc_export_folder("out", 0.05, 20) == Path("out/sigma_rel-0.05-step-0000020")
