@@ -44,7 +44,7 @@ bench-gpu-extended:
 	python3 -m bench.gpu_extended
 
 quality: $(STAMP)
-	$(CPU_ALLOCATOR) $(PY) -m bench.quality --stage all
+	$(CPU_ALLOCATOR) $(PY) -m studies.quality --stage all
 
 clean:
 	rm -rf $(VENV) results

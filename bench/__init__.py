@@ -1,2 +1,2 @@
-"""Benchmarks and studies: `python -m bench.quality`, and the scripts bench/<name>.py with their results in
-bench/results/."""
+"""Speed and memory benchmarks: the scripts bench/<name>.py (`python -m bench.<name>`), with their results in
+bench/results/. Sample quality is measured by the studies (studies/)."""

@@ -15,7 +15,7 @@ wall-clock rates, which they do change:
 - train: one optimiser step of configs/digits.yaml (Trainer.train_step: forward, backward, clipping, AdamW,
   EMA), with `threads` intra-op threads, TF32 as the config says (train.tf32=true) and off;
 - sample: one DDPM step of the demo's sampler on a batch of demo.SAMPLE_BATCH, unguided and guided;
-- inception: the bundled Inception-v3 on demo.FID_BATCH digits (FID's preprocessing included).
+- inception: the bundled Inception-v3 on judges.digits.INCEPTION_BATCH digits (FID's preprocessing included).
 
 Writes bench/results/demo-cpu.json and a Markdown table (.md); the plot shows the CPU seconds per unit.
 """
@@ -108,6 +108,7 @@ def sample_and_inception_rows(threads: int, repeats: int) -> list[dict]:
     from fid import extract_features, load_inception
     from generation import ImageGenerator
     from generation.objective import create_objective
+    from judges.digits import INCEPTION_BATCH, real_digits
     from training.build import build_model, objective_spec
     from training.config import load_config
 
@@ -122,11 +123,11 @@ def sample_and_inception_rows(threads: int, repeats: int) -> list[dict]:
         step = partial(generator.generate, labels, seeds, guidance=guidance, sampler=demo.SAMPLER, steps=1)
         figures = timed(step, repeats)
         rows.append({"part": f"sample step, guidance {guidance:g}", "threads": threads, "tf32": False, **figures})
-    images, _ = demo.real_digits()
+    images, _ = real_digits()
     extractor = load_inception("bundled", device="cpu")
-    batch = images[: demo.FID_BATCH]
+    batch = images[:INCEPTION_BATCH]
     figures = timed(lambda: extract_features([batch], extractor), max(1, repeats // 4))
-    rows.append({"part": f"inception, {demo.FID_BATCH} images", "threads": threads, "tf32": False, **figures})
+    rows.append({"part": f"inception, {INCEPTION_BATCH} images", "threads": threads, "tf32": False, **figures})
     return rows
 
 

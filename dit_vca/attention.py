@@ -251,7 +251,9 @@ class VisualContrastAttention(nn.Module):
         o = self.options
         switches = (o.joint_softmax, o.stage1_differential, o.stage2_differential, o.pooled_content)
         forced_by = option if self.kernel == "triton" else None
-        return triton_core_passes(device, dtype, self.head_dim, self.grid_size, self.contrast_grid, switches, forced_by)
+        return triton_core_passes(
+            type(self), device, dtype, self.head_dim, self.grid_size, self.contrast_grid, switches, forced_by
+        )
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The readable path: VCA step by step in autograd-differentiated torch operations. It is the

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from commands import UserError
+from dit_vca.model_options import VCAOptions
 
 CHECKED_DEVICE_TYPES = ("cuda",)
 SLICE_IMAGES, SLICE_HEADS = 2, 2  # the slice: images × heads of the layer's head dimension
@@ -103,6 +104,7 @@ _VERDICTS: dict[CheckKey, str | None] = {}  # key -> None (passed) or why it fai
 
 @torch.compiler.assume_constant_result
 def triton_core_passes(
+    layer_type: type[torch.nn.Module],
     device: torch.device,
     dtype: torch.dtype,
     head_dim: int,
@@ -112,16 +114,17 @@ def triton_core_passes(
     forced_by: str | None,
 ) -> bool:
     """Whether the Triton core may run for this device, dtype, head dim and `switches` (joint_softmax,
-    stage1_differential, stage2_differential, pooled_content): True when its first-use check (on a slice with this
-    token grid and contrast grid) passed or does not apply to the device type. A failed check returns False after one
-    line on stderr, or, with `forced_by` (the option that chose Triton explicitly, e.g. "train.vca_kernel"), raises a
-    UserError naming it. Constant for Dynamo (see the module docstring)."""
+    stage1_differential, stage2_differential, pooled_content): True when its first-use check (on a slice of a
+    `layer_type` layer, VisualContrastAttention, with this token grid and contrast grid) passed or does not apply
+    to the device type. A failed check returns False after one line on stderr, or, with `forced_by` (the option
+    that chose Triton explicitly, e.g. "train.vca_kernel"), raises a UserError naming it. Constant for Dynamo (see
+    the module docstring)."""
     if device.type not in CHECKED_DEVICE_TYPES:
         return True
     tf32 = device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     key = CheckKey(_with_index(device), dtype, head_dim, *switches, tf32)
     if key not in _VERDICTS:
-        _VERDICTS[key] = check_triton_core(key, grid_size, contrast_grid)
+        _VERDICTS[key] = check_triton_core(key, layer_type, grid_size, contrast_grid)
         if _VERDICTS[key] is not None and forced_by is None:
             print(
                 f"warning: VCA's Triton core failed its first-use check ({key.describe()}): {_VERDICTS[key]}; this "
@@ -147,11 +150,14 @@ def _with_index(device: torch.device) -> torch.device:
     return device
 
 
-def check_triton_core(key: CheckKey, grid_size: int, contrast_grid: int) -> str | None:
-    """Run the slice of `key` (see the module docstring) on the Triton core and the ATen core: None when they agree,
+def check_triton_core(
+    key: CheckKey, layer_type: type[torch.nn.Module], grid_size: int, contrast_grid: int
+) -> str | None:
+    """Run the slice of `key` (see the module docstring), a `layer_type` layer (VisualContrastAttention: passed in,
+    since that module imports this one), on the Triton core and the ATen core: None when they agree,
     else why not, in a few words ("CompilationError: ...", "dx differs from the ATen core's by 0.93 ...")."""
     with _apart(key.device):
-        layer, x, grad = _slice(key, grid_size, contrast_grid)
+        layer, x, grad = _slice(key, layer_type, grid_size, contrast_grid)
         tensors = [x, *layer.parameters()]
         names = ["dx", *(f"d{name}" for name, _ in layer.named_parameters())]
         tuned = _autotuned_choices()
@@ -187,19 +193,17 @@ def relative_error(result: Tensor, reference: Tensor) -> float:
     return difference / scale if scale else difference
 
 
-def _slice(key: CheckKey, grid_size: int, contrast_grid: int, seed: int = 0):
-    """A VCA layer of SLICE_HEADS heads of the key's head dim and switches on the given grids, its λ vectors and
-    norm weights moved off their initial values (so that each matters), on the key's device; float32 tokens x
-    (SLICE_IMAGES, N, C) and a gradient for the core's output, both rounded to the key's dtype (the ATen reference
-    then sees what the Triton core sees). Drawn on the CPU from seed 0, the same slice on every device."""
-    from dit_vca.attention import VCAOptions, VisualContrastAttention  # it imports this module
-
+def _slice(key: CheckKey, layer_type: type[torch.nn.Module], grid_size: int, contrast_grid: int, seed: int = 0):
+    """A VCA layer (`layer_type`) of SLICE_HEADS heads of the key's head dim and switches on the given grids, its λ
+    vectors and norm weights moved off their initial values (so that each matters), on the key's device; float32
+    tokens x (SLICE_IMAGES, N, C) and a gradient for the core's output, both rounded to the key's dtype (the ATen
+    reference then sees what the Triton core sees). Drawn on the CPU from seed 0, the same slice on every device."""
     options = VCAOptions(
         contrast_grid, key.joint_softmax, key.stage1_differential, key.stage2_differential, key.pooled_content
     )
     dim = SLICE_HEADS * key.head_dim
     torch.random.default_generator.manual_seed(seed)  # the CPU's stream alone (torch.manual_seed reseeds every GPU)
-    layer = VisualContrastAttention(dim, SLICE_HEADS, grid_size, SLICE_BLOCK_INDEX, options)
+    layer = layer_type(dim, SLICE_HEADS, grid_size, SLICE_BLOCK_INDEX, options)
     with torch.no_grad():
         for name, parameter in layer.named_parameters():
             if name.startswith(("lambda", "norm")):

@@ -1,4 +1,5 @@
-"""Shared by the tests of bench/: run a benchmark's or a study's --quick mode in a subprocess, as a user would."""
+"""Shared by the tests of bench/ and studies/: run a benchmark's or a study's --quick mode in a subprocess, as a
+user would."""
 
 import os
 import subprocess

@@ -240,8 +240,8 @@ def test_a_protocol_with_a_guide_autoguides_instead_of_its_classifier_free_guida
 
 def test_sampling_md_compares_autoguidance_scales_with_cfg_scales_in_the_studys_figures():
     """docs/sampling.md's "Autoguidance scales are not CFG scales" quotes the post-hoc EMA and autoguidance study
-    (bench/results/posthoc-digits.json, docs/evidence.md): every accuracy and FID it names is the study's."""
-    study = json.loads((REPO / "bench" / "results" / "posthoc-digits.json").read_text())["arms"]
+    (studies/results/posthoc-digits.json, docs/evidence.md): every accuracy and FID it names is the study's."""
+    study = json.loads((REPO / "studies" / "results" / "posthoc-digits.json").read_text())["arms"]
     text = (REPO / "docs" / "sampling.md").read_text()
     prose = " ".join(text.split("**Autoguidance scales are not CFG scales.**", 1)[1].split("\n- **", 1)[0].split())
 

@@ -20,20 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # script -> (stem of its quick result files, path to the list of measured rows, the positive figure in each row)
 SCRIPTS = {
-    "attention": ("attention-cpu-quick", "rows", "ms"),
-    "samplers": ("samplers-cpu-quick", "rows", "images_per_s"),
-    "train": ("train-cpu-quick", "results", "images_per_s"),
-    "fid": ("fid-cpu-quick", "inception", "images_per_s"),
-    "solvers": ("solvers-cpu-quick", "rows", "images_per_s"),
-    "startup": ("startup-cpu-quick", "rows", "seconds"),
-    "allocator": ("allocator-cpu-quick", "rows", "images_per_s"),
+    "bench.attention": ("attention-cpu-quick", "rows", "ms"),
+    "bench.samplers": ("samplers-cpu-quick", "rows", "images_per_s"),
+    "bench.train": ("train-cpu-quick", "results", "images_per_s"),
+    "bench.fid": ("fid-cpu-quick", "inception", "images_per_s"),
+    "studies.solvers": ("solvers-cpu-quick", "rows", "images_per_s"),
+    "bench.startup": ("startup-cpu-quick", "rows", "seconds"),
+    "bench.allocator": ("allocator-cpu-quick", "rows", "images_per_s"),
 }
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None:
     stem, rows_key, figure = SCRIPTS[script]
-    run_quick(f"bench.{script}", tmp_path, timeout=600)
+    run_quick(script, tmp_path, timeout=600)
     for suffix in (".json", ".md", ".png"):
         assert (tmp_path / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix} missing or empty"
     rows = json.loads((tmp_path / f"{stem}.json").read_text())[rows_key]

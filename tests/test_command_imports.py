@@ -1,6 +1,8 @@
 """Commands answer at once: `--help`, a bad argument and a bad config value are answered before the heavy libraries
 are imported (diffusers, timm and torchvision take seconds each; bench/startup.py measures the start-up times), and
-`python -m fid` reports a user error it can see without reading images before it imports torch.
+`python -m fid` reports a user error it can see without reading images before it imports torch. The rule and the
+modules that keep it are written down in docs/architecture.md ("Light imports"); every module that page lists is
+checked here to import without the heavy libraries.
 
 Each case runs the real command line in a fresh interpreter (runpy, as `python train.py ...` runs it) and reads
 which libraries it had imported when it exited."""
@@ -8,9 +10,11 @@ which libraries it had imported when it exited."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +67,7 @@ def imported_by(*command: str) -> tuple[int, set[str], str]:
         (("training.posthoc_ema", "--help"), 0),
         (("training.posthoc_ema", "run", "--sigma-rel", "0.1", "--no-such-option"), 2),
         (("sweep.py", "--help"), 0),
+        (("demo.py", "--help"), 0),
         (("sweep.py", "--ckpt", "x", "--ref", "r.npz", "--out", "o", "--num-samples", "0"), 2),
         (("generation.likelihood", "--help"), 0),
         (("generation.likelihood", "--ckpt", "x", "--images", "i.npz", "--batch-size", "0"), 2),
@@ -135,10 +140,37 @@ def test_a_good_config_is_checked_without_diffusers_or_timm():
     assert result.stdout.split() == ["['torch']"]
 
 
-@pytest.mark.parametrize("package", ["fid", "generation", "dit_vca", "samplers"])
+@pytest.mark.parametrize("package", ["fid", "generation", "dit_vca", "sit_vca", "samplers"])
 def test_no_submodule_is_named_like_a_name_its_package_hands_on_lazily(package):
     """Importing a submodule makes it the package's attribute of its name, which would hide the function of that
     name that the package hands on from another module on first use."""
     face = importlib.import_module(package)
     submodules = {module.name for module in pkgutil.iter_modules(face.__path__)}
     assert not submodules & set(face.__all__)
+
+
+def light_modules(page: Path) -> list[str]:
+    """The modules docs/architecture.md says import without the heavy libraries: every dotted name in backticks in
+    the list that follows "These modules import without torch" in its "Light imports" section (a script's file
+    name, `train.py`, is a path there, not a module)."""
+    section = page.read_text().split("## Light imports", 1)[1].split("\n## ", 1)[0]
+    listing = section.split("These modules import without torch", 1)[1].split("\n\n", 2)[1]
+    return [name for name in re.findall(r"`([\w.]+)`", listing) if not name.endswith(".py")]
+
+
+def test_every_module_the_architecture_page_calls_light_imports_without_heavy_libraries():
+    modules = light_modules(ROOT / "docs" / "architecture.md")
+    assert len(modules) >= 40, modules  # the whole list was read, not one line of it
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    # One interpreter imports them all: a single heavy import by any of them shows in sys.modules at the end.
+    code = (
+        f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
+        f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["[]"], f"a module docs/architecture.md calls light imported {result.stdout}"

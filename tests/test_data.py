@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torchvision import transforms
 
+from training.builtin_data import DigitsDataset
 from training.data import (
     CorruptImageError,
-    DigitsDataset,
     ImageFolderDataset,
     LatentShardDataset,
     ShardedBatches,

@@ -1,5 +1,5 @@
-"""demo.py's scoring parts: the real digits as sample files store them, the independent classifier, the
-report. (The demo itself trains for minutes: `make demo`, not `make test`.)"""
+"""demo.py and the digits judge it scores with (judges.digits): the real digits as sample files store them, the
+independent classifier, the report. (The demo itself trains for minutes: `make demo`, not `make test`.)"""
 
 import os
 import signal
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import demo
+from judges import digits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_real_digits_are_stored_like_samples():
     from sklearn.datasets import load_digits
 
-    images, labels = demo.real_digits()
+    images, labels = digits.real_digits()
     reference = load_digits()
     assert images.dtype == np.uint8 and images.shape == (1797, 8, 8, 3)
     np.testing.assert_array_equal(labels, reference.target)
@@ -32,8 +33,8 @@ def test_real_digits_are_stored_like_samples():
 
 
 def test_classifier_recognises_real_digits_and_checks_the_labels():
-    images, labels = demo.real_digits()
-    classifier = demo.fit_classifier(images, labels)
+    images, labels = digits.real_digits()
+    classifier = digits.fit_classifier(images, labels)
     # scikit-learn's SVC scores 98-99 % on held-out digits (measured here: 98.9 %); 97 % leaves room for
     # library versions without letting a broken feature map (~10 %) pass.
     assert classifier.held_out_accuracy >= 0.97
@@ -72,23 +73,23 @@ def test_report_lists_every_set_against_its_goal():
 
 
 def test_committed_real_digit_features_match_a_fresh_computation(bundled_inception):
-    # demo.REAL_FEATURES holds the Inception pool_3 features of the 1797 real digits (bundled weights), computed
-    # once; recompute a spot check spread over the whole file (every 43rd digit: 42 images, every class among
+    # judges.digits.REAL_FEATURES holds the Inception pool_3 features of the 1797 real digits (bundled weights),
+    # computed once; recompute a spot check spread over the whole file (every 43rd digit: 42 images, every class among
     # them) and compare. Other weights, another preprocessing or another order would change every row.
     from fid import extract_features
 
-    images, _ = demo.real_digits()
+    images, _ = digits.real_digits()
     spot = slice(0, None, 43)
-    with np.load(demo.REAL_FEATURES) as stored:
-        assert str(stored["weights"]) == demo.BUNDLED_WEIGHTS_KIND
+    with np.load(digits.REAL_FEATURES) as stored:
+        assert str(stored["weights"]) == digits.BUNDLED_WEIGHTS_KIND
         committed = stored["pool"]
     assert committed.shape == (1797, 2048) and committed.dtype == np.float32
     fresh = extract_features([images[spot]], bundled_inception, keep_pool=True).pool.numpy()
     # Bit-identical on the machine that wrote them (batches of 50 and 100 measured); float32 convolutions may round
     # differently on a CPU of another vector width (~1e-6 relative). Features are post-ReLU averages of 0..7.
     np.testing.assert_allclose(committed[spot], fresh, rtol=1e-4, atol=1e-5)
-    # the demo reads the committed features (not a recomputation) when they fit
-    np.testing.assert_array_equal(demo.real_digit_features(images, extractor=None), committed.astype(np.float64))
+    # the judge reads the committed features (not a recomputation) when they fit
+    np.testing.assert_array_equal(digits.real_digit_features(images, extractor=None), committed.astype(np.float64))
 
 
 # ----------------------------------------------------------------------------------------------

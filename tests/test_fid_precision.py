@@ -15,7 +15,7 @@ from fid.__main__ import main as fid_main
 from generation import ImageGenerator, read_export
 from generation.images import to_uint8
 from generation.sample_plan import sample_seeds
-from training.data import DigitsDataset
+from training.builtin_data import DigitsDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"

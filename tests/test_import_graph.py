@@ -1,5 +1,5 @@
-"""The project's structure, held by the suite: packages import only packages on floors below their own, and no
-module imports itself back through a circle.
+"""The project's structure, held by the suite: packages import only packages on floors below their own, no module
+imports itself back through a circle, a study imports no other study, and docs/architecture.md lists these floors.
 
 The floors follow the README's data flow (configs -> training run -> export -> generation -> .npz -> fid), read
 as "who may use whom": a command uses training, training uses generation, generation uses the models and
@@ -12,6 +12,7 @@ is still a circle.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,15 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("generation",),
     ("training",),
     ("sample_arguments",),  # sample.py's parser and checks; sweep.py checks its points with them
+    ("judges",),  # the classifiers and real images that the demo, the studies and bench.demo score with
     ("train", "sample", "demo"),
     ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema
-    ("bench",),
+    ("bench",),  # speed and memory
+    ("studies",),  # sample quality: trains with train.py, scores with sweep and the judges, reports with bench's tools
 )
 FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}
+# What every study may import of the studies package besides itself: their shared machinery.
+STUDY_MACHINERY = {"studies", "studies.runner", "studies.scorers", "studies.report"}
 
 
 def module_name(path: Path) -> str:
@@ -108,6 +113,36 @@ def test_fid_knows_nothing_of_models():
     graph = import_graph()
     outside = {top(target) for module, targets in graph.items() if top(module) == "fid" for target in targets}
     assert outside <= {"fid", "commands", "atomic_files"}, outside
+
+
+def test_a_study_imports_no_other_study_and_not_the_demo():
+    """The studies share their machinery (runner, scorers, report) and score with the judges, like the demo does:
+    a study that imports another, or the demo as a library, ties two rooms' insides together."""
+    graph = import_graph()
+    studies = {module for module in graph if top(module) == "studies" and module not in STUDY_MACHINERY}
+    assert studies, "no study found under studies/"
+    ties = sorted(
+        f"{module} -> {target}"
+        for module in studies
+        for target in graph[module]
+        if (top(target) == "studies" and target not in STUDY_MACHINERY) or top(target) == "demo"
+    )
+    assert not ties, "a study imports another study or the demo:\n" + "\n".join(ties)
+
+
+def documented_floors(page: Path) -> tuple[tuple[str, ...], ...]:
+    """The numbered list of docs/architecture.md's "The rooms and their floors": the rooms named (in backticks)
+    before the colon of each item, lowest floor first."""
+    section = page.read_text().split("## The rooms and their floors", 1)[1].split("\n## ", 1)[0]
+    floors = []
+    for number, names in re.findall(r"^(\d+)\. ((?:`\w+`(?:, )?)+):", section, re.M):
+        assert int(number) == len(floors) + 1, f"{page.name}: floor {number} out of order"
+        floors.append(tuple(re.findall(r"`(\w+)`", names)))
+    return tuple(floors)
+
+
+def test_the_architecture_page_lists_these_floors():
+    assert documented_floors(REPO / "docs" / "architecture.md") == FLOORS
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:

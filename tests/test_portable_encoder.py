@@ -68,8 +68,8 @@ def test_a_config_names_an_encoder_folder_by_the_timm_name_it_copies_else_by_its
     assert (repa.encoder, repa.path) == (TIMM_NAME, str(named))
     repa = launch("train.repa.encoder=encoders/tiny")  # another size and patch: a copy of no named model
     assert (repa.encoder, repa.path) == (str(other), str(other))
-    # bench/digits_encoder's config.json carries vit_tiny_patch16_224's default tag, but it is not that model
-    digits = ROOT / "bench" / "digits_encoder"
+    # studies/digits_encoder's config.json carries vit_tiny_patch16_224's default tag, but it is not that model
+    digits = ROOT / "studies" / "digits_encoder"
     repa = launch(f"train.repa.encoder={os.path.relpath(digits)}")
     assert (repa.encoder, repa.path) == (str(digits), str(digits))
     repa = launch(f"train.repa.encoder={TIMM_NAME}")

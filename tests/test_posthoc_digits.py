@@ -1,4 +1,4 @@
-"""bench/posthoc_digits.py (post-hoc EMA and autoguidance on the digits, issue 29): in --quick mode it trains with
+"""studies/posthoc_digits.py (post-hoc EMA and autoguidance on the digits, issue 29): in --quick mode it trains with
 stored profiles, reconstructs, scores every setting, reports and resumes; the committed full study is what the
 pages quote; and the recipe's classic EMA has the width the pages say."""
 
@@ -9,8 +9,18 @@ import numpy as np
 import pytest
 
 from _study import run_quick
-from bench.posthoc_digits import FULL, FULL_GRID, QUICK, QUICK_GRID, STEM, Grid, arms, matched_accuracy, render_markdown
-from bench.quality import format_spread
+from studies.posthoc_digits import (
+    FULL,
+    FULL_GRID,
+    QUICK,
+    QUICK_GRID,
+    STEM,
+    Grid,
+    arms,
+    matched_accuracy,
+    render_markdown,
+)
+from studies.report import format_spread
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]
@@ -18,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_path):
     out = tmp_path / "study"
-    first = run_quick("bench.posthoc_digits", out)
+    first = run_quick("studies.posthoc_digits", out)
     assert all(f"quality: training {arm.name}-seed0" in first for arm in arms(QUICK))
     results = json.loads((out / f"{STEM}.json").read_text())
     markdown = (out / f"{STEM}.md").read_text()
@@ -50,7 +60,7 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
     # A rerun finds everything done: it trains, reconstructs and scores nothing and writes the same report.
     stamps = {path: path.stat().st_mtime_ns for path in (out / "sweeps").glob("*/scores/*.json")}
     assert len(stamps) == 2 * len(expected)
-    second = run_quick("bench.posthoc_digits", out)
+    second = run_quick("studies.posthoc_digits", out)
     assert "quality: training" not in second and "sweep:" not in second
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
     assert (out / f"{STEM}.md").read_text() == markdown
@@ -80,13 +90,13 @@ def test_autoguidance_is_matched_with_cfg_by_interpolating_cfg_along_its_accurac
 
 
 def test_the_published_study_is_the_committed_result():
-    """bench/results/posthoc-digits.md is the committed JSON rendered, by the full study's budget and grid, and
+    """studies/results/posthoc-digits.md is the committed JSON rendered, by the full study's budget and grid, and
     docs/evidence.md carries its tables row for row: a rerun that changes a figure must change the page too."""
-    results = json.loads((REPO / "bench" / "results" / f"{STEM}.json").read_text())
+    results = json.loads((REPO / "studies" / "results" / f"{STEM}.json").read_text())
     assert results["budget"]["max_steps"] == 2000 and results["budget"]["seeds"] == list(FULL.seeds)
     assert results["grid"] == json.loads(json.dumps(FULL_GRID.__dict__))  # tuples as JSON lists
     markdown = render_markdown(results)
-    assert (REPO / "bench" / "results" / f"{STEM}.md").read_text() == markdown
+    assert (REPO / "studies" / "results" / f"{STEM}.md").read_text() == markdown
     page = (REPO / "docs" / "evidence.md").read_text().splitlines()
     rows = [line for line in markdown.splitlines() if line.startswith("| ") and not line.startswith("| arm |")]
     assert len(rows) == 2 * (len(FULL_GRID.sigma_rels) + 1) + 2 * (3 + len(FULL_GRID.autoguidance_scales))

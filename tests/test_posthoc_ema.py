@@ -26,8 +26,9 @@ from generation.diffusers_interop import load_mhsa_model, to_diffusers
 from generation.run_layout import POSTHOC_STATE as CHECKPOINT_STATE
 from generation.run_layout import SNAPSHOT_FOLDER
 from training.config import ConfigError, PosthocEMAConfig
-from training.posthoc_ema import PosthocEMAError, PowerEMA, reconstruct
+from training.posthoc_ema import PosthocEMAError, reconstruct
 from training.posthoc_ema import main as posthoc_main
+from training.power_ema import PowerEMA
 from training.power_profiles import (
     SIGMA_REL_MAX,
     gamma_to_sigma_rel,

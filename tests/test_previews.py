@@ -21,7 +21,7 @@ from test_startup import summary_rows
 from training.config import ConfigError, PosthocEMAConfig, load_config
 from training.curves import draw_curves
 from training.ema import create_ema
-from training.posthoc_ema import PowerEMA
+from training.power_ema import PowerEMA
 from training.preview import PreviewWeights, save_preview_grid
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""bench/quality.py, the VCA-vs-MHSA study: its --quick smoke run end to end, resumption, and the reading."""
+"""studies/quality.py, the VCA-vs-MHSA study: its --quick smoke run end to end, resumption, and the reading."""
 
 import json
 import statistics
@@ -10,22 +10,9 @@ import numpy as np
 import pytest
 
 from _study import run_quick as run_study_quick
-from bench.quality import (
-    ABLATIONS,
-    CONFIG,
-    FULL,
-    MHSA,
-    QUICK,
-    SIT,
-    VCA,
-    checkpoint_steps,
-    parse_arguments,
-    reading,
-    reusable_record,
-    run_name,
-    spread,
-    stage_runs,
-)
+from studies.quality import ABLATIONS, CONFIG, MHSA, SIT, VCA, parse_arguments, stage_runs
+from studies.report import reading, spread
+from studies.runner import FULL, QUICK, checkpoint_steps, reusable_record, run_name
 from training.build import build_model
 from training.config import load_config
 
@@ -34,7 +21,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def run_quick(out: Path) -> str:
-    return run_study_quick("bench.quality", out)
+    return run_study_quick("studies.quality", out)
 
 
 def test_quick_study_reports_and_a_rerun_redoes_only_missing_work(tmp_path):
@@ -141,7 +128,7 @@ def test_the_full_study_meets_the_issue_minimums():
 
 
 def test_a_score_record_is_reused_only_for_the_same_export_and_settings(tmp_path):
-    """A rerun reads a scoring's record back only when it scored the same thing: bench.posthoc_digits scores "the
+    """A rerun reads a scoring's record back only when it scored the same thing: studies.posthoc_digits scores "the
     best sigma_rel", which a new seed can move, so a record of another export or identity must be scored again."""
     expected = {"arm": "vca", "sigma_rel": 0.03, "export": "runs/a/sigma_rel-0.03", "settings": {"guidance": 2.0}}
     record = tmp_path / "score.json"

@@ -1,4 +1,4 @@
-"""bench/repa_digits.py (the REPA x attention study on the digits) in --quick mode, and the committed digits
+"""studies/repa_digits.py (the REPA x attention study on the digits) in --quick mode, and the committed digits
 encoder that stands in for DINOv2."""
 
 import json
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from _study import run_quick as run_study_quick
-from bench.digits_encoder import FOLDER, accuracy, split_digits
-from bench.quality import checkpoint_steps, format_spread, spread
-from bench.repa_digits import QUICK, QUICK_PROJECTOR, arms
+from studies.digits_encoder import FOLDER, accuracy, split_digits
+from studies.repa_digits import QUICK_PROJECTOR, arms
+from studies.report import format_spread, spread
+from studies.runner import QUICK, checkpoint_steps
 from training.config import RepaConfig
 from training.repa import load_encoder
 
@@ -32,7 +33,7 @@ def test_committed_digits_encoder_loads_and_has_its_recorded_accuracy():
 
 
 def run_quick(out: Path) -> str:
-    return run_study_quick("bench.repa_digits", out)
+    return run_study_quick("studies.repa_digits", out)
 
 
 def test_quick_study_trains_the_four_arms_reports_and_resumes(tmp_path):
@@ -54,7 +55,7 @@ def test_quick_study_trains_the_four_arms_reports_and_resumes(tmp_path):
         assert all("alignment_loss" in json.loads(line) for line in lines)
     assert "alignment_loss" not in (out / "runs" / "vca-seed0" / "metrics.jsonl").read_text()
     assert "VCA + REPA" in markdown and "One seed per arm" in markdown and "real digits" in markdown
-    assert "bench/digits_encoder" in markdown and str(REPO) not in markdown
+    assert "studies/digits_encoder" in markdown and str(REPO) not in markdown
     assert str(REPO) not in (out / "repa-digits.json").read_text()  # paths in the repository, not on this machine
 
     # A rerun finds everything done: it trains and scores nothing and writes the same report.
@@ -66,9 +67,9 @@ def test_quick_study_trains_the_four_arms_reports_and_resumes(tmp_path):
 
 
 def test_the_published_study_table_is_the_committed_result():
-    """docs/evidence.md's REPA table says what bench/results/repa-digits.json holds: a rerun of the study that
+    """docs/evidence.md's REPA table says what studies/results/repa-digits.json holds: a rerun of the study that
     changes a figure must change the page too (the README's sentence quotes the same figures)."""
-    results = json.loads((REPO / "bench" / "results" / "repa-digits.json").read_text())
+    results = json.loads((REPO / "studies" / "results" / "repa-digits.json").read_text())
     assert results["budget"]["max_steps"] == 2000 and results["budget"]["seeds"] == [0, 1, 2]
     page = (REPO / "docs" / "evidence.md").read_text()
     readme = (REPO / "README.md").read_text()

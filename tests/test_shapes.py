@@ -6,19 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from bench.shape_classifier import centred_pixels, fit_shape_classifier
 from generation.images import to_uint8
+from judges.shapes import centred_pixels, fit_shape_classifier
 from training.build import build_model, model_input_shape
-from training.config import load_config
-from training.data import (
+from training.builtin_data import (
     SHAPE_COLOURS,
     SHAPE_KINDS,
     SHAPES_CLASSES,
     ShapesDataset,
-    build_dataset,
     render_shapes,
     shape_coverage,
 )
+from training.config import load_config
+from training.data import build_dataset
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"
 

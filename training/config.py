@@ -179,7 +179,8 @@ class RepaConfig:
 
 @dataclass
 class PosthocEMAConfig:
-    """Power-function EMA profiles tracked for post-hoc EMA (EDM2; training.posthoc_ema, docs/training.md)."""
+    """Power-function EMA profiles tracked for post-hoc EMA (EDM2; training.power_ema tracks them, training.posthoc_ema
+    reconstructs from them; docs/training.md)."""
 
     sigma_rel: list[float] = field(default_factory=list, metadata={"range": (0.0, 0.2886, True)})  # []: off
     snapshot_every: int = _range(5000, 1)  # steps between stored snapshots (the last step is stored too)

@@ -1,9 +1,9 @@
-"""Training examples: an image folder (ADM centre crop), pre-extracted latent shards, or the built-in digits and
-coloured shapes.
+"""Training examples: an image folder (ADM centre crop) or pre-extracted latent shards, the built-in digits and
+coloured shapes (training.builtin_data) chosen by `data.source`, and the sharded, resumable batch stream.
 
-Every random choice made for an example (flip, posterior sample) comes from a generator seeded by
-(seed, epoch, index), so a run sees the same data whatever the number of loader workers, and a resumed run
-sees exactly what an uninterrupted one would have.
+Every random choice made for an example comes from a generator of its own (training.example_seeds), so a run sees
+the same data whatever the number of loader workers, and a resumed run sees exactly what an uninterrupted one
+would have.
 """
 
 from __future__ import annotations
@@ -25,20 +25,18 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 from commands import UserError
 from fid.preprocess import DECODE_ERRORS, center_crop_adm, to_rgb
 from generation.vae import LatentNormalization
+from training.builtin_data import (
+    DIGITS_CLASSES,
+    DIGITS_SIZE,
+    SHAPES_CLASSES,
+    SHAPES_SIZE,
+    DigitsDataset,
+    ShapesDataset,
+)
 from training.config import Config
+from training.example_seeds import EpochSeeded, Example
 
 LATENT_MANIFEST = "manifest.json"
-DIGITS_SIZE = 8  # scikit-learn's digits are 8 x 8 ...
-DIGITS_CLASSES = 10
-DIGITS_MAX_VALUE = 16.0  # ... with integer intensities 0..16
-SHAPES_SIZE = 16  # the coloured shapes are 16 x 16 RGB: 64 tokens at patch 2
-SHAPE_KINDS = ("square", "disc", "triangle", "cross")
-SHAPE_COLOURS = {"red": (1.0, 0.15, 0.1), "green": (0.1, 0.9, 0.2), "blue": (0.2, 0.35, 1.0)}
-SHAPES_CLASSES = len(SHAPE_KINDS) * len(SHAPE_COLOURS)  # class = kind index * 3 + colour index
-SHAPES_PER_CLASS = 200
-SHAPES_SEED = 0  # the dataset is one fixed draw, whatever the training seed
-
-Example = tuple[torch.Tensor, int]
 
 
 class CorruptImageError(UserError):
@@ -54,32 +52,12 @@ class DataMismatchError(UserError):
     another image size, another number of classes (the message names the key, the file and both values)."""
 
 
-def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """A generator private to one draw of one example."""
-    state = np.random.SeedSequence([seed, epoch, index]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
-
-
-class _EpochSeeded(Dataset):
-    """Base of datasets whose per-example randomness depends on (seed, epoch, index)."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def generator(self, index: int) -> torch.Generator:
-        return example_generator(self.seed, self.epoch, index)
-
-
 # --------------------------------------------------------------------------------------------------
 #                                          Image folder
 # --------------------------------------------------------------------------------------------------
 
 
-class ImageFolderDataset(_EpochSeeded):
+class ImageFolderDataset(EpochSeeded):
     """root/<class name>/<image>; classes sorted by name get labels 0..K-1.
 
     Items are (image (3, S, S) in [-1, 1], label); 16-bit images are scaled to 8 bits (fid.preprocess.to_rgb).
@@ -210,7 +188,7 @@ def read_manifest(root: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-class LatentShardDataset(_EpochSeeded):
+class LatentShardDataset(EpochSeeded):
     """Pre-extracted posteriors; each item is a fresh sample z = mean + std * eps of a random flip, in model space
     (`normalization`: scale * z, or with `per_channel` scale * (z - mean_c) / std_c by the manifest's statistics).
 
@@ -305,101 +283,6 @@ class LatentShardDataset(_EpochSeeded):
         if shard not in self._open:
             self._open[shard] = safe_open(self.files[shard], framework="pt")
         return self._open[shard]
-
-
-# --------------------------------------------------------------------------------------------------
-#                                             Digits
-# --------------------------------------------------------------------------------------------------
-
-
-class InMemoryImages(_EpochSeeded):
-    """A built-in pixel-space dataset held as one tensor: images (N, C, S, S) in [-1, 1] and labels (N,)."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, random_flip: bool, seed: int) -> None:
-        super().__init__(seed)
-        self.images = images
-        self.labels = labels
-        self.random_flip = random_flip
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> Example:
-        x = self.images[index]
-        if self.random_flip and torch.randint(2, (), generator=self.generator(index)):
-            x = x.flip(-1)
-        return x, int(self.labels[index])
-
-
-class DigitsDataset(InMemoryImages):
-    """scikit-learn's 1797 handwritten digits: (1, 8, 8) in [-1, 1], labels 0..9, bundled (no download)."""
-
-    def __init__(self, random_flip: bool = False, seed: int = 0) -> None:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        images = torch.from_numpy(digits.images).float() / DIGITS_MAX_VALUE * 2 - 1  # (1797, 8, 8)
-        super().__init__(images.unsqueeze(1), torch.from_numpy(digits.target).long(), random_flip, seed)
-
-
-# --------------------------------------------------------------------------------------------------
-#                                         Coloured shapes
-# --------------------------------------------------------------------------------------------------
-
-SUPERSAMPLING = 4  # coverage of each pixel from 4 x 4 points: anti-aliased edges, so size and position vary smoothly
-
-
-def shape_coverage(kind: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Whether points (u, v), in units of the shape's half-size around its centre (v grows downwards), are
-    inside a shape of `kind`; each kind fills the square [-1, 1]^2 that bounds it in its own way."""
-    if kind == "square":
-        return np.maximum(np.abs(u), np.abs(v)) <= 0.85
-    if kind == "disc":
-        return u**2 + v**2 <= 1.0
-    if kind == "triangle":  # apex up, base at the bottom
-        return (v <= 1.0) & (np.abs(u) <= (v + 1.0) / 2.0)
-    if kind == "cross":  # a plus sign with bars 0.7 wide
-        return ((np.abs(u) <= 0.35) & (np.abs(v) <= 1.0)) | ((np.abs(v) <= 0.35) & (np.abs(u) <= 1.0))
-    raise ValueError(f"shape kind {kind!r}: expected one of {SHAPE_KINDS}")
-
-
-def render_shapes(per_class: int = SHAPES_PER_CLASS, seed: int = SHAPES_SEED) -> tuple[np.ndarray, np.ndarray]:
-    """The coloured-shapes dataset: images (N, 3, 16, 16) float32 in [0, 1] and labels (N,) int64, N = 12 x
-    per_class, label i % 12 for image i.
-
-    Each image is one shape (square, disc, triangle, cross) in one colour (red, green, blue) on a dark grey
-    background; half-size (3 to 7 px), centre (anywhere the shape fits), background level and colour brightness
-    are drawn from `seed` (numpy PCG64), so the same arguments give the same pixels on every machine.
-    """
-    rng = np.random.default_rng(seed)
-    count = SHAPES_CLASSES * per_class
-    labels = np.arange(count, dtype=np.int64) % SHAPES_CLASSES
-    half = rng.uniform(3.0, 7.0, count)  # (N,)
-    centre = rng.uniform(half[:, None], SHAPES_SIZE - half[:, None], (count, 2))  # (N, 2): x, y
-    background = rng.uniform(0.0, 0.2, count)  # (N,)
-    brightness = rng.uniform(0.75, 1.0, count)  # (N,)
-    points = (np.arange(SHAPES_SIZE * SUPERSAMPLING) + 0.5) / SUPERSAMPLING  # (S*k,) pixel units
-    u = (points[None, None, :] - centre[:, 0, None, None]) / half[:, None, None]  # (N, 1, S*k)
-    v = (points[None, :, None] - centre[:, 1, None, None]) / half[:, None, None]  # (N, S*k, 1)
-    inside = np.zeros((count, SHAPES_SIZE * SUPERSAMPLING, SHAPES_SIZE * SUPERSAMPLING), dtype=bool)
-    colours = np.array(list(SHAPE_COLOURS.values()))  # (3 colours, RGB)
-    for index, kind in enumerate(SHAPE_KINDS):
-        rows = labels // len(SHAPE_COLOURS) == index
-        inside[rows] = shape_coverage(kind, u[rows], v[rows])
-    coverage = inside.reshape(count, SHAPES_SIZE, SUPERSAMPLING, SHAPES_SIZE, SUPERSAMPLING).mean(axis=(2, 4))
-    colour = colours[labels % len(SHAPE_COLOURS)] * brightness[:, None]  # (N, 3)
-    images = (
-        background[:, None, None, None] * (1 - coverage[:, None]) + colour[:, :, None, None] * coverage[:, None]
-    )  # (N, 3, S, S)
-    return images.astype(np.float32), labels
-
-
-class ShapesDataset(InMemoryImages):
-    """Built-in coloured shapes (`render_shapes`): (3, 16, 16) in [-1, 1], 12 classes = 4 shapes x 3 colours."""
-
-    def __init__(self, random_flip: bool = False, seed: int = 0) -> None:
-        images, labels = render_shapes()
-        super().__init__(torch.from_numpy(images) * 2 - 1, torch.from_numpy(labels), random_flip, seed)
 
 
 # --------------------------------------------------------------------------------------------------

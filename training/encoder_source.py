@@ -11,7 +11,7 @@ save_for_hf keeps no record of where the weights came from (it drops the pretrai
 records the architecture, the pretrained tag and the construction arguments. A folder whose arguments are those
 `timm.create_model("<architecture>.<tag>")` records is a copy of that model: what the recipe
 `save_for_hf(timm.create_model(name, pretrained=True), folder)` writes. A folder built with other arguments
-(another size, patch or channel count, as bench/digits_encoder, whose config.json still carries the default tag of
+(another size, patch or channel count, as studies/digits_encoder, whose config.json still carries the default tag of
 vit_tiny_patch16_224) is not, and is named by its absolute path. The weights themselves are trusted, as the VAE's
 recorded hub id is.
 """

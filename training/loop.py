@@ -30,7 +30,7 @@ from training.config import Config, config_to_yaml
 from training.curves import draw_curves
 from training.data import CorruptImageError
 from training.metrics import JsonLines, TrainingMetrics
-from training.posthoc_ema import drop_snapshots_after
+from training.power_ema import drop_snapshots_after
 from training.preview import preview_fid, save_preview_grid
 from training.run import RunDirectory
 from training.stop_signals import PeerLostError, StopSignals, peer_lost

@@ -1,17 +1,5 @@
-"""Post-hoc EMA (EDM2): power-function averages tracked during training, stored as snapshots, and any other EMA
-length reconstructed from them after training.
-
-    train.posthoc_ema.sigma_rel: [0.05, 0.10]      # the tracked profiles (training.power_profiles); [] is off
-    train.posthoc_ema.snapshot_every: 5000         # steps between snapshots (and the last step)
-
-    <run>/posthoc_ema/step-XXXXXXX/
-        sigma_rel-0.05.safetensors   one profile's average at that step (train.posthoc_ema.dtype; its header's
-        sigma_rel-0.1.safetensors    metadata holds sigma_rel, gamma, step and images)
-        description.json             the run's export description (generation.export), to rebuild the model
-
-Every process updates every profile after every optimiser step, in float32, from the same weights, so they
-agree bit for bit; the main process writes the snapshots, which checkpoint rotation never deletes. The running
-averages are part of every checkpoint (`posthoc_ema.safetensors`), so --resume continues them exactly.
+"""Post-hoc EMA (EDM2), reconstructed after training: any EMA length from the snapshots of the power-function
+averages that training stored (training.power_ema).
 
     python -m training.posthoc_ema RUN_DIR --list
     python -m training.posthoc_ema RUN_DIR --sigma-rel 0.03 0.07 0.12 [--step N] [--out DIR]
@@ -26,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,28 +22,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from atomic_files import atomic_folder, atomic_output, check_writable, write_json_atomic
+from atomic_files import atomic_folder, check_writable
 from commands import CommandParser, UserError, run_command
 from generation.run_layout import (
     POSTHOC_EXPORTS_FOLDER,
-    POSTHOC_STATE,
     PROFILE_FILES,
     SNAPSHOT_DESCRIPTION,
     SNAPSHOT_FOLDER,
     posthoc_export_folder,
-    profile_file,
-    step_name,
-    step_of,
 )
-from training.checkpoint_folders import CheckpointError
-from training.config import ConfigError, PosthocEMAConfig
-from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma, step_decay
+from training.power_ema import snapshot_folders
+from training.power_profiles import SIGMA_REL_MAX, reconstruct_profile, sigma_rel_to_gamma
 
 # torch, safetensors.torch and generation.export (seconds to import) are imported where they are used, so that
 # `python -m training.posthoc_ema --help` and a bad argument answer at once.
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
     from generation.export import ExportDescription
 
@@ -65,171 +46,6 @@ MIN_SNAPSHOTS = 4  # fewer stored profiles span too little to reconstruct anythi
 
 class PosthocEMAError(UserError):
     """A reconstruction that cannot be made (no snapshots, a step without one, sigma_rel out of range, ...)."""
-
-
-# --------------------------------------------------------------------------------------------------
-#                                       Tracking during training
-# --------------------------------------------------------------------------------------------------
-
-
-class PowerEMA:
-    """Power-function averages of a model's floating-point state, one per sigma_rel, in float32.
-
-    `update(model)` after each optimiser step of `batch` images (the global batch) moves each average by
-    beta = (1 - batch / t)^(gamma + 1), t the images trained on so far (training.power_profiles.step_decay).
-    """
-
-    def __init__(
-        self, model: nn.Module, settings: PosthocEMAConfig, batch: int, device: torch.device | str = "cpu"
-    ) -> None:
-        import torch
-
-        names = [profile_file(sigma_rel) for sigma_rel in settings.sigma_rel]
-        if len(set(names)) < len(names):
-            raise ConfigError(f"'train.posthoc_ema.sigma_rel' is {settings.sigma_rel}: each profile only once")
-        self.sigma_rels = list(settings.sigma_rel)
-        self.gammas = [sigma_rel_to_gamma(sigma_rel) for sigma_rel in self.sigma_rels]
-        self.snapshot_every, self.dtype, self.batch = settings.snapshot_every, getattr(torch, settings.dtype), batch
-        state = model.state_dict()
-        self.keys = list(state)
-        self.averages = [
-            [state[key].detach().to(device, torch.float32, copy=True) for key in self.keys] for _ in self.sigma_rels
-        ]
-        self.images = 0  # training images behind the averages
-
-    def update(self, model: nn.Module) -> None:
-        """Fold in the weights after one more optimiser step (the same call on every process)."""
-        import torch
-
-        self.images += self.batch
-        state = model.state_dict()
-        current = [state[key].detach().float() for key in self.keys]
-        with torch.no_grad():
-            for gamma, average in zip(self.gammas, self.averages):
-                torch._foreach_lerp_(average, current, 1.0 - step_decay(self.images, self.batch, gamma))
-
-    def copy_profile(self, sigma_rel: float, module: nn.Module) -> None:
-        """Load the running average of the tracked profile `sigma_rel` into `module` (a model of the same keys):
-        what grids and FID during training draw from with log.fid_weights=sigma_rel=S."""
-        import torch
-
-        index = min(range(len(self.sigma_rels)), key=lambda i: abs(self.sigma_rels[i] - sigma_rel))
-        state = module.state_dict()
-        with torch.no_grad():
-            for key, value in zip(self.keys, self.averages[index]):
-                state[key].copy_(value)
-
-    def snapshot_due(self, step: int, last: bool) -> bool:
-        return step % self.snapshot_every == 0 or last
-
-    def snapshot_bytes(self) -> int:
-        """Bytes of one snapshot on disk (every profile, in the snapshot dtype; headers aside)."""
-        element = self.dtype.itemsize
-        return len(self.sigma_rels) * sum(tensor.numel() for tensor in self.averages[0]) * element
-
-    def describe(self, max_steps: int) -> str:
-        """The start-up summary's line: the profiles, how often they are stored and what that costs."""
-        profiles = ", ".join(f"{s:g} (gamma {g:.2f})" for s, g in zip(self.sigma_rels, self.gammas))
-        count = -(-max_steps // self.snapshot_every)
-        size = self.snapshot_bytes()
-        return (
-            f"sigma_rel {profiles}; a snapshot every {self.snapshot_every} steps in {SNAPSHOT_FOLDER}/, "
-            f"{size / 1e6:,.1f} MB each ({str(self.dtype).removeprefix('torch.')}), "
-            f"about {count} to step {max_steps}: {count * size / 1e9:,.2f} GB"
-        )
-
-    def save_snapshot(self, run_root: Path, step: int, description: ExportDescription) -> Path:
-        """Write every profile's average at `step` to <run>/posthoc_ema/step-XXXXXXX/ (main process, atomic)."""
-        from safetensors.torch import save_file
-
-        final = Path(run_root) / SNAPSHOT_FOLDER / step_name(step)
-        with atomic_folder(final, needed=self.snapshot_bytes()) as temporary:
-            for sigma_rel, gamma, average in zip(self.sigma_rels, self.gammas, self.averages):
-                tensors = {key: value.to(self.dtype).cpu().contiguous() for key, value in zip(self.keys, average)}
-                metadata = {"sigma_rel": repr(sigma_rel), "gamma": repr(gamma), "step": str(step)}
-                save_file(tensors, temporary / profile_file(sigma_rel), {**metadata, "images": str(self.images)})
-            write_json_atomic(temporary / SNAPSHOT_DESCRIPTION, replace(description, train_step=step).to_json())
-        return final
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The running averages under "<profile index>/<key>" (their size counts towards a checkpoint's)."""
-        return {
-            f"{i}/{key}": value for i, average in enumerate(self.averages) for key, value in zip(self.keys, average)
-        }
-
-    def write_state(self, checkpoint: Path) -> None:
-        """Put the running averages into a checkpoint folder being assembled (main process)."""
-        from safetensors.torch import save_file
-
-        tensors = {key: value.cpu().contiguous() for key, value in self.state_tensors().items()}
-        metadata = {"sigma_rel": json.dumps(self.sigma_rels), "images": str(self.images)}
-        with atomic_output(Path(checkpoint) / POSTHOC_STATE) as temporary:
-            save_file(tensors, temporary, metadata)
-
-    def load_state(self, checkpoint: Path) -> None:
-        """Continue the averages of a checkpoint (check_resume first: it refuses other profiles in one line)."""
-        from safetensors.torch import load_file
-
-        file = Path(checkpoint) / POSTHOC_STATE
-        saved = load_file(file)
-        with safe_open(file, framework="pt") as header:
-            self.images = int(header.metadata()["images"])
-        for i, average in enumerate(self.averages):
-            for key, value in zip(self.keys, average):
-                value.copy_(saved[f"{i}/{key}"])
-
-
-def create_posthoc_ema(
-    model: nn.Module, settings: PosthocEMAConfig, batch: int, device: torch.device
-) -> PowerEMA | None:
-    """The tracker of `settings` for `model` (before it is wrapped), on `device`; None when no profile is asked for."""
-    if not settings.sigma_rel:
-        return None
-    return PowerEMA(model, settings, batch, device)
-
-
-def check_resume(checkpoint: Path, settings: PosthocEMAConfig) -> None:
-    """Refuse, in one line, a resume whose profiles differ from the checkpoint's (a profile's history lives only
-    there) or whose profile state is damaged; snapshot_every and dtype may change and apply from now on."""
-    file = Path(checkpoint) / POSTHOC_STATE
-    saved: list[float] = []
-    if file.exists():
-        try:
-            with safe_open(file, framework="pt") as header:
-                saved = json.loads(header.metadata()["sigma_rel"])
-        except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"cannot resume from {checkpoint}: {file} cannot be read ({error})") from None
-    if saved != list(settings.sigma_rel):
-        raise ConfigError(
-            f"--resume {checkpoint}: its post-hoc EMA profiles are train.posthoc_ema.sigma_rel={saved}, this launch "
-            f"asks for {list(settings.sigma_rel)}; profiles cannot change on resume (keep them, or start a new run.dir)"
-        )
-
-
-def drop_snapshots_after(run_root: Path, step: int) -> list[Path]:
-    """Delete the snapshots of steps after `step` (left by a timeline abandoned by a resume from an earlier
-    checkpoint); returns them. Main process."""
-    dropped = [snapshot.folder for snapshot in _snapshot_folders(Path(run_root)) if snapshot.step > step]
-    for folder in dropped:
-        shutil.rmtree(folder)
-    return dropped
-
-
-# --------------------------------------------------------------------------------------------------
-#                                      Reconstruction after training
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SnapshotFolder:
-    step: int
-    folder: Path
-
-    @property
-    def complete(self) -> bool:
-        """Whether its description.json, which `save_snapshot` writes last, is there: only complete snapshots are
-        read (a folder without it was copied by hand, or cut short on a file system that lost its files)."""
-        return (self.folder / SNAPSHOT_DESCRIPTION).is_file()
 
 
 @dataclass(frozen=True)
@@ -243,24 +59,12 @@ class StoredProfile:
     file: Path
 
 
-def _snapshot_folders(run_root: Path) -> list[SnapshotFolder]:
-    root = run_root / SNAPSHOT_FOLDER
-    if not root.is_dir():
-        return []
-    found = [
-        SnapshotFolder(step, path)
-        for path in root.iterdir()
-        if path.is_dir() and (step := step_of(path.name)) is not None
-    ]
-    return sorted(found, key=lambda snapshot: snapshot.step)
-
-
 def stored_profiles(run_root: str | Path) -> list[StoredProfile]:
     """Every stored profile of a run's complete snapshots, by step then sigma_rel (headers only: no weights are
     read). A profile whose header names another step than its folder (a snapshot copied into another step's
     folder), or the same profile twice, is refused: it would enter the fit as a profile it is not."""
     profiles: dict[tuple[int, float], StoredProfile] = {}
-    for snapshot in _snapshot_folders(Path(run_root)):
+    for snapshot in snapshot_folders(Path(run_root)):
         if not snapshot.complete:
             continue
         for file in sorted(snapshot.folder.glob(PROFILE_FILES)):
@@ -292,7 +96,7 @@ def _read_profile_header(file: Path) -> StoredProfile:
 
 def incomplete_snapshots(run_root: str | Path) -> list[Path]:
     """Snapshot folders that `stored_profiles` leaves out, for --list to name."""
-    return [snapshot.folder for snapshot in _snapshot_folders(Path(run_root)) if not snapshot.complete]
+    return [snapshot.folder for snapshot in snapshot_folders(Path(run_root)) if not snapshot.complete]
 
 
 def choose_snapshots(profiles: list[StoredProfile], run_root: Path, step: int | None) -> list[StoredProfile]:

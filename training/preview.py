@@ -30,7 +30,7 @@ from training.config import ConfigError, LogConfig, fid_weights_profile
 if TYPE_CHECKING:
     from timm.utils import ModelEmaV3
 
-    from training.posthoc_ema import PowerEMA
+    from training.power_ema import PowerEMA
 
 PREVIEW_SEED = 0
 

