@@ -35,10 +35,15 @@ def default_precision(device: torch.device, mixed_precision: str | None = None) 
     return "tf32" if device.type == "cuda" else "fp32"
 
 
-def set_matmul_precision(precision: str) -> None:
-    """TF32 matmuls and convolutions on for "tf32", off otherwise (a process-wide switch of PyTorch)."""
+def check_precision(precision: str) -> None:
+    """A ValueError unless `precision` is one of PRECISIONS (the commands check theirs as user errors first)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+
+
+def set_matmul_precision(precision: str) -> None:
+    """TF32 matmuls and convolutions on for "tf32", off otherwise (a process-wide switch of PyTorch)."""
+    check_precision(precision)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
@@ -53,6 +58,7 @@ def load_model(
     """The EMA network of an export on `device`, in eval mode without gradients, its VCA core on `vca_kernel`
     (dit_vca.attention.set_vca_kernel, which checks the Triton core for `precision`'s dtype now, before any
     compiling); `compile` wraps it in torch.compile (compiled on the first batch)."""
+    check_precision(precision)
     model = build_model_from_config(export.description.model)
     set_vca_kernel(model, vca_kernel, device, "--vca-kernel", COMPUTE_DTYPES[precision])
     model.load_state_dict(export.weights, strict=True)
@@ -89,8 +95,7 @@ class ImageGenerator:
         precision: str = "fp32",
         class_names: list[str] | None = None,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+        check_precision(precision)
         self.model = model
         self.objective = objective
         self.decode = decode
@@ -115,6 +120,7 @@ class ImageGenerator:
         "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel). A VAE that cannot be
         loaded names `vae_option` as the way to give another: this method's `vae` argument, or the option of the
         command that calls it (sample.py: "--vae")."""
+        check_precision(precision)  # before the VAE and the model are loaded
         description = export.description
         autoencoder = None
         if not description.in_pixel_space:

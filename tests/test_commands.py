@@ -53,7 +53,15 @@ def test_an_unknown_name_lists_the_shipped_configs_in_one_line():
 
 
 def test_every_command_names_a_callable():
-    assert set(SCRIPTS) == {"vca-train", "vca-sample", "vca-fid", "vca-fid-reference", "vca-latents", "vca-convert"}
+    assert set(SCRIPTS) == {
+        "vca-train",
+        "vca-sample",
+        "vca-sweep",
+        "vca-fid",
+        "vca-fid-reference",
+        "vca-latents",
+        "vca-convert",
+    }
     import importlib
 
     for name, target in SCRIPTS.items():

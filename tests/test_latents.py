@@ -18,12 +18,13 @@ import torch
 from accelerate.state import PartialState
 from diffusers import AutoencoderKL
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from generation.vae import LatentNormalization, VAEUnavailableError, encode_posterior, load_vae
 from training.config import load_config
 from training.data import CorruptImageError, LatentShardDataset
-from training.latents import extract_latents, plan_shards, shard_name
+from training.latents import SHARD_METADATA, extract_latents, plan_shards, shard_name
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small AutoencoderKL: two resolutions (2x downsampling), 4 latent channels, random weights.
@@ -163,6 +164,9 @@ def test_extracted_shards_hold_the_posterior_of_each_image_and_its_mirror(tmp_pa
     torch.testing.assert_close(stored_mean, torch.stack(mean.chunk(2), dim=1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stored_std, torch.stack(std.chunk(2), dim=1), rtol=1e-5, atol=1e-5)
     assert torch.cat([s["labels"] for s in shards]).tolist() == [0] * 5 + [1] * 5
+    for k in range(3):  # one metadata key: safetensors orders a map of several differently in each process, and
+        with safe_open(out / shard_name(k), framework="pt") as header:  # shards are compared byte for byte
+            assert list(header.metadata()) == [SHARD_METADATA]
 
     latents = LatentShardDataset(out, scale=0.5, random_flip=False)
     z, label = latents[7]

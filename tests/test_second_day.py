@@ -256,6 +256,7 @@ def test_a_run_that_cannot_fit_on_its_disk_is_refused_before_the_model_is_built(
     import sample
     from commands import USER_ERROR_STATUS, run_command
     from generation import ImageGenerator
+    from generation.images import grid_bytes
     from test_sample import tiny_export
 
     tiny_export(tmp_path / "export")
@@ -276,9 +277,11 @@ def test_a_run_that_cannot_fit_on_its_disk_is_refused_before_the_model_is_built(
     )
     assert line is not None, error
     images_twice, labels_and_indices = 2 * 1000 * 8 * 8 * 3, 3 * 8 * 1000
-    # + file headers, the summary and settings records (16 KiB each at most), the grid (at most 37,888 bytes for 64
-    # 8x8 tiles), and each of these 9 files and the shard folder rounded up to the disk's unit (4 KiB: 40,960)
-    assert 0 <= int(line.group(1).replace(",", "")) - images_twice - labels_and_indices < 120_000
+    # + the labelled grid of 64 8x8 tiles (grid_bytes: its own bound, tested in test_third_day), and at most:
+    # the summary and settings records (16 KiB each), each of these 9 files and the shard folder rounded up to the
+    # disk's unit (4 KiB: 40,960), the files' headers (4 KiB)
+    rest = int(line.group(1).replace(",", "")) - images_twice - labels_and_indices - grid_bytes(64, 8)
+    assert 0 <= rest < 2 * 16 * 1024 + 10 * 4096 + 4096
     assert list(out.parent.iterdir()) == []  # no shard folder, nothing written
 
 

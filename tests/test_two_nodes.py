@@ -129,6 +129,7 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
     import numpy as np
 
     import sample
+    from generation.run_layout import TRAINER_STATE
     from test_sample import tiny_export
 
     export = tiny_export(tmp_path / "export")
@@ -139,6 +140,7 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
     (tmp_path / "two").mkdir()
     run_dir = tmp_path / "run"  # the same export as the newest checkpoint of a run: sample.py names the one it uses
     shutil.copytree(export, run_dir / "checkpoints" / "step-0000001" / "export")
+    (run_dir / "checkpoints" / "step-0000001" / TRAINER_STATE).write_text("{}")  # written last: a complete checkpoint
     arguments[1] = str(run_dir)
     ran = two_nodes([str(ROOT / "sample.py"), *arguments, "--out", str(tmp_path / "two" / "samples.npz")])
     assert all(agent.returncode == 0 for agent in ran), [agent.stderr[-2000:] for agent in ran]

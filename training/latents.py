@@ -39,8 +39,13 @@ from generation.vae import encode_posterior, latent_downsampling, load_vae
 from training.config import Config, ConfigError, load_config
 from training.data import LATENT_MANIFEST, ImageFolderDataset, collate_examples, loader_workers
 
-FORMAT_VERSION = 3  # 3: per-channel statistics; 2: shards hold "indices", each latent's position in the image folder
-STATISTICS_KEYS = ("channel_count", "channel_sum", "channel_square_sum")  # shard metadata (JSON), per channel
+# 4: shard metadata in one key; 3: per-channel statistics; 2: shards hold "indices", each latent's position in the
+# image folder
+FORMAT_VERSION = 4
+# A shard's metadata: one key, a JSON object ("skipped" and the `channel_sums`). One key, because safetensors writes
+# its metadata map in an order that changes from process to process (a Rust HashMap), and a shard is to be the same
+# bytes whichever process of whichever launch wrote it.
+SHARD_METADATA = "latents"
 
 
 def shard_name(index: int) -> str:
@@ -134,7 +139,8 @@ def _encode_shards(
         progress.update()
         if indices[-1] == shards[shard][-1]:  # last batch of this shard
             tensors = {key: torch.cat(values) for key, values in pending.items()}
-            metadata = {"skipped": str(skipped), **channel_sums(tensors["mean"], tensors["std"])}
+            record = {"skipped": skipped, **channel_sums(tensors["mean"], tensors["std"])}
+            metadata = {SHARD_METADATA: json.dumps(record)}
             folder.write(
                 shard, lambda path, tensors=tensors, metadata=metadata: save_file(tensors, path, metadata=metadata)
             )
@@ -143,25 +149,23 @@ def _encode_shards(
     progress.close()
 
 
-def channel_sums(mean: torch.Tensor, std: torch.Tensor) -> dict[str, str]:
-    """Shard metadata (JSON strings) from which the manifest derives each channel's statistics: the number of
+def channel_sums(mean: torch.Tensor, std: torch.Tensor) -> dict[str, object]:
+    """What a shard's metadata holds for the manifest to derive each channel's statistics from: the number of
     values per channel, and per channel the sum of the posterior means and of E[z²] = mean² + std²; mean, std
     (n, 2, C, h, w)."""
     mean, std = mean.double().transpose(0, 2).flatten(1), std.double().transpose(0, 2).flatten(1)  # (C, n·2·h·w)
     return {
-        "channel_count": json.dumps(mean.shape[1]),
-        "channel_sum": json.dumps(mean.sum(1).tolist()),
-        "channel_square_sum": json.dumps((mean.square() + std.square()).sum(1).tolist()),
+        "channel_count": mean.shape[1],
+        "channel_sum": mean.sum(1).tolist(),
+        "channel_square_sum": (mean.square() + std.square()).sum(1).tolist(),
     }
 
 
-def channel_statistics(shard_metadata: Sequence[dict[str, str]]) -> tuple[list[float], list[float]]:
+def channel_statistics(shard_metadata: Sequence[dict[str, object]]) -> tuple[list[float], list[float]]:
     """(mean, std) per channel of the sampled latents over all shards, from their `channel_sums`."""
-    count = sum(json.loads(metadata["channel_count"]) for metadata in shard_metadata)
-    total = sum(torch.tensor(json.loads(metadata["channel_sum"]), dtype=torch.float64) for metadata in shard_metadata)
-    squares = sum(
-        torch.tensor(json.loads(metadata["channel_square_sum"]), dtype=torch.float64) for metadata in shard_metadata
-    )
+    count = sum(metadata["channel_count"] for metadata in shard_metadata)
+    total = sum(torch.tensor(metadata["channel_sum"], dtype=torch.float64) for metadata in shard_metadata)
+    squares = sum(torch.tensor(metadata["channel_square_sum"], dtype=torch.float64) for metadata in shard_metadata)
     mean = total / count
     return mean.tolist(), (squares / count - mean.square()).clamp_min(0).sqrt().tolist()
 
@@ -181,8 +185,8 @@ def _write_manifest(out: Path, classes: Sequence[str], num_shards: int, config: 
     for k in range(num_shards):
         with safe_open(out / shard_name(k), framework="pt") as tensors:
             shape = tensors.get_slice("mean").get_shape()  # [n, 2, C, h, w]
-            metadata.append(tensors.metadata())
-            shards.append({"file": shard_name(k), "count": shape[0], "skipped": int(metadata[-1]["skipped"])})
+            metadata.append(json.loads(tensors.metadata()[SHARD_METADATA]))
+            shards.append({"file": shard_name(k), "count": shape[0], "skipped": metadata[-1]["skipped"]})
     latent_mean, latent_std = channel_statistics(metadata)
     manifest = {
         "format": FORMAT_VERSION,
