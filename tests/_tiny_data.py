@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 
 def make_image_folder(root, classes=("cat", "dog"), per_class=6, size=(40, 48), seed=0):
+    """An image folder of random RGB PNGs (`size` as height, width), 000.png, 001.png, ... in a folder per class."""
     rng = np.random.default_rng(seed)
     for name in classes:
         (root / name).mkdir(parents=True)
@@ -23,6 +24,8 @@ def make_image_folder(root, classes=("cat", "dog"), per_class=6, size=(40, 48), 
 
 
 def write_latent_shards(root, means, stds, labels, shard_size):
+    """A latent folder as training.latents writes it: shards of `shard_size` (mean, std, label) rows and the
+    manifest (format 1) of 32 px images in 4x4x4 latents, classes a, b, c."""
     root.mkdir()
     shards = []
     for k, start in enumerate(range(0, len(labels), shard_size)):
@@ -53,6 +56,8 @@ def latent_shards(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_images(root: Path, per_class: int, size: int = 32) -> Path:
+    """Classes ant and bee of `per_class` random RGB PNGs each (0.png, 1.png, ...), `size` high and 8 px wider: the
+    image folder of the latent-extraction tests."""
     rng = np.random.default_rng(0)
     for name in ("ant", "bee"):
         (root / name).mkdir(parents=True)
@@ -62,6 +67,8 @@ def make_images(root: Path, per_class: int, size: int = 32) -> Path:
 
 
 def extraction_config(tmp_path: Path, images: Path, latents: Path, vae_folder: Path, **extract) -> Path:
+    """A config (written in `tmp_path`) that extracts the latents of `images` into `latents` with the VAE of
+    `vae_folder`; `extract`: settings of its extract section (image_size: of data)."""
     settings = {"batch_size": 3, "shard_size": 4, "dtype": "float32", **extract}
     path = tmp_path / f"extract-{latents.name}.yaml"
     path.write_text(f"""
