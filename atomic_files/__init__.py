@@ -16,7 +16,7 @@ contents.
 A write that fails because the disk is full or the folder is read-only removes its temporary file and raises
 `OutputError`, one line naming the path (and, for a full disk, the bytes free and needed when known); the file
 it would have replaced is untouched. `check_writable` and `check_room` let a command find out before it starts.
-Every rename into place goes through `commit`, the one point tests/faults.py patches to fail writes.
+Every rename into place goes through `commit`, the one point tests/_faults.py patches to fail writes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,48 @@
-"""How the tests start two CPU processes: torchrun as a module of this interpreter (no PATH lookup), on one host.
+"""How the tests start processes: the environments of the commands they run as subprocesses, and torchrun with two
+CPU processes as a module of this interpreter (no PATH lookup), on one host.
 
 Accelerate reads torchrun's environment (RANK, WORLD_SIZE, ...), so the scripts it starts see two processes
 exactly as under `torchrun --nproc_per_node 2` on a cluster node; `accelerate launch` would need a config file.
 """
 
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def offline_env() -> dict[str, str]:
+    """This environment with one thread per process (on 2 shared cores, more oversubscribe the CPU, and runs of
+    one and two processes then use identical kernels), unbuffered output (a killed process's lines are kept) and
+    no hub requests."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def subprocess_env() -> dict[str, str]:
+    """offline_env(), and the project and tests/ on the path: a script under tests/ (tests/_faults.py) imports both
+    wherever it runs."""
+    return {**offline_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
+
+def sample_env() -> dict[str, str]:
+    """The environment of sample.py's subprocesses: one thread per process (see offline_env), the project on the
+    path."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def launch(command: list[str], fault: str = "", **env: str) -> subprocess.CompletedProcess:
+    """`command` from the repository with subprocess_env(), FAULT_SIGNAL=`fault` (tests/_faults.py) and `env`."""
+    return subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**subprocess_env(), "FAULT_SIGNAL": fault, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
 
 # The launcher's argv up to the script: a free port on this host (--standalone), two workers.
 TORCHRUN_TWO_PROCESSES = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

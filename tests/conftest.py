@@ -1,5 +1,6 @@
 """Runs first in every pytest process: Triton's interpreter for the Triton kernels' tests where there is no GPU,
-and fixtures that several test modules share.
+and the fixtures that several test modules share (helpers that are not fixtures live in the helper modules
+beside it, tests/_*.py: tests/README.md lists them).
 
 TRITON_INTERPRET is read when triton is first imported (its @triton.jit then builds interpreted functions), and
 pytest imports every test module in one process, so it is set here, before any test module imports the
@@ -28,11 +29,10 @@ def bundled_inception():
 
 @pytest.fixture(scope="session")
 def preemption_reference(tmp_path_factory):
-    """The uninterrupted run of tests/test_slurm.RUN by two processes under torchrun on this host: what runs
+    """The uninterrupted run of tests/_slurm.RUN by two processes under torchrun on this host: what runs
     preempted under Slurm (tests/test_slurm.py) and runs on two nodes (tests/test_two_nodes.py) must equal."""
-    from _launch import TORCHRUN_TWO_PROCESSES
-    from test_faults import ROOT, launch
-    from test_slurm import RUN
+    from _launch import ROOT, TORCHRUN_TWO_PROCESSES, launch
+    from _slurm import RUN
 
     run_dir = tmp_path_factory.mktemp("preemption-reference") / "run"
     done = launch([*TORCHRUN_TWO_PROCESSES, str(ROOT / "train.py"), *RUN, f"run.dir={run_dir}"])
@@ -51,3 +51,87 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
     PartialState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def vae_folder(tmp_path_factory):
+    """A random _tiny_models.TINY_VAE saved as a local diffusers folder, once per test module."""
+    from diffusers import AutoencoderKL
+
+    from _tiny_models import TINY_VAE
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("vae") / "tiny-vae"
+    AutoencoderKL(**TINY_VAE).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def single_process():
+    """One CPU process, single-threaded like the subprocesses (so their float results match bit for bit)."""
+    from accelerate.state import PartialState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield PartialState(cpu=True)
+    PartialState._reset_state()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def train_script():
+    """train.py as a module; Accelerate's process-wide state is reset after each run."""
+    import importlib.util
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from _launch import ROOT
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The environment of a job: this interpreter's folder on PATH (python, torchrun), the test cluster's config;
+    skips (fails under VCA_REQUIRE_SLURM) where no Slurm answers."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _launch import subprocess_env
+    from _slurm import SLURM_CONF, SUBMITTED
+
+    reason = None
+    if shutil.which("sbatch") is None:
+        reason = "sbatch not found (tests/cluster/slurm_up.sh installs and starts a single-host Slurm)"
+    else:
+        env = {**os.environ, "SLURM_CONF": SLURM_CONF}
+        answer = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
+        if answer.returncode != 0 or not answer.stdout.strip():
+            reason = f"no Slurm answers at {SLURM_CONF} (start one with tests/cluster/slurm_up.sh)"
+    if reason is not None:
+        if os.environ.get("VCA_REQUIRE_SLURM"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    yield {
+        **subprocess_env(),
+        "SLURM_CONF": SLURM_CONF,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "MAIN_HOST": "127.0.0.1",  # the test cluster's node names (node1, node2) are not host names
+    }
+    if SUBMITTED:  # a failed test leaves no job behind
+        subprocess.run(["scancel", *SUBMITTED], env={**os.environ, "SLURM_CONF": SLURM_CONF}, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """A tiny export (_tiny_models.tiny_export), written once per test module; the tests read it, never change it."""
+    from _tiny_models import tiny_export
+
+    return tiny_export(tmp_path_factory.mktemp("export"))

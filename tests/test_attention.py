@@ -9,39 +9,20 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
+from _attention_cases import (
+    BLOCK_OPTIONS,
+    block_ids,
+    core_multiply_adds,
+    outputs_and_gradients,
+    perturbed_vca,
+    switch_ids,
+)
 from _reference_vca import reference_mhsa, reference_vca
 from bench._harness import saved_activation_bytes
 from dit_vca.attention import MultiHeadSelfAttention, VCAOptions, VisualContrastAttention, build_attention
 
-SWITCHES = ("joint_softmax", "stage1_differential", "stage2_differential", "pooled_content")
 ALL_OPTIONS = [VCAOptions(None, *values) for values in itertools.product((True, False), repeat=4)]
-# The block options that enter VCA's core, alone and together (keywords of VisualContrastAttention).
-BLOCK_OPTIONS = [dict(qk_norm=True), dict(rope=True), dict(qk_norm=True, rope=True)]
-
-
-def perturbed_vca(
-    dim: int, heads: int, grid: int, block_index: int, options: VCAOptions, **block_options: bool
-) -> VisualContrastAttention:
-    """A VCA module whose λ vectors and norm weights (QK-norm's gains too) are moved off their init, so every
-    parameter matters; `block_options`: qk_norm, rope."""
-    torch.manual_seed(block_index)
-    module = VisualContrastAttention(dim, heads, grid, block_index, options, **block_options)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if name.startswith(("lambda", "norm", "q_norm", "k_norm")):
-                param.add_(0.3 * torch.randn_like(param))
-    return module
-
-
-def block_ids(block_options: dict) -> str:
-    return "+".join(block_options) or "plain"
-
-
-def switch_ids(options: VCAOptions) -> str:
-    return "-".join(str(int(getattr(options, s))) for s in SWITCHES)
 
 
 @pytest.mark.parametrize("options", ALL_OPTIONS, ids=switch_ids)
@@ -75,16 +56,6 @@ def test_vca_with_qk_norm_and_rope_matches_literal_reference(block_options, grid
     x = torch.randn(2, grid * grid, 32)
     # fp32 module vs float64 reference on O(1) outputs: fp32 rounding over sums of ≤ 64 terms stays ~1e-6.
     assert (getattr(module, path)(x).double() - reference_vca(module, x, block_index=3)).abs().max() <= 1e-5
-
-
-def outputs_and_gradients(module: VisualContrastAttention, path: str, x: torch.Tensor, grad: torch.Tensor):
-    """The output of `module.<path>(x)` and, after backward with `grad`, the gradients of x and of every
-    parameter, by name."""
-    module.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_()
-    out = getattr(module, path)(x)
-    out.backward(grad)
-    return {"output": out.detach(), "x": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
 
 
 # Every switch combination on the default grid (p = H/2), Stage II of the forward as GEMMs and as SDPA calls;
@@ -312,16 +283,6 @@ def test_deit_stack_overhead(dim, heads, expected_millions):
         gained = parameter_count(stack("vca")) - parameter_count(stack("mhsa"))
     assert gained == 12 * vca_overhead_formula(dim, heads, 49)
     assert abs(gained / 1e6 - expected_millions) <= 0.005
-
-
-def core_multiply_adds(forward, x: torch.Tensor) -> float:
-    """Multiply-adds of the attention core of a forward pass on x (1, N, C): the whole pass minus the qkv and
-    output projections (N·3C·C + N·C·C)."""
-    # The fused CPU SDPA kernels report 0 FLOPs; the math backend decomposes into counted matmuls.
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        forward(x)
-    _, tokens, dim = x.shape
-    return counter.get_total_flops() / 2 - 4 * tokens * dim**2  # counter: 2 FLOPs per MAC
 
 
 @pytest.mark.parametrize("tokens,max_ratio", [(256, 1.0), (4096, 0.1)])

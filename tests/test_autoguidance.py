@@ -15,16 +15,15 @@ from torch import nn
 
 import sample
 import sit_vca
-from _launch import TORCHRUN_TWO_PROCESSES
+from _labelled_stub import NUM_CLASSES, LabelledStub, stub_inputs
+from _launch import TORCHRUN_TWO_PROCESSES, sample_env
+from _tiny_models import EXPORT_CLASSES, tiny_export
 from generation import ExportDescription, ImageGenerator, load_export
 from generation.autoguide import guide_mismatch
 from generation.images import to_uint8
 from generation.objective import create_objective
 from samplers import PerSampleNoise
 from samplers.guidance import autoguidance
-from test_guidance import NUM_CLASSES, LabelledStub, inputs
-from test_sample import NUM_CLASSES as EXPORT_CLASSES
-from test_sample import environment, tiny_export
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +44,7 @@ class Shifted(LabelledStub):
 @pytest.mark.parametrize("scale", [0.0, 2.0, 3.5])
 def test_autoguidance_guides_the_prediction_channels_and_keeps_the_main_variance(scale):
     model, guide = LabelledStub(), Shifted()
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     out = autoguidance(model, guide, scale)(x, t, y)
     main, weak = model(x, t, y), guide(x, t, y)
     # The same float32 operations as the formula: agreement to float32 rounding.
@@ -55,7 +54,7 @@ def test_autoguidance_guides_the_prediction_channels_and_keeps_the_main_variance
 
 def test_autoguidance_on_the_first_k_channels_and_in_an_interval():
     model, guide = LabelledStub(learn_sigma=False), Shifted(learn_sigma=False)
-    x, t, y = inputs()  # t = 0.1, 0.3, 0.5, 0.7, 0.9
+    x, t, y = stub_inputs()  # t = 0.1, 0.3, 0.5, 0.7, 0.9
     out = autoguidance(model, guide, 3.0, guided_channels=3, interval=(0.25, 0.7))(x, t, y)
     main, weak = model(x, t, y), guide(x, t, y)
     inside = torch.tensor([False, True, True, True, False])
@@ -65,14 +64,14 @@ def test_autoguidance_on_the_first_k_channels_and_in_an_interval():
 
 def test_scale_one_is_the_main_model_and_never_calls_the_guide():
     model, guide = LabelledStub(), Shifted()
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     assert torch.equal(autoguidance(model, guide, 1.0)(x, t, y), model(x, t, y))
     assert guide.calls == []
 
 
 def test_the_model_guiding_itself_is_the_model_alone():
     model = LabelledStub()
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     assert torch.equal(autoguidance(model, model, 2.5)(x, t, y), model(x, t, y))  # weak + W * 0, bit for bit
 
 
@@ -193,7 +192,7 @@ def test_two_processes_give_the_same_autoguided_file_and_it_records_the_guide(ex
         extra = ["--cpu"] if len(launcher) > 1 else []
         done = subprocess.run(
             [*launcher, *command, *extra, "--out", str(tmp_path / out)],
-            env=environment(),
+            env=sample_env(),
             capture_output=True,
             text=True,
             timeout=300,

@@ -16,8 +16,9 @@ from accelerate.state import AcceleratorState, GradientState
 
 import sample
 import training.latents
+from _tiny_models import tiny_export
+from _user_errors import one_line_error
 from commands import USER_ERROR_STATUS, run_command
-from test_sample import tiny_export
 from training.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,3 +355,15 @@ def test_a_non_finite_loss_is_one_line(capsys):
     with pytest.raises(SystemExit, match=str(USER_ERROR_STATUS)):
         run_command(main, [])
     assert capsys.readouterr().err == "error: the loss is not finite at step 7; ... train.mixed_precision=fp32)\n"
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_any_output_folder_where_a_file_stands_is_one_line(tmp_path, capsys, command):
+    # Before (train.py run.dir=FILE): NotADirectoryError's traceback from the writability probe.
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("not yours\n")
+    argv = ["--config", str(DIGITS), f"run.dir={mine}"] if command == "train" else ["--out", str(mine)]
+    error = one_line_error(COMMANDS[command](), argv, capsys)
+    assert error == f"error: cannot write in {mine}: {mine} is a file, not a folder; choose another place"
+    assert mine.read_text() == "not yours\n"

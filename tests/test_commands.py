@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from _import_graph import project_modules
 from commands import UserError, run_command
 from configs import CONFIG_DIR, config_names, find_config
 from training.config import ConfigError, load_config
@@ -73,8 +74,6 @@ def project_exception_classes() -> list[type[BaseException]]:
     """Every exception class defined in the project's packages and commands (imported, so found by type)."""
     import importlib
     import inspect
-
-    from test_import_graph import project_modules
 
     found = []
     for name in sorted(project_modules()):

@@ -1,16 +1,20 @@
 """Datasets and the sharded, resumable batch stream."""
 
 import itertools
-import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torchvision import transforms
 
+from _launch import ROOT
+from _tiny_data import latent_shards, make_image_folder, write_latent_shards
+from _tiny_runs import latent_run
 from training.builtin_data import DigitsDataset
 from training.data import (
     CorruptImageError,
@@ -21,16 +25,6 @@ from training.data import (
     collate_examples,
     read_manifest,
 )
-
-
-def make_image_folder(root, classes=("cat", "dog"), per_class=6, size=(40, 48), seed=0):
-    rng = np.random.default_rng(seed)
-    for name in classes:
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / name / f"{i:03d}.png")
-    return root
 
 
 def test_adm_crop_equals_torchvision_resize_and_crop_for_small_images():
@@ -93,28 +87,6 @@ def test_digits_are_sklearns_digits_in_minus_one_one():
     assert x.shape == (1, 8, 8) and label == digits.target[123]
     np.testing.assert_allclose(x[0].numpy(), digits.images[123] / 16 * 2 - 1)
     assert dataset.images.min() == -1 and dataset.images.max() == 1
-
-
-def write_latent_shards(root, means, stds, labels, shard_size):
-    root.mkdir()
-    shards = []
-    for k, start in enumerate(range(0, len(labels), shard_size)):
-        part = slice(start, start + shard_size)
-        save_file({"mean": means[part], "std": stds[part], "labels": labels[part]}, root / f"shard-{k:05d}.safetensors")
-        shards.append({"file": f"shard-{k:05d}.safetensors", "count": len(labels[part]), "skipped": 0})
-    manifest = {
-        "format": 1,
-        "image_size": 32,
-        "vae": "test",
-        "latent_channels": 4,
-        "latent_size": 4,
-        "dtype": "float32",
-        "classes": ["a", "b", "c"],
-        "num_images": len(labels),
-        "num_skipped": 0,
-        "shards": shards,
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_latent_shards_draw_a_fresh_posterior_sample_and_flip(tmp_path):
@@ -262,3 +234,61 @@ def test_a_non_finite_latent_is_named_by_its_shard(tmp_path):
         LatentShardError, match=rf"latent shard {shard} holds NaN or infinite values at row 1 \(image 4\)"
     ):
         dataset[4]
+
+
+def test_no_image_is_listed_twice_or_under_another_class_whatever_the_links(tmp_path):
+    # Before: `ln -s .. ant/up` listed every class's images under ant too (39 images for 12 here).
+    from training.data import ImageFolderDataset
+
+    folder = make_image_folder(tmp_path / "images", classes=("ant", "bee", "cat"), per_class=3, size=(8, 8))
+    (folder / "ant" / "up").symlink_to("..")  # the dataset itself, from inside a class
+    (folder / "ant" / "borrowed.png").symlink_to("../bee/000.png")  # another class's image
+    (folder / "bee" / "ants").symlink_to("../ant")  # another class's folder
+    (folder / "cat" / "again").symlink_to(".")  # a cycle
+    (folder / "cat" / "grandparent").symlink_to("../..")  # above the dataset
+    outside = make_image_folder(tmp_path / "outside", classes=("x",), per_class=2, size=(8, 8)) / "x"
+    (folder / "ant" / "extra").symlink_to(outside)  # outside every class: the first class to link it has it
+    (folder / "cat" / "extra").symlink_to(outside)
+    samples = ImageFolderDataset(folder, 8, random_flip=False).samples
+    listed = {(os.path.relpath(path, folder), label) for path, label in samples}
+    assert len(listed) == len(samples) == 11
+    assert listed == {
+        (f"{name}/{i:03d}.png", label) for label, name in enumerate(("ant", "bee", "cat")) for i in range(3)
+    } | {
+        ("ant/extra/000.png", 0),
+        ("ant/extra/001.png", 0),
+    }
+
+
+def test_a_nan_in_a_latent_shard_stops_training_naming_the_shard_in_one_line(tmp_path):
+    # Before: the run went on to "loss is not finite ... try a lower train.lr". Through a loader worker, torch wraps
+    # the error in the worker's traceback: the command still prints the error's own line.
+    from safetensors.torch import load_file, save_file
+
+    latent_shards(tmp_path / "latents")
+    shard = tmp_path / "latents" / "shard-00001.safetensors"
+    tensors = load_file(shard)
+    tensors["mean"][:, :, 0, 0, 0] = float("nan")
+    save_file(tensors, shard)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *latent_run(tmp_path / "latents"),
+            "train.max_steps=8",
+            "log.sample_every=0",
+            "log.trackers=[]",
+            "data.num_workers=1",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    # the progress bar's line may precede it (tqdm ends its line with a carriage return, not a newline)
+    errors = [line[line.index("error:") :] for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: latent shard {shard} holds NaN or infinite values at row "), errors[0]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

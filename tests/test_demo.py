@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import demo
+from _tiny_models import tiny_export
 from judges import digits
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +145,6 @@ def test_the_report_gives_the_whole_runs_rate_not_the_last_windows():
 
 
 def test_sampling_shows_a_progress_bar(tmp_path, capsys):
-    from test_sample import tiny_export
 
     export = tiny_export(tmp_path / "export")
     monkey_steps = demo.SAMPLER_STEPS

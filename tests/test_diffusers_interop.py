@@ -13,6 +13,7 @@ from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from diffusers.models.embeddings import get_timestep_embedding
 
 import commands
+from _tiny_models import DIT_CLASSES, tiny_dit, write_tiny_export
 from dit_vca import create_diffusion, create_model
 from dit_vca.models import timestep_embedding
 from generation.diffusers_interop import (
@@ -26,38 +27,16 @@ from generation.diffusers_interop import (
 from sit_vca import create_model as create_sit_model
 
 REPO = Path(__file__).resolve().parents[1]
-NUM_CLASSES = 10
 # Converted and original model run the same float32 operations, except q, k, v from three matmuls instead of
 # one fused one (bit-identical on this CPU, measured); allowance: float32 rounding of a sum of ~64 products of
 # O(1) terms through 2 blocks, 1e-5.
 ATOL = 1e-5
 
 
-def tiny_dit(learn_sigma: bool = True, attention: str = "mhsa", seed: int = 0) -> torch.nn.Module:
-    """DiT-S/2 shrunk to 2 blocks of width 64 on an 8x8x4 latent, every trained weight perturbed (adaLN-Zero
-    would otherwise make it the zero function)."""
-    torch.manual_seed(seed)
-    model = create_model(
-        "DiT-S/2",
-        attention=attention,
-        input_size=8,
-        num_classes=NUM_CLASSES,
-        depth=2,
-        hidden_size=64,
-        num_heads=4,
-        learn_sigma=learn_sigma,
-    )
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                parameter.add_(0.05 * torch.randn_like(parameter))
-    return model.eval()
-
-
 def inputs(n: int = 3):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(n, 4, 8, 8, generator=generator)
-    return x, torch.tensor([0, 500, 999])[:n], torch.tensor([1, 7, NUM_CLASSES])[:n]  # NUM_CLASSES: the null class
+    return x, torch.tensor([0, 500, 999])[:n], torch.tensor([1, 7, DIT_CLASSES])[:n]  # DIT_CLASSES: the null class
 
 
 @pytest.mark.parametrize("learn_sigma", [True, False])
@@ -174,7 +153,7 @@ def test_dit_pipeline_follows_our_sampler_step_by_step(solver):
     torch.testing.assert_close(images, (decoded / 2 + 0.5).clamp(0, 1), rtol=1e-5, atol=1e-4)
 
 
-TINY_SIZES = dict(num_classes=NUM_CLASSES, depth=1, hidden_size=32, num_heads=2)
+TINY_SIZES = dict(num_classes=DIT_CLASSES, depth=1, hidden_size=32, num_heads=2)
 
 
 def test_vca_sit_and_lightning_models_are_refused():
@@ -199,26 +178,6 @@ def test_untied_embedders_cannot_go_back():
 # ----------------------------------------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def write_tiny_export(folder: Path, attention: str = "mhsa") -> torch.nn.Module:
-    from generation import ExportDescription, write_export
-
-    model = tiny_dit(attention=attention)
-    write_export(
-        folder,
-        model.state_dict(),
-        ExportDescription(
-            model=model.config,
-            objective={"kind": "diffusion", "learn_sigma": True},
-            space="latents",
-            image_size=64,
-            num_classes=NUM_CLASSES,
-            latent_scale=0.18215,
-            vae="stabilityai/sd-vae-ft-ema",
-        ),
-    )
-    return model
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
@@ -269,7 +228,7 @@ def test_command_with_a_local_vae_writes_a_pipeline(tmp_path, capsys):
     assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()
     # A 10-class model: the conversion said what guided sampling in DiTPipeline then does (its null class is 1000)
     (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert f"{tmp_path / 'export'} has {NUM_CLASSES} classes; DiTPipeline takes class 1000 as the null" in warning
+    assert f"{tmp_path / 'export'} has {DIT_CLASSES} classes; DiTPipeline takes class 1000 as the null" in warning
     with pytest.raises(IndexError):
         pipeline([3], guidance_scale=4.0, num_inference_steps=1, output_type="pt")
 

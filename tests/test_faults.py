@@ -1,5 +1,6 @@
 """Faults users meet on clusters (issue 21): stop signals, full and read-only disks, resumes with changed
-settings, outputs that are inputs. The faults come from tests/faults.py.
+settings, outputs that are inputs, folders in use, writes that must survive a crash of the machine.
+The faults come from tests/_faults.py.
 
 The principle every case checks: a command checks what it can before it writes anything, and what it leaves
 after a failure is a whole earlier state or nothing.
@@ -19,23 +20,15 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
-from _launch import TORCHRUN_TWO_PROCESSES
+from _faults import failing_writes, signal_at_step
+from _launch import TORCHRUN_TWO_PROCESSES, launch, subprocess_env
+from _tiny_data import extraction_config, latent_shards, make_images
+from _tiny_runs import TINY, TWO_PROCESSES_8_STEPS, assert_same_checkpoint, latent_run, logged, run_train
 from atomic_files import OutputError
-from faults import failing_writes, run_train, signal_at_step
 from training.stop_signals import STOPPED_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-TINY = [
-    "model.hidden_size=32",
-    "model.depth=1",
-    "model.num_heads=2",
-    "train.global_batch_size=64",
-    "train.warmup_steps=5",
-    "log.sample_count=8",
-    "log.sample_steps=5",
-    "log.trackers=[]",
-]
 ONE_PROCESS = [
     "--config",
     str(DIGITS),
@@ -47,21 +40,6 @@ ONE_PROCESS = [
 ]
 
 
-def subprocess_env() -> dict:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-    }
-
-
-@pytest.fixture
-def train_script():
-    return run_train
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """A one-process run of 8 steps: the reference a stopped and resumed run must equal."""
@@ -70,45 +48,27 @@ def uninterrupted(tmp_path_factory):
     return run_dir
 
 
-def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
-    """Byte for byte: weights, EMA, optimiser and scheduler state, trainer state."""
-    for name in ("model.safetensors", "export/ema.safetensors", "optimizer.bin", "scheduler.bin", "trainer_state.json"):
-        if name.endswith(".safetensors"):  # the header records no time, but compare tensors for a clear message
-            a, b = load_file(ours / name), load_file(theirs / name)
-            assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), name
-        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
-
-
 # --------------------------------------------------------------------------------------------------
 #                                          Stop signals
 # --------------------------------------------------------------------------------------------------
 
 
-TIMING = ("steps_per_s", "images_per_s")  # the only fields of a metrics line that depend on the clock
-
-
-def logged(run_dir: Path) -> list[dict]:
-    """metrics.jsonl without its timings."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in line.items() if key not in TIMING} for line in lines]
-
-
 # SIGTERM after step 2 stops on a logging step (log.every=2); the others in the middle of a logging window.
 @pytest.mark.parametrize("name, step", [("SIGTERM", 2), ("SIGUSR1", 3), ("SIGINT", 3)])
 def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninterrupted_one(
-    train_script, uninterrupted, tmp_path, monkeypatch, name, step
+    uninterrupted, tmp_path, monkeypatch, name, step
 ):
     run_dir = tmp_path / "run"
     handler_before = signal.getsignal(getattr(signal, name))
     signal_at_step(monkeypatch, step=step, signals=[name])
     with pytest.raises(SystemExit) as exited:
-        train_script(*ONE_PROCESS, f"run.dir={run_dir}")
+        run_train(*ONE_PROCESS, f"run.dir={run_dir}")
     assert exited.value.code == STOPPED_STATUS == 75
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{step:07d}"]  # the step in progress
     assert signal.getsignal(getattr(signal, name)) is handler_before  # the handlers are put back
 
     monkeypatch.undo()
-    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+    run_train(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
     assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", uninterrupted / "checkpoints" / "step-0000008")
     # the same log lines: the stop's own line written, the window's sums carried over in the checkpoint
     assert logged(run_dir) == logged(uninterrupted)
@@ -116,9 +76,9 @@ def test_a_stop_signal_checkpoints_the_step_and_the_resumed_run_equals_an_uninte
 
 def fault_run(run_dir: Path, fault: str, at_exit: str = "") -> subprocess.CompletedProcess:
     """train.py (ONE_PROCESS) as its own process, signalled as FAULT_SIGNAL and FAULT_AT_EXIT say
-    (tests/faults.py)."""
+    (tests/_faults.py)."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
+        [sys.executable, str(ROOT / "tests" / "_faults.py"), *ONE_PROCESS, f"run.dir={run_dir}"],
         cwd=ROOT,
         env={**subprocess_env(), "FAULT_SIGNAL": fault, "FAULT_AT_EXIT": at_exit},
         capture_output=True,
@@ -165,47 +125,23 @@ def test_a_second_ctrl_c_during_a_checkpoint_names_the_abandoned_one(tmp_path):
     )
 
 
-TWO_PROCESS = [
-    "--config",
-    str(DIGITS),
-    *TINY,
-    "train.cpu=true",
-    "train.grad_accum_steps=2",
-    "train.max_steps=8",
-    "log.every=2",
-    "log.checkpoint_every=4",
-    "log.sample_every=0",
-]
-
-
-def torchrun(run_dir: Path, *extra: str, script: Path = ROOT / "train.py", launcher: tuple = ()) -> list[str]:
+def torchrun_8_steps(run_dir: Path, *extra: str, script: Path = ROOT / "train.py", launcher: tuple = ()) -> list[str]:
     return [
         *TORCHRUN_TWO_PROCESSES,
         *launcher,
         str(script),
-        *TWO_PROCESS,
+        *TWO_PROCESSES_8_STEPS,
         f"run.dir={run_dir}",
         *extra,
     ]
 
 
-def launch(command: list[str], fault: str = "", **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**subprocess_env(), "FAULT_SIGNAL": fault, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_resumes_exactly(tmp_path):
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    done = launch(torchrun(reference))
+    done = launch(torchrun_8_steps(reference))
     assert done.returncode == 0, done.stderr[-3000:]
 
-    stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py"), fault="3:1:SIGUSR1:self")
+    stopped = launch(torchrun_8_steps(run_dir, script=ROOT / "tests" / "_faults.py"), fault="3:1:SIGUSR1:self")
     # The first worker to finish exits 75; torchrun then ends the other one (its checkpoint part is written:
     # save_checkpoint returns after a barrier) and reports the failure with its own status 1.
     assert stopped.returncode == 1 and f"exitcode  : {STOPPED_STATUS}" in stopped.stderr, stopped.stderr[-3000:]
@@ -213,7 +149,7 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_and_res
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000003"]
     assert json.loads((run_dir / "checkpoints" / "step-0000003" / "trainer_state.json").read_text())["step"] == 3
 
-    resumed = launch(torchrun(run_dir, "--resume", "latest"))
+    resumed = launch(torchrun_8_steps(run_dir, "--resume", "latest"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", reference / "checkpoints" / "step-0000008")
 
@@ -223,7 +159,7 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path
     # relies on.
     # Rank 0 signals torchrun after step 3; both workers stop after the same step.
     run_dir = tmp_path / "run"
-    stopped = launch(torchrun(run_dir, script=ROOT / "tests" / "faults.py"), fault="3:0:SIGTERM:parent")
+    stopped = launch(torchrun_8_steps(run_dir, script=ROOT / "tests" / "_faults.py"), fault="3:0:SIGTERM:parent")
     assert stopped.returncode != 0 and "stopped by SIGTERM after step" in stopped.stdout, stopped.stderr[-3000:]
     found = list((run_dir / "checkpoints").iterdir())
     assert len(found) == 1, (found, stopped.stdout, stopped.stderr[-3000:])
@@ -234,7 +170,7 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path
 
 
 # --------------------------------------------------------------------------------------------------
-#                                 Full and read-only disks (tests/faults.py)
+#                                 Full and read-only disks (tests/_faults.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -242,9 +178,7 @@ def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def test_a_full_disk_during_a_checkpoint_leaves_the_earlier_one_to_resume(
-    train_script, uninterrupted, tmp_path, monkeypatch
-):
+def test_a_full_disk_during_a_checkpoint_leaves_the_earlier_one_to_resume(uninterrupted, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     # Room for config.yaml and the checkpoint of step 4, and half of the one of step 8.
     room = len((uninterrupted / "config.yaml").read_bytes()) + folder_bytes(
@@ -254,24 +188,39 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_earlier_one_to_resume(
         monkeypatch, errno.ENOSPC, after_bytes=room + folder_bytes(uninterrupted / "checkpoints" / "step-0000008") // 2
     )
     with pytest.raises(OutputError) as raised:
-        train_script(*ONE_PROCESS, f"run.dir={run_dir}")
+        run_train(*ONE_PROCESS, f"run.dir={run_dir}")
     message = str(raised.value)
     assert f"cannot write {run_dir / 'checkpoints' / 'step-0000008'}: no space left on its disk (" in message
     assert "bytes needed" in message and "step-0000004, is intact" in message and "\n" not in message
     assert budget.failures and [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-0000004"]  # no .tmp
 
     monkeypatch.undo()
-    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+    run_train(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
     assert_same_checkpoint(run_dir / "checkpoints" / "step-0000008", uninterrupted / "checkpoints" / "step-0000008")
 
 
-def test_training_into_a_read_only_folder_fails_before_the_model_is_built(train_script, tmp_path, monkeypatch):
+def test_training_into_a_read_only_folder_fails_before_the_model_is_built(tmp_path, monkeypatch):
     import training.build
 
     monkeypatch.setattr(training.build, "build_training", lambda *a: pytest.fail("the model was built"))
     failing_writes(monkeypatch, errno.EROFS)
     with pytest.raises(OutputError, match=r"cannot write .*: read-only file system; choose a writable place"):
-        train_script(*ONE_PROCESS, f"run.dir={tmp_path / 'run'}")
+        run_train(*ONE_PROCESS, f"run.dir={tmp_path / 'run'}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_read_only_error_names_the_folder_not_the_probe(tmp_path, monkeypatch):
+    import errno
+
+    from atomic_files import OutputError, check_writable
+
+    failing_writes(monkeypatch, errno.EROFS)
+    try:
+        check_writable(tmp_path)
+    except OutputError as error:
+        assert str(error) == f"cannot write {tmp_path}: read-only file system; choose a writable place"
+    else:
+        raise AssertionError("the read-only folder was not found")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -370,9 +319,9 @@ def copy_run(source: Path, target: Path) -> Path:
     return target
 
 
-def test_optimiser_settings_given_with_resume_apply_from_the_resume_step(train_script, uninterrupted, tmp_path):
+def test_optimiser_settings_given_with_resume_apply_from_the_resume_step(uninterrupted, tmp_path):
     run_dir = copy_run(uninterrupted, tmp_path / "run")
-    train_script(
+    run_train(
         *ONE_PROCESS,
         f"run.dir={run_dir}",
         "train.lr=5e-4",
@@ -407,17 +356,17 @@ def test_optimiser_settings_given_with_resume_apply_from_the_resume_step(train_s
         ("train.seed=1", "train.seed is 0 in the checkpoint, not 1"),
     ],
 )
-def test_resume_refuses_another_model_objective_data_or_seed(train_script, uninterrupted, tmp_path, override, message):
+def test_resume_refuses_another_model_objective_data_or_seed(uninterrupted, tmp_path, override, message):
     from training.config import ConfigError
 
     run_dir = copy_run(uninterrupted, tmp_path / "run")
     before = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
     with pytest.raises(ConfigError, match=f"--resume .*step-0000004: {message}; a resumed run keeps"):
-        train_script(*ONE_PROCESS, f"run.dir={run_dir}", override, "--resume", "latest")
+        run_train(*ONE_PROCESS, f"run.dir={run_dir}", override, "--resume", "latest")
     assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == before
 
 
-def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(train_script, uninterrupted, tmp_path, capsys):
+def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(uninterrupted, tmp_path, capsys):
     run_dir = copy_run(uninterrupted, tmp_path / "run")
     (run_dir / "samples").mkdir()
     (run_dir / "exports").mkdir()
@@ -430,7 +379,7 @@ def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(train_scrip
     for path in mine:
         path.write_text("the user's")
     (run_dir / "samples" / "step-0000004.png").write_bytes(b"a grid of the earlier run")
-    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "train.max_steps=2", "log.checkpoint_every=2", "--overwrite")
+    run_train(*ONE_PROCESS, f"run.dir={run_dir}", "train.max_steps=2", "log.checkpoint_every=2", "--overwrite")
     assert all(path.read_text() == "the user's" for path in mine)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["mine.txt", "step-0000002"]
     assert not (run_dir / "samples" / "step-0000004.png").exists()
@@ -440,45 +389,19 @@ def test_overwrite_deletes_only_what_runs_write_and_names_what_stays(train_scrip
     )
 
 
-def test_a_resume_removes_the_partial_folder_of_a_killed_save(train_script, uninterrupted, tmp_path):
+def test_a_resume_removes_the_partial_folder_of_a_killed_save(uninterrupted, tmp_path):
     run_dir = copy_run(uninterrupted, tmp_path / "run")
     partial = run_dir / "checkpoints" / ".step-0000006.tmp"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\0" * 4096)  # what a save killed at step 6 leaves
-    train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+    run_train(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004", "step-0000008"]
 
 
-def latent_shards(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """16 latents (means, stds (16, 2, 4, 4, 4)) of 3 classes in two shards of 8 in `folder`."""
-    from test_data import write_latent_shards
-
-    generator = torch.Generator().manual_seed(0)
-    means, stds = torch.randn(16, 2, 4, 4, 4, generator=generator), torch.full((16, 2, 4, 4, 4), 0.1)
-    write_latent_shards(folder, means, stds, torch.arange(16) % 3, shard_size=8)
-    return means, stds
-
-
-def latent_run(folder: Path) -> list[str]:
-    """train.py arguments for a tiny run on latent_shards(folder) whose VAE name loads nothing."""
-    return [
-        "--config",
-        str(DIGITS),
-        *TINY,
-        "data.source=latents",
-        f"data.latents={folder}",
-        "data.image_size=32",
-        "data.num_classes=3",
-        "vae.name=not-loaded/anywhere",
-        "vae.scale=0.5",
-        "train.global_batch_size=4",
-    ]
-
-
-def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_path):
+def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(tmp_path):
     latent_shards(tmp_path / "latents")
     run_dir = tmp_path / "run"
-    train_script(
+    run_train(
         *latent_run(tmp_path / "latents"),
         "train.max_steps=2",
         "log.every=1",
@@ -495,13 +418,6 @@ def test_a_latent_space_run_without_grids_or_fid_needs_no_vae(train_script, tmp_
 # --------------------------------------------------------------------------------------------------
 #                          sample.py: nothing claimed before everything is checked
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    from test_sample import tiny_export
-
-    return tiny_export(tmp_path_factory.mktemp("export"))
 
 
 SAMPLE_RUN = [
@@ -633,13 +549,11 @@ def test_a_full_disk_while_sampling_keeps_finished_shards_and_the_rerun_complete
         ),
     ],
 )
-def test_model_settings_that_build_no_model_are_one_line_before_anything_is_written(
-    train_script, tmp_path, override, message
-):
+def test_model_settings_that_build_no_model_are_one_line_before_anything_is_written(tmp_path, override, message):
     from training.config import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        train_script(*[a for a in ONE_PROCESS if a != "model.num_heads=2"], override, f"run.dir={tmp_path / 'run'}")
+        run_train(*[a for a in ONE_PROCESS if a != "model.num_heads=2"], override, f"run.dir={tmp_path / 'run'}")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -666,7 +580,7 @@ def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, 
         ("labels", "holds labels 0..7; data.num_classes=3 allows 0..2"),
     ],
 )
-def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path, damage, message):
+def test_damaged_latent_shards_are_named_before_training(tmp_path, damage, message):
     from safetensors.torch import save_file
 
     from training.data import LatentShardError
@@ -687,7 +601,7 @@ def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path,
     else:
         save_file({"mean": means[8:], "std": stds[8:], "labels": torch.arange(8)}, shard)
     with pytest.raises(LatentShardError, match=f"latent shard {shard} {message}"):
-        train_script(
+        run_train(
             *latent_run(tmp_path / "latents"),
             "train.max_steps=2",
             "log.sample_every=0",
@@ -696,7 +610,7 @@ def test_damaged_latent_shards_are_named_before_training(train_script, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
-def test_checkpoint_files_of_another_model_are_one_line(train_script, uninterrupted, tmp_path):
+def test_checkpoint_files_of_another_model_are_one_line(uninterrupted, tmp_path):
     from safetensors.torch import save_file
 
     from training.checkpoint_folders import CheckpointError
@@ -708,7 +622,7 @@ def test_checkpoint_files_of_another_model_are_one_line(train_script, uninterrup
         run_dir / "checkpoints" / "step-0000004" / "model.safetensors",
     )  # valid file, other shapes
     with pytest.raises(CheckpointError, match="cannot resume from .*step-0000004: its files belong to another model"):
-        train_script(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
+        run_train(*ONE_PROCESS, f"run.dir={run_dir}", "--resume", "latest")
 
 
 def test_fid_statistics_with_unreadable_arrays_are_one_line(fid_inputs, tmp_path):
@@ -760,6 +674,34 @@ def test_a_second_run_into_a_claimed_shard_folder_is_refused_at_once(tmp_path):
     assert ShardFolder(tmp_path / "out.shards", names, {"seed": 0}).claim() == [0, 1]
 
 
+def test_a_claimed_shard_folder_names_the_process_that_holds_it(tmp_path):
+    # sample.py, training.latents and train.py share one lock (atomic_files.folder_lock); each refusal names the
+    # process, as /proc/locks lists it.
+    from atomic_files.shards import ShardFolder
+
+    folder = ShardFolder(tmp_path / "out.shards", ["shard-0.npz"], {"seed": 0})
+    folder.claim()
+    try:
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from atomic_files.shards import ShardFolder\n"
+                "try:\n    ShardFolder(sys.argv[1], ['shard-0.npz'], {'seed': 0}).claim()\n"
+                "except Exception as error:\n    print(error)",
+                str(tmp_path / "out.shards"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        folder.release()
+    assert f"is being written by another run right now (process {os.getpid()})" in second.stdout, second.stderr
+
+
 @pytest.mark.parametrize(
     "message, expected",
     [
@@ -791,7 +733,6 @@ def test_demo_into_a_read_only_folder_fails_before_training(tmp_path, monkeypatc
 
 def test_latent_extraction_writes_nothing_before_the_vae_has_loaded(tmp_path):
     from generation.vae import VAEUnavailableError
-    from test_latents import extraction_config, make_images
     from training.config import load_config
     from training.latents import extract_latents
 
@@ -800,3 +741,88 @@ def test_latent_extraction_writes_nothing_before_the_vae_has_loaded(tmp_path):
     with pytest.raises(VAEUnavailableError, match="does not exist"):
         extract_latents(config)
     assert not (tmp_path / "latents").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+#                      Durable writes: flushed before the rename, in the umask's mode
+# --------------------------------------------------------------------------------------------------
+
+
+class DiskLog:
+    """Records every fsync (by the path of its descriptor) and every os.replace, with what under the renamed file
+    or folder had not been flushed when it was renamed."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.unflushed: dict[str, list[str]] = {}  # target of a rename -> paths renamed with it, never flushed
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(descriptor: int) -> None:
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+            real_fsync(descriptor)
+
+        def replace(source, target, **options) -> None:
+            source, target = os.path.abspath(source), os.path.abspath(target)
+            inside = [source] + [str(path) for path in Path(source).rglob("*")] if os.path.isdir(source) else [source]
+            flushed = {path for kind, path in self.events if kind == "fsync"}
+            self.unflushed[target] = [path for path in inside if path not in flushed]
+            self.events.append(("replace", target))
+            real_replace(source, target, **options)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+    def durable(self, target: Path) -> bool:
+        """Whether everything `target` was renamed from (every file and folder of a folder) was flushed before the
+        rename, and the folder holding it after (the rename itself)."""
+        renamed = self.events.index(("replace", str(target)))
+        return self.unflushed[str(target)] == [] and ("fsync", str(target.parent)) in self.events[renamed + 1 :]
+
+
+def test_a_file_is_flushed_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    # Before: os.replace alone, so a crash of the machine could keep the name and lose the bytes.
+    from atomic_files import atomic_folder, write_text_atomic
+
+    log = DiskLog(monkeypatch)
+    write_text_atomic(tmp_path / "note.txt", "whole\n")
+    temporary = str(tmp_path / f".note.txt.tmp-{os.getpid()}")
+    assert log.events == [("fsync", temporary), ("replace", str(tmp_path / "note.txt")), ("fsync", str(tmp_path))]
+    with atomic_folder(tmp_path / "folder") as folder:
+        (folder / "inner").mkdir()
+        (folder / "inner" / "a.bin").write_bytes(b"a")
+        write_text_atomic(folder / "b.txt", "b")  # flushed with the folder, not before
+    assert log.durable(tmp_path / "folder")
+
+
+@pytest.mark.slow
+def test_checkpoints_exports_and_snapshots_are_flushed_before_they_take_their_names(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    log = DiskLog(monkeypatch)
+    run_train(
+        *("--config", str(ROOT / "configs" / "digits.yaml"), f"run.dir={run_dir}"),
+        *("model.hidden_size=32", "model.depth=1", "model.num_heads=2", "train.global_batch_size=16"),
+        *("train.max_steps=2", "log.checkpoint_every=2", "log.export_every=2", "log.sample_every=0"),
+        *("log.trackers=[]", "train.posthoc_ema.sigma_rel=[0.1]", "train.posthoc_ema.snapshot_every=2"),
+    )
+    # every file and folder of each, Accelerate's optimizer.bin and RNG states too
+    for folder in ("checkpoints/step-0000002", "exports/step-0000002", "posthoc_ema/step-0000002", "config.yaml"):
+        assert log.durable(run_dir / folder), folder
+
+
+def test_written_files_take_the_umasks_mode(tmp_path):
+    # safetensors creates its files 0o600 whatever the umask (before: so were every export and checkpoint).
+    import torch
+    from safetensors.torch import save_file
+
+    from atomic_files import atomic_folder, atomic_output
+
+    previous = os.umask(0o002)  # a group-shared run directory
+    try:
+        with atomic_output(tmp_path / "ema.safetensors") as temporary:
+            save_file({"w": torch.zeros(2)}, temporary)
+        with atomic_folder(tmp_path / "checkpoint") as folder:
+            save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    finally:
+        os.umask(previous)
+    for path in (tmp_path / "ema.safetensors", tmp_path / "checkpoint" / "model.safetensors"):
+        assert oct(path.stat().st_mode & 0o777) == oct(0o664), path

@@ -4,6 +4,7 @@ shapes, by-name download into the torch hub cache, offline messages, no code exe
 import json
 import logging
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -338,3 +339,19 @@ def test_a_saved_export_carries_a_model_card_filled_from_its_description(tmp_pat
         "stabilityai/sd-vae-ft-ema" in body
     )
     assert "- Latent scale: 0.18215" in body and "- EMA weights after 4,000 optimiser steps" in body
+
+
+def test_a_format_written_as_a_string_is_named_as_such(export, tmp_path):
+    # Before: "export format 3 is newer than this code understands (3)".
+    from generation.export import ExportError, read_description
+
+    folder = shutil.copytree(export, tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    for written, expected in (
+        ("3", '"format" is "3"; expected a whole number from 1 to 4'),
+        (0, '"format" is 0; expected a whole number from 1 to 4'),
+        (5, "export format 5 is newer than this code understands (4)"),
+    ):
+        (folder / "config.json").write_text(json.dumps({**config, "format": written}))
+        with pytest.raises(ExportError, match=re.escape(expected)):
+            read_description(folder)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
-from faults import run_train
+from _tiny_runs import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "digits.yaml"), "model.hidden_size=32", "model.depth=1"]

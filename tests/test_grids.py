@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 import sample
+from _tiny_models import EXPORT_CLASSES, tiny_export
 from generation.export import EXPORT_CONFIG, ExportDescription
 from generation.images import MIN_TILE_PIXELS, class_grid_indices, grid_classes, save_class_grid
 from generation.sample_plan import assign_labels
-from test_sample import NUM_CLASSES, tiny_export
 
 
 def test_the_rows_are_classes_spread_over_those_present():
@@ -75,7 +75,7 @@ def test_sample_py_draws_a_row_per_class_with_the_exports_class_names(tmp_path):
     with the export's class names and the guidance in the title."""
     export = tiny_export(tmp_path / "export")
     described = ExportDescription.from_json(json.loads((export / EXPORT_CONFIG).read_text()))
-    names = [f"folder-{k}" for k in range(NUM_CLASSES)]
+    names = [f"folder-{k}" for k in range(EXPORT_CLASSES)]
     (export / EXPORT_CONFIG).write_text(json.dumps(dataclasses.replace(described, class_names=names).to_json()))
     out = tmp_path / "s.npz"
     arguments = ["--ckpt", str(export), "--out", str(out), "--num-samples", "12", "--steps", "2", "--grid-size", "4"]
@@ -90,3 +90,17 @@ def test_sample_py_draws_a_row_per_class_with_the_exports_class_names(tmp_path):
     assert np.array_equal(np.asarray(Image.open(out.with_suffix(".png"))), np.asarray(Image.open(expected)))
     save_class_grid([(label, images[indices]) for label, indices in rows], expected, title)  # without names
     assert not np.array_equal(np.asarray(Image.open(out.with_suffix(".png"))), np.asarray(Image.open(expected)))
+
+
+def test_the_grid_estimate_is_above_the_grid_written(tmp_path):
+    from generation.images import class_grid_indices, grid_bytes, save_class_grid
+
+    rng = np.random.default_rng(0)
+    names = [f"n{index:08d}_{'a long class folder name' * 2}" for index in range(1000)]  # long labels, as ImageNet's
+    title = "results/a-run-folder/checkpoints/step-0400000/export: guidance 4, ddim, 250 steps " * 2  # a long title
+    for count, side, classes in ((1, 8, 10), (3, 8, 10), (64, 8, 10), (9, 16, 1000), (16, 32, 1000), (4, 64, 3)):
+        labels = np.arange(count * classes) % classes
+        rows = class_grid_indices(labels, count)
+        tiles = rng.integers(0, 256, (len(labels), side, side, 3), dtype=np.uint8)  # noise: compresses least
+        save_class_grid([(label, tiles[indices]) for label, indices in rows], tmp_path / "grid.png", title, names)
+        assert (tmp_path / "grid.png").stat().st_size <= grid_bytes(count, side), (count, side)

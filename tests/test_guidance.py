@@ -7,34 +7,8 @@ from torch import nn
 
 import dit_vca
 import sit_vca
+from _labelled_stub import NUM_CLASSES, LabelledStub, stub_inputs
 from samplers.guidance import classifier_free_guidance
-
-NUM_CLASSES = 10
-
-
-class LabelledStub(nn.Module):
-    """A class-conditional "model" of element-wise ops (so a doubled batch gives bit-identical rows) whose every
-    output channel depends on x, t and y; it records the batches it is called with."""
-
-    def __init__(self, in_channels: int = 4, learn_sigma: bool = True):
-        super().__init__()
-        self.in_channels = in_channels
-        self.out_channels = 2 * in_channels if learn_sigma else in_channels
-        self.calls: list[tuple[int, torch.Tensor]] = []
-
-    def forward(self, x, t, y):
-        self.calls.append((x.shape[0], y.clone()))
-        channel = torch.arange(self.out_channels, dtype=x.dtype).view(1, -1, 1, 1)
-        x = x.repeat(1, self.out_channels // x.shape[1], 1, 1)  # (B, C_out, H, W)
-        return (channel + 1) * x + 0.3 * y.view(-1, 1, 1, 1) * (channel - 2) + 0.01 * t.view(-1, 1, 1, 1)
-
-
-def inputs(batch: int = 5):
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 4, 3, 3, generator=generator)
-    t = torch.linspace(0.1, 0.9, batch)
-    y = torch.randint(0, NUM_CLASSES, (batch,), generator=generator)
-    return x, t, y
 
 
 def cond_and_uncond(model, x, t, y):
@@ -44,7 +18,7 @@ def cond_and_uncond(model, x, t, y):
 def test_scale_one_is_the_model_alone():
     model = LabelledStub()
     guided = classifier_free_guidance(model, 1.0, NUM_CLASSES)
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     assert torch.equal(guided(x, t, y), model(x, t, y))
     assert [batch for batch, _ in model.calls] == [5, 5], "one forward pass of the batch, no doubling"
 
@@ -52,7 +26,7 @@ def test_scale_one_is_the_model_alone():
 @pytest.mark.parametrize("scale", [0.0, 1.5, 4.0])
 def test_guidance_on_all_prediction_channels(scale):
     model = LabelledStub()
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     out = classifier_free_guidance(model, scale, NUM_CLASSES)(x, t, y)
     assert [batch for batch, _ in model.calls] == [10], "cond and uncond share one doubled forward pass"
     assert torch.equal(model.calls[0][1][5:], torch.full((5,), NUM_CLASSES)), "null label = num_classes"
@@ -64,7 +38,7 @@ def test_guidance_on_all_prediction_channels(scale):
 
 def test_guidance_limited_to_the_first_k_channels():
     model = LabelledStub()
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     out = classifier_free_guidance(model, 4.0, NUM_CLASSES, guided_channels=3)(x, t, y)
     cond, uncond = cond_and_uncond(model, x, t, y)
     torch.testing.assert_close(out[:, :3], uncond[:, :3] + 4.0 * (cond[:, :3] - uncond[:, :3]))
@@ -73,7 +47,7 @@ def test_guidance_limited_to_the_first_k_channels():
 
 def test_guidance_interval():
     model = LabelledStub(learn_sigma=False)
-    x, t, y = inputs()  # t = 0.1, 0.3, 0.5, 0.7, 0.9
+    x, t, y = stub_inputs()  # t = 0.1, 0.3, 0.5, 0.7, 0.9
     guided = classifier_free_guidance(model, 3.0, NUM_CLASSES, interval=(0.25, 0.7))
     out = guided(x, t, y)
     cond, uncond = cond_and_uncond(model, x, t, y)
@@ -89,7 +63,7 @@ def test_guidance_interval():
 
 def test_interval_in_ddpm_timestep_units():
     model = LabelledStub()
-    x, _, y = inputs()
+    x, _, y = stub_inputs()
     t = torch.tensor([0, 100, 500, 999, 300])
     out = classifier_free_guidance(model, 2.0, NUM_CLASSES, interval=(100, 500))(x, t, y)
     cond, uncond = cond_and_uncond(model, x, t, y)
@@ -111,7 +85,7 @@ def test_plain_function_needs_guided_channels():
     function = lambda x, t, y: x  # noqa: E731
     with pytest.raises(ValueError, match="in_channels"):
         classifier_free_guidance(function, 2.0, NUM_CLASSES)
-    x, t, y = inputs()
+    x, t, y = stub_inputs()
     torch.testing.assert_close(classifier_free_guidance(function, 2.0, NUM_CLASSES, guided_channels=4)(x, t, y), x)
 
 

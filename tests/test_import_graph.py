@@ -1,5 +1,6 @@
 """The project's structure, held by the suite: packages import only packages on floors below their own, no module
-imports itself back through a circle, a study imports no other study, and docs/architecture.md lists these floors.
+imports itself back through a circle, a study imports no other study, and docs/architecture.md lists these floors;
+in tests/, test modules import helper modules (tests/_*.py), never each other.
 
 The floors follow the README's data flow (configs -> training run -> export -> generation -> .npz -> fid), read
 as "who may use whom": a command uses training, training uses generation, generation uses the models and
@@ -17,78 +18,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from _import_graph import FLOOR, FLOORS, REPO, import_graph, imported_modules, top
 
-# Lowest first; a package may import packages of lower floors only (and itself). Several on one floor do not
-# import each other.
-FLOORS: tuple[tuple[str, ...], ...] = (
-    ("commands",),
-    ("atomic_files", "configs", "objectives"),  # objectives: the table of objectives and samplers, plain data
-    ("fid", "samplers"),
-    ("dit_vca",),
-    ("sit_vca",),
-    ("generation",),
-    ("training",),
-    ("sample_arguments",),  # sample.py's parser and checks; sweep.py checks its points with them
-    ("judges",),  # the classifiers and real images that the demo, the studies and bench.demo score with
-    ("train", "sample", "demo"),
-    ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema
-    ("bench",),  # speed and memory
-    ("studies",),  # sample quality: trains with train.py, scores with sweep and the judges, reports with bench's tools
-)
-FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}
 # What every study may import of the studies package besides itself: their shared machinery.
 STUDY_MACHINERY = {"studies", "studies.runner", "studies.scorers", "studies.report"}
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def project_modules() -> dict[str, Path]:
-    """Every module of the packages and top-level scripts above (tests and benchmarks' data excluded)."""
-    modules = {}
-    for path in REPO.rglob("*.py"):
-        relative = path.relative_to(REPO)
-        if relative.parts[0] in FLOOR or (len(relative.parts) == 1 and path.stem in FLOOR):
-            modules[module_name(path)] = path
-    return modules
-
-
-def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
-    """The project modules that `path` (module `name`) imports, wherever the import statement stands."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            # `from pkg import sub` imports the module pkg.sub when there is one, else a name of pkg
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in known:  # `import a.b.c` of a name inside a module: its module
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
-    return found
-
-
-def import_graph() -> dict[str, set[str]]:
-    modules = project_modules()
-    return {name: imported_modules(path, name, set(modules)) for name, path in modules.items()}
-
-
-def top(module: str) -> str:
-    return module.split(".")[0]
 
 
 def test_every_project_package_has_a_floor():
@@ -196,3 +129,38 @@ def test_the_graph_sees_imports_inside_functions_and_type_checking(tmp_path):
         "generation.export",
         "dit_vca.models",
     }
+
+
+def imports_of_test_modules(folder: Path) -> list[str]:
+    """`file:line module` for every import, anywhere in a module of `folder`, of one of its test modules."""
+    test_modules = {path.stem for path in folder.glob("test_*.py")}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] in test_modules]
+    return found
+
+
+def test_test_modules_import_helper_modules_never_each_other():
+    """What several test files share lives in a helper module named after what it holds, with a leading underscore
+    (docs/architecture.md, "The tests"). A test module that another one imports is a helper module under a test's
+    name, and a test function imported with it is collected twice."""
+    tests = REPO / "tests"
+    assert not imports_of_test_modules(tests), "test modules imported by other modules:\n" + "\n".join(
+        imports_of_test_modules(tests)
+    )
+    unnamed = [path.name for path in tests.glob("*.py") if not path.name.startswith(("test_", "_", "conftest."))]
+    assert not unnamed, f"modules in tests/ that are neither test modules nor _helpers: {unnamed}"
+
+
+def test_the_test_module_check_sees_imports_anywhere(tmp_path):
+    (tmp_path / "test_a.py").write_text("def f():\n    from test_b import x\n")
+    (tmp_path / "test_b.py").write_text("import _helper\nimport test_a.sub\nx = 1\n")
+    (tmp_path / "_helper.py").write_text("from test_a import f\n")
+    assert imports_of_test_modules(tmp_path) == ["_helper.py:1 test_a", "test_a.py:2 test_b", "test_b.py:2 test_a.sub"]

@@ -17,25 +17,17 @@ import pytest
 import torch
 from accelerate.state import PartialState
 from diffusers import AutoencoderKL
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from _tiny_data import extraction_config, make_images
+from _tiny_models import TINY_VAE, write_tiny_export
 from generation.vae import LatentNormalization, VAEUnavailableError, encode_posterior, load_vae
 from training.config import load_config
 from training.data import CorruptImageError, LatentShardDataset
 from training.latents import SHARD_METADATA, extract_latents, plan_shards, shard_name
 
 ROOT = Path(__file__).resolve().parents[1]
-# A small AutoencoderKL: two resolutions (2x downsampling), 4 latent channels, random weights.
-TINY_VAE = dict(
-    down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2,
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    latent_channels=4,
-    norm_num_groups=8,
-)
 
 # A 32-channel autoencoder with 16x downsampling (five resolutions), as VA-VAE's f16d32 latent space.
 F16_VAE = dict(
@@ -44,47 +36,6 @@ F16_VAE = dict(
     block_out_channels=(8,) * 5,
     latent_channels=32,
 )
-
-
-@pytest.fixture(scope="module")
-def vae_folder(tmp_path_factory):
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("vae") / "tiny-vae"
-    AutoencoderKL(**TINY_VAE).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture
-def single_process():
-    """One CPU process, single-threaded like the subprocesses (so their float results match bit for bit)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield PartialState(cpu=True)
-    PartialState._reset_state()
-    torch.set_num_threads(threads)
-
-
-def make_images(root: Path, per_class: int, size: int = 32) -> Path:
-    rng = np.random.default_rng(0)
-    for name in ("ant", "bee"):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (size, size + 8, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
-    return root
-
-
-def extraction_config(tmp_path: Path, images: Path, latents: Path, vae_folder: Path, **extract) -> Path:
-    settings = {"batch_size": 3, "shard_size": 4, "dtype": "float32", **extract}
-    path = tmp_path / f"extract-{latents.name}.yaml"
-    path.write_text(f"""
-model: {{name: DiT-S/2}}
-data: {{source: images, images: {images}, latents: {latents}, image_size: {settings.pop("image_size", 32)},
-        num_classes: 2, num_workers: 0}}
-vae: {{name: {vae_folder}, scale: 0.5}}
-extract: {json.dumps(settings)}
-train: {{global_batch_size: 4, max_steps: 1, lr: 1.0e-4, ema_decay: 0.99, cpu: true}}
-""")
-    return path
 
 
 def test_vae_round_trips_through_a_local_folder(vae_folder):
@@ -353,7 +304,6 @@ def dead_hub():
 def offline_commands(tmp_path: Path, vae_folder: Path) -> dict[str, tuple[list[str], Path]]:
     """Each command that loads a hub VAE (latent extraction, training on images, sampling a latent-space export),
     with the output it must not create."""
-    from test_diffusers_interop import write_tiny_export
 
     config = extraction_config(tmp_path, make_images(tmp_path / "images", 2), tmp_path / "latents", vae_folder)
     write_tiny_export(tmp_path / "export")  # a latent-space export naming vae=stabilityai/sd-vae-ft-ema

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from _tiny_models import TINY_VAE, tiny_export
 from commands import USER_ERROR_STATUS, run_command
 from generation.likelihood import PIXEL_BIN, ModelSpace, bits_per_dim, main
 from sit_vca import create_transport
@@ -116,8 +117,6 @@ def test_latent_models_take_the_vaes_posterior_mean_scaled_and_add_no_pixel_term
     rtol 1e-6; Hutchinson's probe is exact on this diagonal Jacobian)."""
     from diffusers import AutoencoderKL
 
-    from test_latents import TINY_VAE
-
     torch.manual_seed(0)
     vae = AutoencoderKL(**TINY_VAE).eval()  # 2 px per latent cell: 4-channel 4x4 latents of 8x8 images
     mu = torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64).view(1, 4, 1, 1)
@@ -156,7 +155,6 @@ def gray_images(path, count: int = 3, labels: bool = True):
 
 @pytest.mark.slow
 def test_the_command_reports_bits_per_dim_of_a_sit_export_and_what_they_include(tmp_path, capsys):
-    from test_sample import tiny_export
 
     export = tiny_export(tmp_path / "export", family="SiT")
     images = gray_images(tmp_path / "images.npz")
@@ -198,7 +196,6 @@ def test_the_command_reports_bits_per_dim_of_a_sit_export_and_what_they_include(
     ],
 )
 def test_what_the_likelihood_cannot_be_computed_for_is_one_line(tmp_path, capsys, make, arguments, named):
-    from test_sample import tiny_export
 
     family = arguments[1] if arguments[:1] == ["--family"] else "SiT"
     dropout = 0.0 if arguments[:1] == ["--no-null"] else 0.1  # a model trained without label dropout: no null class

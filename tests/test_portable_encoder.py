@@ -18,15 +18,18 @@ import torch
 import yaml
 from timm.models import save_for_hf
 
+from _tiny_models import save_vit
+from _tiny_runs import DIGITS, TINY_REPA, metrics, run_train
 from commands import run_command
-from faults import run_train
-from test_repa import DIGITS, TINY, metrics, save_vit
 from training.config import ConfigError, RepaConfig, load_config
 from training.repa import PROJECTOR_WEIGHTS, EncoderUnavailableError, check_repa_resume, load_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMM_NAME = "test_vit.r160_in1k"  # timm's smallest ViT with a pretrained tag: 0.37 M parameters, patch 16
-NAMED = [*(option for option in TINY if not option.startswith("train.repa.input_size")), "train.repa.input_size=64"]
+NAMED = [
+    *(option for option in TINY_REPA if not option.startswith("train.repa.input_size")),
+    "train.repa.input_size=64",
+]
 
 
 def save_as_downloaded(folder: Path) -> Path:
@@ -37,13 +40,14 @@ def save_as_downloaded(folder: Path) -> Path:
     return folder
 
 
-def launch(*overrides: str) -> RepaConfig:
+def repa_at_launch(*overrides: str) -> RepaConfig:
     """train.repa as a launch with these overrides sees it (named by load_config)."""
-    return load_config(DIGITS, [*TINY, *overrides]).train.repa
+    return load_config(DIGITS, [*TINY_REPA, *overrides]).train.repa
 
 
 def checkpoint(folder: Path, **recorded: str) -> Path:
-    """A checkpoint's config.yaml whose train.repa records `recorded` (the structure of TINY), beside a projector."""
+    """A checkpoint's config.yaml whose train.repa records `recorded` (the structure of TINY_REPA), beside a
+    projector."""
     folder.mkdir(parents=True)
     repa = {"depth": 1, "projector_dim": 16, **recorded}
     (folder / "config.yaml").write_text(yaml.safe_dump({"train": {"repa": repa}}))
@@ -62,22 +66,23 @@ def offline(monkeypatch, tmp_path):
 def test_a_config_names_an_encoder_folder_by_the_timm_name_it_copies_else_by_its_absolute_path(tmp_path, monkeypatch):
     named, other = save_as_downloaded(tmp_path / "encoders" / "test-vit"), save_vit(tmp_path / "encoders" / "tiny")
     monkeypatch.chdir(tmp_path)
-    repa = launch("train.repa.encoder=encoders/test-vit")
+    repa = repa_at_launch("train.repa.encoder=encoders/test-vit")
     assert (repa.encoder, repa.path) == (TIMM_NAME, str(named))
-    repa = launch("train.repa.encoder=encoders/test-vit/model.safetensors")  # the weights file names its folder
+    repa = repa_at_launch("train.repa.encoder=encoders/test-vit/model.safetensors")  # the weights file names its folder
     assert (repa.encoder, repa.path) == (TIMM_NAME, str(named))
-    repa = launch("train.repa.encoder=encoders/tiny")  # another size and patch: a copy of no named model
+    repa = repa_at_launch("train.repa.encoder=encoders/tiny")  # another size and patch: a copy of no named model
     assert (repa.encoder, repa.path) == (str(other), str(other))
     # studies/digits_encoder's config.json carries vit_tiny_patch16_224's default tag, but it is not that model
     digits = ROOT / "studies" / "digits_encoder"
-    repa = launch(f"train.repa.encoder={os.path.relpath(digits)}")
+    repa = repa_at_launch(f"train.repa.encoder={os.path.relpath(digits)}")
     assert (repa.encoder, repa.path) == (str(digits), str(digits))
-    repa = launch(f"train.repa.encoder={TIMM_NAME}")
+    repa = repa_at_launch(f"train.repa.encoder={TIMM_NAME}")
     assert (repa.encoder, repa.path) == (TIMM_NAME, None)  # a timm name stays as it is, with no hint
     # a recorded hint that is another encoder here is dropped; one not here is kept for where it is
-    assert launch(f"train.repa.encoder={TIMM_NAME}", f"train.repa.path={other}").path is None
+    assert repa_at_launch(f"train.repa.encoder={TIMM_NAME}", f"train.repa.path={other}").path is None
     assert (
-        launch(f"train.repa.encoder={TIMM_NAME}", "train.repa.path=/elsewhere/test-vit").path == "/elsewhere/test-vit"
+        repa_at_launch(f"train.repa.encoder={TIMM_NAME}", "train.repa.path=/elsewhere/test-vit").path
+        == "/elsewhere/test-vit"
     )
 
 
@@ -89,25 +94,28 @@ def test_a_resume_compares_encoders_not_the_spellings_of_their_folder(tmp_path, 
     monkeypatch.chdir(here)
     # (a) a run of the code before names travelled recorded the folder as it was given
     before = checkpoint(tmp_path / "old", encoder="encoders/tiny")
-    check_repa_resume(before, launch("train.repa.encoder=encoders/tiny"))
-    check_repa_resume(before, launch(f"train.repa.encoder={tiny}"))
+    check_repa_resume(before, repa_at_launch("train.repa.encoder=encoders/tiny"))
+    check_repa_resume(before, repa_at_launch(f"train.repa.encoder={tiny}"))
     # (b) a run recorded by name and hint: the same encoder by a path from another folder, or through the hint
-    unnamed, by_name = launch("train.repa.encoder=encoders/tiny"), launch("train.repa.encoder=encoders/test-vit")
+    unnamed, by_name = (
+        repa_at_launch("train.repa.encoder=encoders/tiny"),
+        repa_at_launch("train.repa.encoder=encoders/test-vit"),
+    )
     runs = {
         tiny: checkpoint(tmp_path / "tiny", encoder=unnamed.encoder, path=unnamed.path),
         named: checkpoint(tmp_path / "named", encoder=by_name.encoder, path=by_name.path),
     }
     monkeypatch.chdir(elsewhere)
     for folder, saved in runs.items():
-        check_repa_resume(saved, launch(f"train.repa.encoder={os.path.relpath(folder)}"))
-        check_repa_resume(saved, launch(f"train.repa.encoder={folder}"))
+        check_repa_resume(saved, repa_at_launch(f"train.repa.encoder={os.path.relpath(folder)}"))
+        check_repa_resume(saved, repa_at_launch(f"train.repa.encoder={folder}"))
         recorded = yaml.safe_load(saved.read_text())["train"]["repa"]  # what `--resume <run>` launches with
-        check_repa_resume(saved, launch(*(f"train.repa.{key}={recorded[key]}" for key in ("encoder", "path"))))
-    check_repa_resume(runs[named], launch(f"train.repa.encoder={TIMM_NAME}"))
+        check_repa_resume(saved, repa_at_launch(*(f"train.repa.{key}={recorded[key]}" for key in ("encoder", "path"))))
+    check_repa_resume(runs[named], repa_at_launch(f"train.repa.encoder={TIMM_NAME}"))
     # (c) another encoder is refused in one line
     for saved, given in [(runs[tiny], other), (runs[named], tiny), (before, named)]:
         with pytest.raises(ConfigError) as refused:
-            check_repa_resume(saved, launch(f"train.repa.encoder={given}"))
+            check_repa_resume(saved, repa_at_launch(f"train.repa.encoder={given}"))
         message = str(refused.value)
         assert "train.repa.encoder=" in message and "cannot change on resume" in message and "\n" not in message
 
@@ -118,18 +126,18 @@ def test_an_encoder_folder_named_by_its_path_that_moved_away_is_named_in_one_lin
     old = tmp_path / "train-here" / "encoders" / "tiny"
     save_vit(old)
     monkeypatch.chdir(tmp_path / "train-here")
-    recorded = launch("train.repa.encoder=encoders/tiny")
+    recorded = repa_at_launch("train.repa.encoder=encoders/tiny")
     saved = checkpoint(tmp_path / "run", encoder=recorded.encoder, path=recorded.path)
     (tmp_path / "train-here" / "encoders").rename(tmp_path / "moved")
     monkeypatch.chdir(tmp_path)
-    again = launch(f"train.repa.encoder={recorded.encoder}", f"train.repa.path={recorded.path}")
+    again = repa_at_launch(f"train.repa.encoder={recorded.encoder}", f"train.repa.path={recorded.path}")
     with pytest.raises(EncoderUnavailableError) as missing:
         load_encoder(again, image_channels=1, model_grid=4)
     assert str(missing.value) == (
         f"train.repa.encoder={old}: no such folder or file (set train.repa.encoder=FOLDER to where the encoder is "
         f"on this machine)"
     )
-    given = launch("train.repa.encoder=moved/tiny", f"train.repa.path={recorded.path}")
+    given = repa_at_launch("train.repa.encoder=moved/tiny", f"train.repa.path={recorded.path}")
     assert load_encoder(given, image_channels=1, model_grid=4).grid == 4
     with pytest.raises(ConfigError) as refused:
         check_repa_resume(saved, given)
@@ -137,7 +145,9 @@ def test_an_encoder_folder_named_by_its_path_that_moved_away_is_named_in_one_lin
         f"(its encoder folder {old} is not on this machine: put it back there, or a link to it, to resume)"
     )
     (tmp_path / "train-here" / "encoders").symlink_to(tmp_path / "moved")
-    check_repa_resume(saved, launch(f"train.repa.encoder={recorded.encoder}", f"train.repa.path={recorded.path}"))
+    check_repa_resume(
+        saved, repa_at_launch(f"train.repa.encoder={recorded.encoder}", f"train.repa.path={recorded.path}")
+    )
 
 
 def test_a_repa_run_resumes_from_another_folder_and_the_error_names_train_repa_encoder(

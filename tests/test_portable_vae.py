@@ -1,11 +1,14 @@
 """Exports and run configs that travel: a VAE given as a local folder is recorded by its hub id (which diffusers'
 save_pretrained keeps in the folder's config.json) with the folder's absolute path as a hint, so `sample.py` and a
-resume work from another folder, and where neither the hint nor the hub can give it, the one line names --vae."""
+resume work from another folder, and where neither the hint nor the hub can give it, the one line names --vae.
+A VAE that does not fit the export (its latent channels, its image size) is refused before sampling, in one line;
+a relative VAE path in an export is read from the export's folder."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,25 +17,16 @@ import pytest
 import yaml
 from diffusers import AutoencoderKL
 
+import sample
+from _tiny_data import latent_shards
+from _tiny_models import TINY_VAE, tiny_sd_vae
+from _tiny_runs import latent_run, run_train
+from _user_errors import one_line_error
 from generation.vae import VAEUnavailableError, load_vae, vae_source
-from test_faults import latent_run, latent_shards
 from training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = "stabilityai/sd-vae-ft-mse"
-
-
-def tiny_sd_vae() -> AutoencoderKL:
-    """A randomly initialised AutoencoderKL in the SD layout (4 levels: 8x downsampling, 4 latent channels), with
-    tiny widths."""
-    return AutoencoderKL(
-        block_out_channels=(8, 8, 8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-    )
 
 
 def save_vae_as_downloaded(folder: Path) -> None:
@@ -85,7 +79,6 @@ def test_a_run_config_names_the_vae_so_that_it_loads_from_another_folder(tmp_pat
 def test_an_export_samples_from_another_folder_and_the_error_names_vae(tmp_path):
     """A tiny latent-space run trained with vae.name=<relative folder>; sample.py from another folder uses the
     recorded hint; with the folder moved away, the one line names --vae, and --vae gives the VAE back."""
-    from faults import run_train
 
     latent_shards(tmp_path / "latents")
     save_vae_as_downloaded(tmp_path / "train-here" / "vae" / "sd-vae-ft-mse")
@@ -163,3 +156,89 @@ def test_the_vae_error_names_the_argument_of_the_call_that_was_made(tmp_path):
         with pytest.raises(VAEUnavailableError) as raised:
             ImageGenerator.from_export(Export(description, {}), **given)
         assert f"VAE folder {missing} does not exist; {named}" == str(raised.value)
+
+
+def latent_export(folder: Path, vae: Path) -> Path:
+    """A 1-block DiT on 4 channels of 4x4 latents, decoded by the tiny VAE `vae` to 8 px."""
+    import dit_vca
+    from generation import ExportDescription, write_export
+
+    model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, num_classes=2)
+    description = ExportDescription(
+        model=model.config,
+        objective={"kind": "diffusion", "learn_sigma": True},
+        space="latents",
+        image_size=8,
+        num_classes=2,
+        vae=str(vae),
+        latent_scale=0.5,
+    )
+    write_export(folder, model.state_dict(), description)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vaes(tmp_path_factory) -> Path:
+    """Tiny VAEs with 4 and 8 latent channels, both of downsampling 2."""
+    from diffusers import AutoencoderKL
+
+    root = tmp_path_factory.mktemp("vaes")
+    for channels in (4, 8):
+        AutoencoderKL(**{**TINY_VAE, "latent_channels": channels}).save_pretrained(root / f"vae{channels}")
+    return root
+
+
+def test_a_vae_of_another_latent_channel_count_is_one_line(vaes, tmp_path, capsys):
+    # Before: a convolution in the VAE's decoder stopped the trial sample with a RuntimeError traceback.
+    export = latent_export(tmp_path / "export", vaes / "vae4")
+    out = tmp_path / "out" / "s.npz"
+    out.parent.mkdir()
+    argv = ["--ckpt", str(export), "--vae", str(vaes / "vae8"), "--num-samples", "2", "--out", str(out)]
+    error = one_line_error(sample.main, argv, capsys)
+    assert f"the VAE {vaes / 'vae8'} has 8 latent channels, but the model generates 4" in error
+    assert list(out.parent.iterdir()) == []
+
+
+def test_a_relative_vae_path_in_an_export_is_read_from_the_exports_folder(vaes, tmp_path, monkeypatch):
+    # Before: "VAE folder ../vae does not exist", looked for from the working directory.
+    from generation import ImageGenerator, read_export
+    from generation.export import read_description
+
+    shutil.copytree(vaes / "vae4", tmp_path / "models" / "vae")
+    export = latent_export(tmp_path / "models" / "export", tmp_path / "models" / "vae")
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "vae": "../vae", "vae_path": None}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert read_description(export).vae == str(tmp_path / "models" / "vae")
+    generator = ImageGenerator.from_export(read_export(export))
+    assert generator.generate([0], [0], steps=2).shape == (1, 8, 8, 3)
+    hub_id = {**config, "vae": "stabilityai/sd-vae-ft-ema", "vae_path": None}  # not a folder beside it: a hub id
+    (export / "config.json").write_text(json.dumps(hub_id))
+    assert read_description(export).vae == "stabilityai/sd-vae-ft-ema"
+
+
+def test_an_export_whose_vae_does_not_fit_its_image_size_is_refused_before_sampling(tmp_path):
+    # Before: a VAE of downsampling 2 decoded the 4x4 latents of a model declared for 32 px into 8 px images.
+    from diffusers import AutoencoderKL
+
+    import dit_vca
+    from generation import ExportDescription, ExportError, ImageGenerator, read_export, write_export
+
+    AutoencoderKL(**TINY_VAE).save_pretrained(tmp_path / "vae")  # 2 blocks: 2 px per latent cell
+    model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, num_classes=2)
+    description = ExportDescription(
+        model=model.config,
+        objective={"kind": "diffusion", "learn_sigma": True},
+        space="latents",
+        image_size=32,  # 4 latent cells x 8 px: what an SD VAE would decode
+        num_classes=2,
+        vae=str(tmp_path / "vae"),
+        latent_scale=0.5,
+    )
+    write_export(tmp_path / "export", model.state_dict(), description)
+    with pytest.raises(
+        ExportError, match=r"decodes the model's 4x4 latents to 8 px images, but the export declares 32"
+    ):
+        ImageGenerator.from_export(read_export(tmp_path / "export"))

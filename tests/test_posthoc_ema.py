@@ -1,5 +1,6 @@
 """Post-hoc EMA (EDM2): the profile mathematics against independent references, the tracker's discrete weights
-against their closed form, the least-squares reconstruction, and (below) training runs that store profiles."""
+against their closed form, the least-squares reconstruction, and (below) training runs that store profiles and the
+command's one-line refusals of odd snapshot folders."""
 
 import json
 import math
@@ -14,13 +15,16 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from scipy import integrate
 from torch import nn
 
 import sample
+from _faults import signal_at_step
 from _launch import TORCHRUN_TWO_PROCESSES
-from faults import run_train, signal_at_step
+from _tiny_models import tiny_export
+from _tiny_runs import run_train
+from _user_errors import one_line_error
 from generation import ImageGenerator, read_export
 from generation.diffusers_interop import load_mhsa_model, to_diffusers
 from generation.run_layout import POSTHOC_STATE as CHECKPOINT_STATE
@@ -360,7 +364,7 @@ def test_two_processes_hold_identical_profiles(tmp_path):
     run_dir = tmp_path / "run"
     command = [
         *TORCHRUN_TWO_PROCESSES,
-        str(ROOT / "tests" / "posthoc_ranks.py"),
+        str(ROOT / "tests" / "_posthoc_ranks.py"),
         *POSTHOC_RUN,
         "train.cpu=true",
         "train.grad_accum_steps=2",
@@ -374,3 +378,78 @@ def test_two_processes_hold_identical_profiles(tmp_path):
     assert ranks[0].keys() == ranks[1].keys() and all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     saved = load_file(run_dir / "checkpoints" / "step-0000006" / CHECKPOINT_STATE)
     assert all(torch.equal(saved[key], value) for key, value in ranks[0].items())
+
+
+def fake_snapshots(run_dir: Path, steps=(2, 4, 6, 8), sigma_rels=(0.05, 0.1), batch: int = 4) -> Path:
+    """Post-hoc EMA snapshots as training stores them (headers, description.json last) of a one-tensor "model"."""
+    from generation.export import read_description
+    from generation.run_layout import SNAPSHOT_DESCRIPTION, SNAPSHOT_FOLDER, profile_file
+    from generation.run_layout import step_name as snapshot_name
+    from training.power_profiles import sigma_rel_to_gamma
+
+    description = read_description(tiny_export(run_dir.parent / "snapshot-export")).to_json()
+    generator = torch.Generator().manual_seed(0)
+    for step in steps:
+        folder = run_dir / SNAPSHOT_FOLDER / snapshot_name(step)
+        folder.mkdir(parents=True)
+        for sigma_rel in sigma_rels:
+            header = {"sigma_rel": repr(sigma_rel), "gamma": repr(sigma_rel_to_gamma(sigma_rel)), "step": str(step)}
+            weights = {"w": torch.randn(3, 3, generator=generator)}
+            save_file(weights, folder / profile_file(sigma_rel), {**header, "images": str(step * batch)})
+        (folder / SNAPSHOT_DESCRIPTION).write_text(json.dumps({**description, "train_step": step}))
+    return run_dir
+
+
+def test_posthoc_out_naming_a_file_is_one_line_and_the_file_stays(tmp_path, capsys):
+    # Before: NotADirectoryError's traceback, from the staging folder made inside the file.
+    from training.posthoc_ema import main as posthoc_main
+
+    run_dir = fake_snapshots(tmp_path / "run")
+    mine = tmp_path / "mine.txt"
+    mine.write_text("not yours\n")
+    for out in (mine, mine / "sub"):
+        error = one_line_error(posthoc_main, [str(run_dir), "--sigma-rel", "0.07", "--out", str(out)], capsys)
+        assert error == f"error: cannot write in {out}: {mine} is a file, not a folder; choose another place"
+    assert mine.read_text() == "not yours\n"
+
+
+def test_posthoc_list_of_a_run_with_a_cut_snapshot_is_one_line(tmp_path, capsys):
+    # Cut anywhere (tried at every length of the file), a profile is named in one line.
+    from training.posthoc_ema import main as posthoc_main
+
+    run_dir = fake_snapshots(tmp_path / "run")
+    cut = run_dir / "posthoc_ema" / "step-0000008" / "sigma_rel-0.1.safetensors"
+    cut.write_bytes(cut.read_bytes()[:100])
+    error = one_line_error(posthoc_main, [str(run_dir), "--list"], capsys)
+    assert error.startswith(f"error: {cut} cannot be read as a post-hoc EMA snapshot (")
+
+
+def test_a_snapshot_copied_into_another_steps_folder_is_refused(tmp_path, capsys):
+    # Before: it entered the fit as a second copy of step 4's profiles (Gram condition 1.5e17), without a word.
+    from training.posthoc_ema import main as posthoc_main
+
+    run_dir = fake_snapshots(tmp_path / "run")
+    snapshots = run_dir / "posthoc_ema"
+    shutil.copytree(snapshots / "step-0000004", snapshots / "step-0000010")
+    error = one_line_error(posthoc_main, [str(run_dir), "--sigma-rel", "0.07", "--out", str(tmp_path / "out")], capsys)
+    copy = snapshots / "step-0000010" / "sigma_rel-0.05.safetensors"
+    assert error == (
+        f"error: {copy} holds the profile of step 4 (its header), not of step 10 (its folder): a snapshot copied "
+        f"into another step's folder? Remove it"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_incomplete_newest_snapshot_is_left_out_and_named_by_list(tmp_path, capsys):
+    # Before: the folder without its description.json was the newest step, and the reconstruction failed on it.
+    from training.posthoc_ema import main as posthoc_main
+    from training.posthoc_ema import reconstruct
+
+    run_dir = fake_snapshots(tmp_path / "run")
+    fake_snapshots(tmp_path / "other", steps=(10,))
+    shutil.copytree(tmp_path / "other" / "posthoc_ema" / "step-0000010", run_dir / "posthoc_ema" / "step-0000010")
+    (run_dir / "posthoc_ema" / "step-0000010" / "description.json").unlink()
+    (written,) = reconstruct(run_dir, [0.07], out=tmp_path / "out")
+    assert written.record["step"] == 8
+    posthoc_main([str(run_dir), "--list"])
+    assert "left out, incomplete (no description.json): step-0000010" in capsys.readouterr().out

@@ -13,11 +13,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import dit_vca
-from faults import run_train
+from _tiny_runs import run_train, summary_rows
 from generation import ImageGenerator, read_export
 from generation.generator import pixel_decoder
 from generation.objective import create_objective
-from test_startup import summary_rows
 from training.config import ConfigError, PosthocEMAConfig, load_config
 from training.curves import draw_curves
 from training.ema import create_ema

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import training.latents
-from test_latents import extraction_config, make_images, single_process, vae_folder  # noqa: F401 (fixtures)
+from _tiny_data import extraction_config, make_images
 from training.config import load_config
 from training.latents import extract_latents
 from training.loop import say

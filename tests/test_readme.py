@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import tomllib
 
+from _tiny_models import tiny_export
 from generation.run_layout import EXPORT_FOLDER as EXPORT_DIR
 from generation.run_layout import POSTHOC_EXPORTS_FOLDER as POSTHOC_OUT
 from training.config import load_config
@@ -279,7 +280,6 @@ def test_the_from_python_snippet_gives_the_images_sample_py_writes(tmp_path, mon
     """Run the snippet on a tiny export (its run folder named where the snippet names one) and compare with
     `sample.py` on the same export and the snippet's settings: the same labels, seeds and pixels."""
     import sample
-    from test_sample import tiny_export
 
     snippet = from_python_snippet()
     run_folder = re.search(r'"(results/[^"]+)"', snippet).group(1)

@@ -12,6 +12,7 @@ import torch
 
 import dit_vca
 import sit_vca
+from _tiny_runs import run_train
 from dit_vca.attention import MultiHeadSelfAttention
 from dit_vca.model_options import RECIPES, recipe_options
 from dit_vca.models import block_norm, feed_forward, swiglu_hidden_size
@@ -251,7 +252,6 @@ def test_the_lightning_recipe_trains_and_samples_from_the_shipped_digits_config(
     import numpy as np
 
     import sample
-    from faults import run_train
     from generation import load_export
 
     run = tmp_path / "run"

@@ -19,14 +19,14 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from timm.models import save_for_hf
 
 from _launch import GLOO_THREADS_AT_EXIT, NO_GLOO_THREAD_AT_EXIT, TORCHRUN_TWO_PROCESSES
+from _tiny_models import ENCODER_WIDTH, save_vit
+from _tiny_runs import TINY_REPA, metrics, summary_rows
 from dit_vca import create_diffusion
 from dit_vca.models import create_model
 from generation import ImageGenerator, read_export
 from sit_vca import create_transport
-from test_train import train_script  # noqa: F401 (a fixture: train.py as a module, Accelerate's state reset)
 from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError, RepaConfig, load_config
 from training.repa import (
@@ -41,24 +41,6 @@ from training.repa import (
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-ENCODER_WIDTH = 24
-
-
-def save_vit(folder: Path, in_chans: int = 1, img_size: int = 8, patch_size: int = 2, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    vit = timm.create_model(
-        "vit_tiny_patch16_224",
-        pretrained=False,
-        img_size=img_size,
-        patch_size=patch_size,
-        in_chans=in_chans,
-        embed_dim=ENCODER_WIDTH,
-        depth=2,
-        num_heads=2,
-        num_classes=0,
-    )
-    save_for_hf(vit, folder, safe_serialization=True)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -257,23 +239,6 @@ def test_alignment_trains_the_projector_and_the_blocks_up_to_depth_only(encoder_
 #                                            train.py
 # --------------------------------------------------------------------------------------------------
 
-TINY = [
-    "model.hidden_size=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "train.global_batch_size=32",
-    "train.warmup_steps=2",
-    "log.sample_every=0",
-    "log.trackers=[]",
-    "train.repa.depth=1",
-    "train.repa.input_size=8",
-    "train.repa.projector_dim=16",
-]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 @pytest.mark.parametrize("model", ["DiT-S/2", "SiT-S/2"])
 @pytest.mark.parametrize("attention", ["vca", "mhsa"])
@@ -285,7 +250,7 @@ def test_repa_trains_logs_the_alignment_loss_and_keeps_the_projector_out_of_expo
         [
             "--config",
             str(DIGITS),
-            *TINY,
+            *TINY_REPA,
             f"model.name={model}",
             f"model.attention={attention}",
             f"train.repa.encoder={encoder_folder}",
@@ -317,7 +282,7 @@ def test_repa_trains_logs_the_alignment_loss_and_keeps_the_projector_out_of_expo
 
 def test_repa_off_writes_no_projector_and_no_alignment_loss(train_script, tmp_path):
     run_dir = tmp_path / "run"
-    train_script.main(["--config", str(DIGITS), *TINY, "train.max_steps=2", "log.every=2", f"run.dir={run_dir}"])
+    train_script.main(["--config", str(DIGITS), *TINY_REPA, "train.max_steps=2", "log.every=2", f"run.dir={run_dir}"])
     assert "alignment_loss" not in metrics(run_dir)[0]
     assert not (run_dir / "checkpoints" / "step-0000002" / "model_1.safetensors").exists()
 
@@ -326,7 +291,7 @@ def test_resume_with_repa_is_bit_identical_and_refuses_other_structure(train_scr
     arguments = [
         "--config",
         str(DIGITS),
-        *TINY,
+        *TINY_REPA,
         f"train.repa.encoder={encoder_folder}",
         "train.max_steps=6",
         "log.every=2",
@@ -396,7 +361,14 @@ def test_bad_repa_settings_fail_before_any_model_is_built(
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError) as raised:
         train_script.main(
-            ["--config", str(DIGITS), *TINY, f"train.repa.encoder={encoder_folder}", f"run.dir={run_dir}", *changes]
+            [
+                "--config",
+                str(DIGITS),
+                *TINY_REPA,
+                f"train.repa.encoder={encoder_folder}",
+                f"run.dir={run_dir}",
+                *changes,
+            ]
         )
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert not run_dir.exists()
@@ -449,7 +421,7 @@ def test_two_processes_keep_model_and_projector_identical(encoder_folder, tmp_pa
         *TORCHRUN_TWO_PROCESSES,
         str(script),
         str(DIGITS),
-        *TINY,
+        *TINY_REPA,
         f"train.repa.encoder={encoder_folder}",
         "train.cpu=true",
         "train.grad_accum_steps=2",
@@ -474,7 +446,6 @@ def test_the_input_size_is_the_encoders_own_when_unset(encoder_folder, tmp_path)
 
 
 def test_the_startup_summary_has_a_repa_line_and_counts_the_projector(train_script, tmp_path, capsys):
-    from test_startup import summary_rows
 
     built_for_16 = save_vit(tmp_path / "vit-16", img_size=16)  # patch 2: an 8x8 grid over the model's 4x4 tokens
     run_dir = tmp_path / "run"
@@ -482,7 +453,7 @@ def test_the_startup_summary_has_a_repa_line_and_counts_the_projector(train_scri
         [
             "--config",
             str(DIGITS),
-            *(option for option in TINY if not option.startswith("train.repa.input_size")),
+            *(option for option in TINY_REPA if not option.startswith("train.repa.input_size")),
             f"train.repa.encoder={built_for_16}",
             "train.max_steps=1",
             "log.checkpoint_every=1",
@@ -507,8 +478,6 @@ def test_the_offline_recipe_of_the_training_page_runs(train_script, tmp_path, mo
     import re
     import shlex
     import textwrap
-
-    from test_startup import summary_rows
 
     page = (ROOT / "docs" / "training.md").read_text()
     recipe = page[page.index("*Trying it offline.*") : page.index("*Grids.*")]

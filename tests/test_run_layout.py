@@ -1,14 +1,17 @@
 """The run folder's layout has one home, generation.run_layout: no other module spells its names (checked on the
-source tree), and it holds the one parse of the step folders. (That every reader of a run's newest checkpoint takes
-only a complete one: tests/test_third_day.py.)"""
+source tree), and it holds the one parse of the step folders; every reader of a run's newest checkpoint takes only
+a complete one."""
 
 from __future__ import annotations
 
 import ast
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+import sample
 from generation import run_layout
 from generation.run_layout import STEP_FILE, posthoc_export_folder, step_name, step_of
 
@@ -122,3 +125,28 @@ def test_step_folders_have_one_parse():
     for written in ("step-0000020", ".step-0000020.tmp", "step-0000020.png", ".step-0000020.png.tmp-42"):
         assert STEP_FILE.match(written), written
     assert posthoc_export_folder("out", 0.05, 20) == Path("out/sigma_rel-0.05-step-0000020")
+
+
+def write_checkpoint(run_dir: Path, step: int, export: Path, complete: bool) -> Path:
+    """A checkpoint folder with `export`'s export in it; complete ones have their trainer_state.json."""
+    folder = run_dir / "checkpoints" / f"step-{step:07d}"
+    shutil.copytree(export, folder / "export")
+    if complete:
+        (folder / "trainer_state.json").write_text(json.dumps({"step": step, "examples_seen": 0, "num_processes": 1}))
+    return folder
+
+
+def test_every_reader_of_the_newest_checkpoint_takes_only_a_complete_one(export, tmp_path):
+    # Before: sample.py --ckpt RUN (generation.find_export) took step 4, which --resume latest leaves out.
+    from generation import ExportError, find_export
+    from training.checkpoint_folders import resolve_resume
+
+    run_dir = tmp_path / "run"
+    complete = write_checkpoint(run_dir, 2, export, complete=True)
+    write_checkpoint(run_dir, 4, export, complete=False)  # its export is whole, the folder is not
+    assert find_export(run_dir) == complete / "export"
+    assert resolve_resume("latest", run_dir / "checkpoints") == complete
+    assert sample.resolved_export(run_dir) == (complete / "export").resolve()
+    shutil.rmtree(complete)
+    with pytest.raises(ExportError, match=r"step-0000004/export is in a checkpoint without trainer_state.json: pass"):
+        find_export(run_dir)  # the way out, for a run whose exports alone were copied

@@ -1,8 +1,10 @@
-"""sample.py: labels, noise seeds, pixel rounding, shard merging, argument checks, and end-to-end
-runs (1 vs 2 processes, kill -9 and resume) on a tiny exported model."""
+"""sample.py: labels, noise seeds, pixel rounding, the shard plan (lazy, for any --num-samples), shard merging,
+argument checks, the disk space needed, and end-to-end runs (1 vs 2 processes, kill -9 and resume) on a tiny
+exported model."""
 
 import json
-import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 import sample
-from _launch import NO_GLOO_THREAD_AT_EXIT, TORCHRUN_TWO_PROCESSES, with_gloo_probe
+from _launch import NO_GLOO_THREAD_AT_EXIT, TORCHRUN_TWO_PROCESSES, sample_env, with_gloo_probe
+from _tiny_models import EXPORT_CLASSES, tiny_export, tiny_sd_vae
+from _user_errors import one_line_error
 from atomic_files import save_npz_atomic
 from atomic_files.shards import ShardFolder, ShardFolderError
 from generation import ImageGenerator, load_export
@@ -115,6 +119,103 @@ def test_plan_shards_covers_every_index_once():
     assert len({s.file_name for s in shards}) == len(shards)
 
 
+def test_a_huge_num_samples_plans_its_labels_and_shards_lazily(tmp_path, monkeypatch):
+    # Before: every label was planned at once, np.arange(N) % K: 2 x 8 bytes per sample before the first sample
+    # (16 GB for --num-samples 10**9; 1529 MiB before and 76 MiB after for 10**8 samples). Then the shard plan:
+    # a Shard object and a file name per shard, lists of the unfinished ones, one stat and one glob per shard in
+    # the claim (3.9 M shards of 256 here). Measured with this test's numbers: 1314 MiB before (with the globs
+    # skipped: the old claim had not finished after 40 minutes on 2 shared cores), 3 MiB after, in 3 s.
+    import tracemalloc
+
+    import sample
+
+    tiny_export(tmp_path / "export")
+
+    class FirstSample(Exception):
+        pass
+
+    def first_sample(*_, **__):
+        raise FirstSample
+
+    # 10**9 8x8 samples fill 0.4 TB: a disk that large, so that the run gets as far as its first sample
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(total=2**50, used=0, free=2**50))
+    monkeypatch.setattr(sample, "try_sampler", lambda *_: None)
+    monkeypatch.setattr(sample, "sample_shards", first_sample)
+    out = tmp_path / "s.npz"
+    tracemalloc.start()
+    try:
+        with pytest.raises(FirstSample):
+            sample.main(["--ckpt", str(tmp_path / "export"), "--num-samples", str(10**9), "--out", str(out)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB allocated before the first sample"
+    assert (out.parent / "s.npz.shards" / "settings.json").is_file()  # the shard folder was claimed
+
+
+def test_the_lazy_shard_plan_is_the_eager_list_of_shards():
+    from generation.sample_file import plan_shards
+
+    for num_samples, shard_size in ((1, 1), (5, 7), (1001, 256), (1024, 256)):
+        plan = plan_shards(num_samples, shard_size)
+        eager = [
+            (number, start, min(start + shard_size, num_samples))
+            for number, start in enumerate(range(0, num_samples, shard_size))
+        ]  # the plan as a list, before
+        assert [(shard.number, shard.start, shard.stop) for shard in plan] == eager and len(plan) == len(eager)
+        assert [plan.names[number] for number in range(len(plan))] == [shard.file_name for shard in plan]
+        assert [plan.names.index(shard.file_name) for shard in plan] == list(range(len(plan)))
+        for numbers in (range(len(plan)), range(0, len(plan), 2), range(1, len(plan), 3), range(0)):
+            assert plan.samples_in(numbers) == sum(len(plan[number].indices) for number in numbers)
+    names = plan_shards(10**9, 256).names  # 3,906,250 shards
+    assert names[-1] == "shard-3906249.npz" and names.index("shard-3906249.npz") == 3_906_249
+    for other in ("settings.json", "shard-3906250.npz", "shard-0000001.npz", "shard-\uff11.npz", "shard-.npz"):
+        with pytest.raises(ValueError):
+            names.index(other)
+
+
+@pytest.mark.parametrize("count, finished", [(0, []), (1, [0]), (7, []), (7, [0, 3, 6]), (10, [1, 2, 3, 8]), (4, [3])])
+def test_pending_shards_split_over_processes_as_the_list_of_unfinished_shards_did(count, finished):
+    from atomic_files.shards import PendingShards
+
+    eager = [number for number in range(count) if number not in finished]
+    pending = PendingShards(count, finished)
+    assert pending == eager and len(pending) == len(eager) and list(reversed(pending)) == eager[::-1]
+    for processes in (1, 2, 3, 8):
+        for rank in range(processes):
+            assert pending[rank::processes] == eager[rank::processes]  # each process's shards, as before
+
+
+def test_sample_labels_are_the_eager_ones_in_every_part():
+    from generation.sample_plan import SampleLabels
+
+    for mode in ("balanced", "uniform"):
+        labels = SampleLabels(1003, 7, mode, seed=3)
+        whole = labels[:]
+        assert whole.shape == (1003,) and whole.dtype.name == "int64"
+        for start, stop in ((0, 1), (5, 260), (1000, 1003), (0, 1003)):
+            assert (labels[start:stop] == whole[start:stop]).all()
+    assert (SampleLabels(10, 4, "balanced", 0)[:] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]).all()
+
+
+def test_a_folder_of_millions_of_shards_is_claimed_from_one_listing(tmp_path):
+    from atomic_files.shards import ShardFolder, ShardNames
+
+    names = ShardNames(10**7, "shard-{:06d}.npz")
+    folder = ShardFolder(tmp_path / "out.shards", names, {"seed": 0})
+    assert len(folder.claim()) == 10**7
+    folder.release()
+    for number in (0, 2):
+        (tmp_path / "out.shards" / names[number]).write_bytes(b"finished")
+    stale, foreign = tmp_path / "out.shards" / f".{names[5]}.tmp-999999999", tmp_path / "out.shards" / "notes.txt"
+    stale.write_bytes(b"half a shard")  # left by a killed writer
+    foreign.write_text("kept")
+    pending = folder.claim()
+    assert folder.kept == 2 and len(pending) == 10**7 - 2 and pending[:4] == [1, 3, 4, 5] and pending[-1] == 10**7 - 1
+    assert not stale.exists() and foreign.exists()
+    folder.release()
+
+
 def write_shards(folder, images, labels, shards):
     for shard in shards:
         save_npz_atomic(
@@ -169,53 +270,10 @@ def test_merge_shards_hands_a_shard_of_other_samples_to_repair(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-NUM_CLASSES = 4
 # 16 samples in 4 shards of 4, batches of 2 (a shard holds 2 batches); DDPM with fresh noise at every
 # step and classifier-free guidance, so both the per-sample noise streams and guidance are exercised.
 SAMPLING = ["--sampler", "ddpm", "--steps", "12", "--cfg-scale", "2", "--seed", "7"]
 RUN = ["--num-samples", "16", "--shard-size", "4", "--per-proc-batch-size", "2", "--grid-size", "9", *SAMPLING]
-
-
-def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "DiT", seed: int = 0) -> Path:
-    """A 1-block DiT-VCA (or SiT-VCA) on 8x8 one-channel pixels with random (not zero-initialised) output layers;
-    `seed` draws the perturbation of the weights (another seed, another model of the same shape)."""
-    import dit_vca
-    import sit_vca
-    from generation import ExportDescription, write_export
-
-    create_model = {"DiT": dit_vca.create_model, "SiT": sit_vca.create_model}[family]
-    model = create_model(
-        f"{family}-S/2",
-        depth=1,
-        hidden_size=32,
-        num_heads=2,
-        input_size=8,
-        in_channels=1,
-        num_classes=NUM_CLASSES,
-        class_dropout_prob=class_dropout_prob,
-    )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight
-                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    objective = {"kind": "diffusion", "learn_sigma": True} if family == "DiT" else {"kind": "transport"}
-    description = ExportDescription(
-        model=model.config, objective=objective, space="pixels", image_size=8, num_classes=NUM_CLASSES
-    )
-    write_export(folder, model.state_dict(), description)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory.mktemp("export"))
-
-
-def environment() -> dict[str, str]:
-    # One thread per process: on 2 shared cores, 2 threads per process oversubscribe the CPU (20x slower
-    # here), and the 1- and 2-process runs then use identical kernels.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def sample_command(export: Path, out: Path, *extra: str) -> list[str]:
@@ -223,7 +281,7 @@ def sample_command(export: Path, out: Path, *extra: str) -> list[str]:
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=240)
+    result = subprocess.run(command, env=sample_env(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -243,7 +301,7 @@ def test_output_layout(reference, export):
     images, labels = reference["arr_0"], reference["arr_1"]
     assert images.dtype == np.uint8 and images.shape == (16, 8, 8, 3)
     assert labels.dtype == np.int64
-    np.testing.assert_array_equal(labels, np.arange(16) % NUM_CLASSES)  # balanced: label = index % classes
+    np.testing.assert_array_equal(labels, np.arange(16) % EXPORT_CLASSES)  # balanced: label = index % classes
     np.testing.assert_array_equal(images[..., 0], images[..., 2])  # one channel repeated
     assert len({image.tobytes() for image in images}) == 16  # every sample has its own noise
     assert images.std() > 10  # real pictures, not a constant
@@ -266,7 +324,7 @@ def test_output_layout(reference, export):
 def test_samples_do_not_depend_on_the_batch_split(export):
     generator = ImageGenerator.from_export(load_export(export))
     options = dict(sampler="ddpm", steps=12, guidance=2.0)
-    labels, seeds = assign_labels(8, NUM_CLASSES, "balanced", 0), sample_seeds(7, range(8))
+    labels, seeds = assign_labels(8, EXPORT_CLASSES, "balanced", 0), sample_seeds(7, range(8))
     whole = generator.generate(labels, seeds, **options)
     split = np.concatenate([generator.generate(labels[i : i + 3], seeds[i : i + 3], **options) for i in range(0, 8, 3)])
     # Per-sample noise makes the two identical in exact arithmetic; kernels may round differently for
@@ -295,7 +353,7 @@ def test_two_processes_give_the_same_file(export, reference, tmp_path):
 )
 def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tmp_path):
     """What docs/sampling.md promises for SiT's ODE and SDE: the same bytes from 1 and 2 processes when both run one
-    thread per process (environment()) and the same per-process batch; the noise per sample is the same anyway."""
+    thread per process (sample_env()) and the same per-process batch; the noise per sample is the same anyway."""
     export = tiny_export(tmp_path / "sit-export", family="SiT")
     command = [
         sys.executable,
@@ -323,7 +381,7 @@ def test_two_processes_give_the_same_sit_file_at_equal_thread_counts(sampler, tm
 
 def test_two_processes_without_cpu_flag_refuse_to_run_on_a_cpu_only_machine(export, tmp_path):
     out = tmp_path / "samples.npz"
-    cpu_only = {**environment(), "CUDA_VISIBLE_DEVICES": ""}
+    cpu_only = {**sample_env(), "CUDA_VISIBLE_DEVICES": ""}
     command = [*TORCHRUN_TWO_PROCESSES, *sample_command(export, out)[1:]]
     result = subprocess.run(command, env=cpu_only, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0 and "Accelerate sees one: on a machine without GPUs add --cpu" in result.stderr
@@ -337,7 +395,7 @@ def test_accelerate_launch_cpu_with_two_processes_is_refused_with_the_command_th
     out = tmp_path / "samples.npz"
     accelerate = Path(sys.executable).parent / "accelerate"
     command = [str(accelerate), "launch", "--cpu", "--num_processes", "2", *sample_command(export, out, "--cpu")[1:]]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=240)
+    result = subprocess.run(command, env=sample_env(), capture_output=True, text=True, timeout=240)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and errors == [
         "error: accelerate launch --num_processes 2 started one process (with --cpu, Accelerate uses its "
@@ -350,7 +408,7 @@ def test_killed_run_resumes_without_redoing_finished_shards(export, reference, t
     out = tmp_path / "samples.npz"
     folder = SampleFiles(out).shards
     process = subprocess.Popen(
-        sample_command(export, out), env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        sample_command(export, out), env=sample_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 180
     while not list(folder.glob("shard-*.npz")) and process.poll() is None and time.monotonic() < deadline:
@@ -459,6 +517,18 @@ def test_only_a_sampler_option_error_of_the_trial_sample_is_one_line(export, tmp
         assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("flag", ["--cfg-scale", "--guidance-scale"])
+def test_a_guidance_scale_that_overflows_is_one_line(export, tmp_path, capsys, one_thread, flag):
+    # Before: FloatingPointError("images contain NaN or infinite values") with its traceback.
+    guide = ["--guide-ckpt", str(tiny_export(tmp_path / "guide", seed=1))] if flag == "--guidance-scale" else []
+    out = tmp_path / "out" / "s.npz"
+    out.parent.mkdir()
+    argv = ["--ckpt", str(export), "--num-samples", "2", "--out", str(out), "--steps", "2", *guide, flag, "1e300"]
+    error = one_line_error(sample.main, argv, capsys)
+    assert error.startswith(f"error: {flag} 1e+300: sample 0 comes out NaN or infinite at this scale; expected")
+    assert list(out.parent.iterdir()) == []
+
+
 def test_guidance_needs_a_null_class(tmp_path):
     export = tmp_path / "export"
     tiny_export(export, class_dropout_prob=0.0)
@@ -529,7 +599,6 @@ def test_shards_of_another_run_are_not_mixed_in(main_process, tmp_path):
 
 def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
     from dit_vca import create_model
-    from test_portable_vae import tiny_sd_vae
 
     vae_folder = tmp_path / "vae"
     tiny_sd_vae().save_pretrained(vae_folder)
@@ -658,7 +727,7 @@ def test_protocol_run_records_the_protocol_and_resolved_settings(export, tmp_pat
         "--sampler ddpm --steps 3 (given; the protocol's 250)\n" in capsys.readouterr().out
     )
     with np.load(out) as data:
-        np.testing.assert_array_equal(data["arr_1"], assign_labels(4, NUM_CLASSES, "uniform", seed=0))
+        np.testing.assert_array_equal(data["arr_1"], assign_labels(4, EXPORT_CLASSES, "uniform", seed=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -700,6 +769,35 @@ def test_a_shard_damaged_before_the_merge_is_named_and_sampled_again(
     with np.load(out) as data:
         np.testing.assert_array_equal(data["arr_0"], reference["arr_0"])  # the same samples as a clean run
     assert not SampleFiles(out).shards.exists()
+
+
+def test_a_rerun_after_a_killed_merge_keeps_the_summary_of_the_launch_that_sampled(
+    export, tmp_path, monkeypatch, capsys, one_thread
+):
+    # Before: the rerun sampled nothing and replaced the summary by "new_images": 0, "seconds": 0.0 and printed
+    # "0 images in 0.0 s".
+    out = tmp_path / "samples.npz"
+    argv = ["--ckpt", str(export), "--out", str(out), *RUN]
+
+    def killed(*args):
+        raise KeyboardInterrupt  # where a kill -9 would stop it: the summary and grid written, no .npz
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sample, "merge_shards", killed)
+        with pytest.raises(KeyboardInterrupt):
+            sample.main(argv)
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    sampled = json.loads(out.with_suffix(".json").read_text())
+    assert sampled["new_images"] == 16 and sampled["seconds"] > 0 and not out.exists()
+    capsys.readouterr()
+    sample.main(argv)
+    printed = capsys.readouterr().out
+    assert f"sample.py: all 16 samples were sampled by an earlier launch; merged into {out}" in printed
+    assert json.loads(out.with_suffix(".json").read_text()) == sampled
+    with np.load(out) as data:
+        assert data["arr_0"].shape == (16, 8, 8, 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -776,3 +874,87 @@ def test_help_lists_each_objectives_samplers_with_their_default_steps(capsys):
             shown = re.escape(name) + (r"(?: \(default\))?" + (rf" {steps}\b" if steps is not None else ""))
             assert re.search(shown, listed), (name, steps)
         assert f"{objective.default_sampler} (default)" in listed
+
+
+# ----------------------------------------------------------------------------------------------
+# Disk space: a run that cannot fit is refused before the model is built
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_run_that_fits_only_without_its_small_files_and_block_rounding_is_refused_up_front(
+    export, tmp_path, monkeypatch, capsys
+):
+    # Before: 2500 8x8 samples were estimated at 1,031,264 bytes, and on a real 1 MiB tmpfs the merge found the
+    # disk full after sampling (shards rounded up to 4 KiB pages, the summary and the grid: 1,081,344 bytes).
+    # Now 1,142,784 with 4 KiB units: on a tmpfs of exactly that size the run completes, a page less is refused.
+    from generation import ImageGenerator
+
+    def build(*_, **__):
+        raise AssertionError("the model was built")
+
+    out = tmp_path / "out" / "s.npz"
+    out.parent.mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(total=1 << 20, used=0, free=1 << 20))
+    monkeypatch.setattr(ImageGenerator, "from_export", build)
+    argv = ["--ckpt", str(export), "--num-samples", "2500", "--out", str(out)]
+    error = one_line_error(sample.main, argv, capsys)
+    assert re.fullmatch(
+        r"error: --num-samples 2500: 8x8 images need [\d,]+ bytes .*, but 1,048,576 are free; .*", error
+    )
+    assert list(out.parent.iterdir()) == []
+
+
+def test_a_run_that_cannot_fit_on_its_disk_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    # Before: sampling went on until a shard, or the merge at the very end, found the disk full. 1000 8x8 samples
+    # are 192,000 bytes of images, in the shards and again in the merged .npz (both on the disk until the merge
+    # ends): a disk with room for the .npz alone (about 200 kB) is refused too, naming both byte counts.
+    import sample
+    from commands import USER_ERROR_STATUS, run_command
+    from generation import ImageGenerator
+    from generation.images import grid_bytes
+
+    tiny_export(tmp_path / "export")
+    out = tmp_path / "out" / "s.npz"
+    out.parent.mkdir()
+
+    def build(*_, **__):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(total=10**6, used=0, free=300_000))
+    monkeypatch.setattr(ImageGenerator, "from_export", build)
+    with pytest.raises(SystemExit) as exited:
+        run_command(sample.main, ["--ckpt", str(tmp_path / "export"), "--num-samples", "1000", "--out", str(out)])
+    assert exited.value.code == USER_ERROR_STATUS
+    error = capsys.readouterr().err
+    line = re.fullmatch(
+        r"error: --num-samples 1000: 8x8 images need ([\d,]+) bytes .*, but 300,000 are free; .*\n", error
+    )
+    assert line is not None, error
+    images_twice, labels_and_indices = 2 * 1000 * 8 * 8 * 3, 3 * 8 * 1000
+    # + the labelled grid of 64 8x8 tiles (grid_bytes: its own bound, tested in test_grids), and at most:
+    # the summary and settings records (16 KiB each), each of these 9 files and the shard folder rounded up to the
+    # disk's unit (4 KiB: 40,960), the files' headers (4 KiB)
+    rest = int(line.group(1).replace(",", "")) - images_twice - labels_and_indices - grid_bytes(64, 8)
+    assert 0 <= rest < 2 * 16 * 1024 + 10 * 4096 + 4096
+    assert list(out.parent.iterdir()) == []  # no shard folder, nothing written
+
+
+def test_the_space_needed_leaves_out_what_a_resumed_run_wrote_already(tmp_path, monkeypatch):
+    import sample
+    from atomic_files import allocation_unit
+    from generation.sample_file import SampleFiles, allocated, run_bytes
+
+    out = tmp_path / "s.npz"
+    args = types.SimpleNamespace(num_samples=1000, shard_size=256, grid_size=0, out=out)
+    files = SampleFiles(out)
+    files.shards.mkdir()
+    (files.shards / "shard-000000.npz").write_bytes(bytes(50_000))  # a finished shard (its size is what counts)
+    unit = allocation_unit(tmp_path)
+    needed, kept = run_bytes(1000, 8, 256, unit=unit), allocated(50_000, unit)  # the shard's whole units
+    for free, refused in ((needed - kept, False), (needed - kept - 1, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: types.SimpleNamespace(free=free))
+        if refused:
+            with pytest.raises(SystemExit, match=f"need {needed - kept:,} bytes"):
+                sample.check_disk_space(args, 8, files)
+        else:
+            sample.check_disk_space(args, 8, files)

@@ -12,165 +12,37 @@ checks limits every 30 s), and `scontrol requeue` (SIGTERM to every process of t
 requeued job waits before it may start again; `scontrol update StartTime=now` lets it start at once.
 """
 
-import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from test_faults import DIGITS, TINY, TWO_PROCESS, assert_same_checkpoint, logged, subprocess_env
+from _launch import ROOT
+from _slurm import (
+    RUN,
+    SCRIPTS,
+    assert_same_as,
+    job,
+    pause,
+    sbatch,
+    scontrol,
+    stops,
+    text,
+    wait_for_end,
+    wait_for_requeue,
+    wait_for_step,
+    wait_until,
+)
+from _tiny_data import extraction_config, make_images
+from _tiny_models import TINY_VAE, tiny_export
+from _tiny_runs import DIGITS, TINY
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "docs" / "slurm"
 HOLD_AFTER_ONE_SHARD = Path(__file__).resolve().parent / "cluster" / "hold_after_one_shard"
-SLURM_CONF = os.environ.get("SLURM_CONF", f"{os.environ.get('VCA_SLURM_DIR', '/tmp/vca-slurm')}/slurm.conf")
-# 60 steps of a 256-example batch: long enough (about 10 s on 2 cores) for a signal to land in the middle
-RUN = [*TWO_PROCESS, "train.max_steps=60", "train.global_batch_size=256", "log.every=1", "log.checkpoint_every=20"]
-FINAL = "step-0000060"
-SUBMITTED: list[str] = []  # job ids this module submitted
-STOPPED = re.compile(r"stopped by (\w+) after step (\d+): checkpoint \S+ written ([\d.]+) s after the signal")
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    """The environment of a job: this interpreter's folder on PATH (python, torchrun), the test cluster's config."""
-    reason = None
-    if shutil.which("sbatch") is None:
-        reason = "sbatch not found (tests/cluster/slurm_up.sh installs and starts a single-host Slurm)"
-    else:
-        env = {**os.environ, "SLURM_CONF": SLURM_CONF}
-        answer = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
-        if answer.returncode != 0 or not answer.stdout.strip():
-            reason = f"no Slurm answers at {SLURM_CONF} (start one with tests/cluster/slurm_up.sh)"
-    if reason is not None:
-        if os.environ.get("VCA_REQUIRE_SLURM"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    yield {
-        **subprocess_env(),
-        "SLURM_CONF": SLURM_CONF,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "MAIN_HOST": "127.0.0.1",  # the test cluster's node names (node1, node2) are not host names
-    }
-    if SUBMITTED:  # a failed test leaves no job behind
-        subprocess.run(["scancel", *SUBMITTED], env={**os.environ, "SLURM_CONF": SLURM_CONF}, timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def sbatch(env: dict, script: str | Path, options: list[str], arguments: list[str], log: Path) -> str:
-    """Submit docs/slurm/<script> (or the batch script at a path) from the repository's root; returns the job id."""
-    done = subprocess.run(
-        ["sbatch", "--parsable", f"--output={log}", *options, str(SCRIPTS / script), *arguments],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    SUBMITTED.append(done.stdout.strip().split(";")[0])
-    return SUBMITTED[-1]
-
-
-def scontrol(env: dict, *arguments: str) -> str:
-    done = subprocess.run(["scontrol", *arguments], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def job(env: dict, job_id: str) -> dict[str, str]:
-    """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
-    fields = scontrol(env, "show", "job", "-o", job_id).split()
-    return dict(field.split("=", 1) for field in fields if "=" in field)
-
-
-def wait_until(condition, what: str, log: Path, timeout: float = 300):
-    """Poll `condition` until it returns something true; fail naming `what` and the job's log otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.2)
-    pytest.fail(f"{what} not seen in {timeout} s; job log:\n{text(log)[-3000:]}")
-
-
-def pause(env: dict, job_id: str, argument: str) -> list[int]:
-    """SIGSTOP the job's Python processes (the two tasks and their data-loader workers) whose command line holds
-    `argument`; returns their ids, at least two."""
-    listed = scontrol(env, "listpids", job_id).split()[5::5]  # after the header: PID JOBID STEPID LOCALID GLOBALID
-    paused = []
-    for pid in map(int, listed):
-        try:
-            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "python" in Path(arguments[0]).name and argument in arguments:
-            os.kill(pid, signal.SIGSTOP)
-            paused.append(pid)
-    assert len(paused) >= 2, listed
-    return paused
-
-
-def logged_step(run_dir: Path) -> int:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-    try:
-        return json.loads(lines[-1])["step"] if lines else 0
-    except json.JSONDecodeError:  # a line being written
-        return 0
-
-
-def wait_for_step(run_dir: Path, step: int, log: Path) -> None:
-    wait_until(lambda: logged_step(run_dir) >= step, f"step {step} in {run_dir}/metrics.jsonl", log)
-
-
-def wait_for_requeue(env: dict, job_id: str, restarts: int, log: Path) -> None:
-    """Wait until the job is back in the queue for the `restarts`-th time, then let it start at once."""
-    wait_until(
-        lambda: (state := job(env, job_id))["JobState"] == "PENDING" and int(state["Restarts"]) == restarts,
-        f"job {job_id} requeued ({restarts})",
-        log,
-    )
-    # slurmd revokes the credential of the ended run by the second: a restart within that second is refused
-    # ("Job credential revoked") and the job fails, which is what the requeue delay of Slurm avoids
-    time.sleep(1.5)
-    scontrol(env, "update", f"jobid={job_id}", "StartTime=now")
-
-
-def wait_for_end(env: dict, job_id: str, log: Path) -> dict[str, str]:
-    return wait_until(
-        lambda: (state := job(env, job_id))["JobState"] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED") and state,
-        f"the end of job {job_id}",
-        log,
-    )
-
-
-def text(log: Path) -> str:
-    """A job's log (a progress bar cut by a stop may leave half a character)."""
-    return log.read_text(errors="replace") if log.exists() else "-"
-
-
-def stops(log: Path) -> list[tuple[str, int, float]]:
-    """(signal, step, seconds from signal to checkpoint) of every stop the job's log reports."""
-    return [(name, int(step), float(seconds)) for name, step, seconds in STOPPED.findall(text(log))]
-
-
-def assert_same_as(run_dir: Path, reference: Path) -> None:
-    assert_same_checkpoint(run_dir / "checkpoints" / FINAL, reference / "checkpoints" / FINAL)
-    assert logged(run_dir) == logged(reference)
 
 
 @pytest.mark.slurm
@@ -231,7 +103,6 @@ def test_one_task_per_process_stops_at_the_time_limit_warning_and_requeues_itsel
 @pytest.mark.slurm
 def test_sampling_requeued_by_the_scheduler_keeps_its_shards_and_equals_an_uninterrupted_run(slurm, tmp_path):
     import sample
-    from test_sample import tiny_export
 
     export = tiny_export(tmp_path / "export")
     arguments = ["--ckpt", str(export), "--num-samples", "50", "--shard-size", "5", "--per-proc-batch-size", "5"]
@@ -332,8 +203,6 @@ def test_latent_extraction_under_srun_without_its_flags_is_refused_in_one_line_b
     # at the output's lock, and the job ended FAILED once the first had finished. Now each such launch is refused
     # by one line from rank 0 before anything is written; task.sh also refuses tasks that do not match the GPUs.
     from diffusers import AutoencoderKL
-
-    from test_latents import TINY_VAE, extraction_config, make_images
 
     images, latents = make_images(tmp_path / "images", per_class=2), tmp_path / "latents"
     AutoencoderKL(**TINY_VAE).save_pretrained(tmp_path / "vae")

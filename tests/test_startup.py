@@ -9,8 +9,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from _launch import TORCHRUN_TWO_PROCESSES
+from _tiny_runs import run_train, summary_rows
 from commands import USER_ERROR_STATUS
-from faults import run_train
 from training.loop import TrainerState
 from training.summary import describe_model, describe_resume
 
@@ -27,18 +27,6 @@ TINY = [
     "log.sample_every=0",
     "log.trackers=[]",
 ]
-
-
-def summary_rows(text: str) -> dict[str, str]:
-    """{key: value} of the summary's indented rows (keys and values are separated by two spaces or more)."""
-    lines = text[text.index("train.py start-up\n") :].splitlines()[1:]
-    rows = {}
-    for line in lines:
-        if not line.startswith("  "):
-            break
-        key, _, value = line.strip().partition("  ")
-        rows[key] = value.strip()
-    return rows
 
 
 def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, capsys):
@@ -89,7 +77,7 @@ def test_a_changed_process_count_is_named():
     )
 
 
-def launch(command: list[str]) -> subprocess.CompletedProcess:
+def launch_cpu_only(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         command,
         cwd=ROOT,
@@ -102,7 +90,7 @@ def launch(command: list[str]) -> subprocess.CompletedProcess:
 
 def test_accelerate_launch_cpu_with_two_processes_is_refused_with_the_command_that_works(tmp_path):
     accelerate = Path(sys.executable).parent / "accelerate"
-    result = launch(
+    result = launch_cpu_only(
         [
             str(accelerate),
             "launch",
@@ -126,7 +114,7 @@ def test_accelerate_launch_cpu_with_two_processes_is_refused_with_the_command_th
 
 
 def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
-    result = launch(
+    result = launch_cpu_only(
         [
             *TORCHRUN_TWO_PROCESSES,
             "train.py",
@@ -147,7 +135,7 @@ def test_torchrun_without_train_cpu_is_refused_once(tmp_path):
 def test_more_loader_workers_than_cpus_are_capped_and_the_summary_says_so(tmp_path):
     cpus = len(os.sched_getaffinity(0))
     workers = cpus + 6  # torch warns of every loader with more workers than CPUs (as data.num_workers=8 on 2 CPUs)
-    result = launch(
+    result = launch_cpu_only(
         [
             sys.executable,
             "train.py",

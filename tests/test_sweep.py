@@ -12,9 +12,9 @@ import torch
 
 import sample
 import sweep
+from _tiny_models import tiny_export
 from commands import USER_ERROR_STATUS, run_command
 from fid.__main__ import main as fid_main
-from test_sample import tiny_export
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAMPLE_OPTIONS = ["--sampler", "ddim", "--steps", "2", "--per-proc-batch-size", "3", "--cpu", "--grid-size", "0"]
@@ -80,7 +80,9 @@ def test_a_sweep_scores_each_point_as_sample_py_and_python_m_fid_do_and_resumes(
     assert "sweep: tiny" not in capsys.readouterr().out and record.stat().st_mtime_ns == stamp
 
     # Other sample.py options into the same --out: sample.py refuses before sampling (a sweep never overwrites).
-    error = one_line_error([*sweep_arguments(tmp_path, export, reference, guidance=("cfg",)), "--steps", "3"], capsys)
+    error = sweep_one_line_error(
+        [*sweep_arguments(tmp_path, export, reference, guidance=("cfg",)), "--steps", "3"], capsys
+    )
     assert "belongs to a run with steps=2, not 3" in error
 
 
@@ -133,7 +135,7 @@ def sweeping(arguments: list[str], *more: str) -> list[str]:
     return [*arguments[:split], *more, *arguments[split:]]
 
 
-def one_line_error(arguments: list[str], capsys) -> str:
+def sweep_one_line_error(arguments: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_:
         run_command(sweep.main, arguments)
     assert exit_.value.code == USER_ERROR_STATUS
@@ -160,11 +162,11 @@ def one_line_error(arguments: list[str], capsys) -> str:
 )
 def test_a_sweep_that_cannot_run_is_refused_in_one_line_before_any_sampling(tmp_path, reference, change, named, capsys):
     arguments = change(sweep_arguments(tmp_path, tmp_path / "export", reference))
-    assert named in one_line_error(arguments, capsys)
+    assert named in sweep_one_line_error(arguments, capsys)
     assert not (tmp_path / "sweep" / "scores").exists()
 
 
 def test_a_launch_of_several_processes_is_refused(tmp_path, reference, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun or accelerate launch set it in each process
     arguments = sweep_arguments(tmp_path, tmp_path / "export", reference)
-    assert "sweep.py runs as one process" in one_line_error(arguments, capsys)
+    assert "sweep.py runs as one process" in sweep_one_line_error(arguments, capsys)

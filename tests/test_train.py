@@ -5,9 +5,7 @@ Multi-process runs use torchrun with Accelerator(cpu=True) (train.cpu=true): two
 whole file stays within a few minutes on two cores.
 """
 
-import importlib.util
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -23,7 +21,15 @@ from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from _launch import TORCHRUN_TWO_PROCESSES
+from _launch import TORCHRUN_TWO_PROCESSES, offline_env
+from _tiny_runs import (
+    TINY_WITH_TENSORBOARD,
+    TWO_PROCESSES_20_STEPS,
+    assert_fid_is_that_of_all_samples,
+    fid_monitoring,
+    metrics,
+    run_train,
+)
 from generation import ImageGenerator, read_export
 from generation.vae import VAEUnavailableError
 from training.checkpoint_folders import CheckpointError
@@ -32,24 +38,6 @@ from training.loop import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
-TINY = [
-    "model.hidden_size=32",
-    "model.depth=1",
-    "model.num_heads=2",
-    "train.global_batch_size=64",
-    "train.warmup_steps=5",
-    "log.sample_count=8",
-    "log.sample_steps=5",
-]
-# 20 steps over two processes with 2 accumulation steps: micro-batches of 16, 56 per process per epoch.
-TWO_PROCESS = TINY + [
-    "train.cpu=true",
-    "train.grad_accum_steps=2",
-    "train.max_steps=20",
-    "log.every=5",
-    "log.checkpoint_every=10",
-    "log.sample_every=10",
-]
 CHECKPOINT_FILES = {
     "model.safetensors",
     "optimizer.bin",
@@ -62,41 +50,15 @@ CHECKPOINT_FILES = {
 }
 
 
-def torchrun(run_dir: Path, *extra: str) -> list[str]:
+def torchrun_20_steps(run_dir: Path, *extra: str) -> list[str]:
     return [
         *TORCHRUN_TWO_PROCESSES,
         str(ROOT / "train.py"),
         "--config",
         str(DIGITS),
-        *TWO_PROCESS,
+        *TWO_PROCESSES_20_STEPS,
         f"run.dir={run_dir}",
         *extra,
-    ]
-
-
-def subprocess_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-FID_SAMPLES = 6  # 3 per process
-
-
-def fid_monitoring(folder: Path) -> list[str]:
-    """FID of the EMA samples at the last step against a stand-in reference (mu = 0, sigma = I) with the bundled
-    Inception weights: enough to compare the value logged by 2 processes with the one of all samples."""
-    import numpy as np
-
-    reference = folder / "reference.npz"
-    np.savez(reference, mu=np.zeros(2048), sigma=np.eye(2048))
-    return [
-        "log.fid_every=20",
-        f"log.fid_samples={FID_SAMPLES}",
-        f"log.fid_reference={reference}",
-        "log.fid_inception=bundled",
     ]
 
 
@@ -105,34 +67,15 @@ def two_process_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two")
     run_dir = folder / "run"
     done = subprocess.run(
-        torchrun(run_dir, *fid_monitoring(folder)),
+        torchrun_20_steps(run_dir, *fid_monitoring(folder)),
         cwd=ROOT,
-        env=subprocess_env(),
+        env=offline_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done
-
-
-def assert_fid_is_that_of_all_samples(run_dir: Path, extractor) -> None:
-    """The FID a run of `fid_monitoring` logged at step 20 is the FID of all its samples drawn by one process
-    (Inception: `extractor`, the bundled weights)."""
-    from fid import fid_from_batches
-    from generation.sample_plan import sample_seeds
-
-    [logged] = [json.loads(line) for line in (run_dir / "fid.jsonl").read_text().splitlines()]
-    assert logged["step"] == 20 and logged["samples"] == FID_SAMPLES
-    # One process, all samples, the same (label, seed) per index and the preview's sampler (digits.yaml: DDIM;
-    # log.sample_steps=5 in TINY).
-    generator = ImageGenerator.from_export(read_export(run_dir))
-    indices = list(range(FID_SAMPLES))
-    images = generator.generate([i % 10 for i in indices], sample_seeds(0, indices), sampler="ddim", steps=5)
-    expected = fid_from_batches([images], run_dir.parent / "reference.npz", extractor)
-    # Per-sample noise makes the images independent of the split; Inception's float32 kernels round differently
-    # per batch size (~1e-6 relative). Half of the samples alone gives a FID several percent away.
-    assert logged["fid"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_fid_logged_by_two_processes_is_the_fid_of_all_samples(two_process_run, bundled_inception):
@@ -216,11 +159,11 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_ru
     reference, _ = two_process_run
     run_dir = tmp_path / "run"
     # Same training config; keep_checkpoints=1 only changes which old checkpoints are deleted.
-    command = torchrun(run_dir, "log.keep_checkpoints=1")
+    command = torchrun_20_steps(run_dir, "log.keep_checkpoints=1")
     process = subprocess.Popen(
         command,
         cwd=ROOT,
-        env=subprocess_env(),
+        env=offline_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -238,7 +181,7 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_ru
     assert not (run_dir / "checkpoints" / "step-0000020").exists(), "the run finished before it was killed"
 
     resumed = subprocess.run(
-        command + ["--resume", "latest"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600
+        command + ["--resume", "latest"], cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step-0000010 at step 10" in resumed.stdout
@@ -286,17 +229,6 @@ def assert_same_tree(a, b):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def train_script():
-    """train.py as a module; Accelerate's process-wide state is reset after each run."""
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def test_digits_loss_falls_below_the_measured_level(train_script, tmp_path):
     # Measured on the 2-core CPU box with this exact setup, seeds 0-3: mean loss over steps 1-25 0.868-0.881
     # (the untrained model's zero-initialised output predicts no noise: MSE = E[eps^2] = 1), over steps 126-150
@@ -307,7 +239,7 @@ def test_digits_loss_falls_below_the_measured_level(train_script, tmp_path):
         [
             "--config",
             str(DIGITS),
-            *TINY,
+            *TINY_WITH_TENSORBOARD,
             "model.hidden_size=64",
             "model.depth=2",
             "model.num_heads=4",
@@ -353,7 +285,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
             [
                 "--config",
                 str(DIGITS),
-                *TINY,
+                *TINY_WITH_TENSORBOARD,
                 "train.max_steps=20",
                 "log.every=5",
                 "log.checkpoint_every=5",
@@ -369,7 +301,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(train
     assert [line["step"] for line in metrics(run_dir)] == [5]
 
 
-def make_images(root: Path) -> Path:
+def make_two_red_images(root: Path) -> Path:
     from PIL import Image
 
     for name in ("a", "b"):
@@ -400,11 +332,11 @@ def make_images(root: Path) -> Path:
 )
 def test_bad_inputs_fail_before_anything_is_written(train_script, tmp_path, monkeypatch, arguments, error, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    make_images(tmp_path / "images")
+    make_two_red_images(tmp_path / "images")
     run_dir = tmp_path / "run"
     arguments = [argument.format(tmp=tmp_path) for argument in arguments]
     with pytest.raises(error) as raised:
-        train_script.main(["--config", str(DIGITS), *TINY, f"run.dir={run_dir}", *arguments])
+        train_script.main(["--config", str(DIGITS), *TINY_WITH_TENSORBOARD, f"run.dir={run_dir}", *arguments])
     assert message.format(tmp=tmp_path) in str(raised.value)
     assert not run_dir.exists()
 
@@ -426,7 +358,7 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, bundled_incept
         [
             "--config",
             str(DIGITS),
-            *TINY,
+            *TINY_WITH_TENSORBOARD,
             "train.max_steps=4",
             "log.every=2",
             "log.checkpoint_every=100",
@@ -451,7 +383,7 @@ def test_fid_monitoring_logs_the_fid_of_ema_samples(train_script, bundled_incept
 ONE_PROCESS = [
     "--config",
     str(DIGITS),
-    *TINY,
+    *TINY_WITH_TENSORBOARD,
     "log.every=2",
     "log.checkpoint_every=2",
     "log.sample_every=0",
@@ -462,7 +394,6 @@ ONE_PROCESS = [
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     """A one-process run with checkpoints at steps 2 and 4."""
-    from faults import run_train
 
     run_dir = tmp_path_factory.mktemp("short") / "run"
     run_train(*ONE_PROCESS, "train.max_steps=4", f"run.dir={run_dir}")
@@ -643,11 +574,17 @@ def test_a_second_launch_into_a_running_run_directory_is_refused(train_script, t
     from atomic_files.folder_lock import locked_by_another
 
     run_dir = tmp_path / "run"
-    settings = [*TINY, "train.max_steps=1000000", "log.every=100000", "log.sample_every=0", "log.trackers=[]"]
+    settings = [
+        *TINY_WITH_TENSORBOARD,
+        "train.max_steps=1000000",
+        "log.every=100000",
+        "log.sample_every=0",
+        "log.trackers=[]",
+    ]
     first = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), "--config", str(DIGITS), *settings, f"run.dir={run_dir}"],
         cwd=ROOT,
-        env=subprocess_env(),
+        env=offline_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -670,3 +607,16 @@ def test_a_second_launch_into_a_running_run_directory_is_refused(train_script, t
     finally:
         first.kill()
         first.communicate()
+
+
+def test_a_config_yaml_alone_does_not_block_rerunning_the_command(tmp_path):
+    # A launch that failed at its first step (an unreadable image) leaves config.yaml and startup.txt, nothing that
+    # a rerun could lose; before, the rerun of the same command was refused as "already holds a run (config.yaml)".
+    from training.run import RunDirectory
+
+    run = RunDirectory(tmp_path)
+    run.config.write_text("model: {}\n")
+    run.startup.write_text("train.py start-up\n")
+    run.check_new()
+    run.metrics.write_text('{"step": 1}\n')
+    assert run.earlier_run() == [run.config, run.metrics]

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _tiny_runs import run_train
 from dit_vca.models import DiT
-from faults import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "digits.yaml"), "model.hidden_size=32", "model.depth=1"]

@@ -19,11 +19,11 @@ import triton
 
 import dit_vca.attention
 import sample as sample_script
+from _tiny_models import tiny_export
+from _tiny_runs import run_train
 from commands import UserError, run_command
 from dit_vca import triton_check, vca_triton
 from dit_vca.attention import VCAOptions, VisualContrastAttention
-from faults import run_train
-from test_sample import tiny_export
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"

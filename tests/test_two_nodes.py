@@ -12,29 +12,30 @@ import sys
 
 import pytest
 
-from test_faults import ROOT, STOPPED_STATUS, subprocess_env
-from test_latents import single_process, vae_folder  # noqa: F401 (fixtures)
-from test_slurm import (  # noqa: F401 (slurm: a fixture)
+from _launch import ROOT, subprocess_env
+from _slurm import (
     RUN,
     assert_same_as,
     free_port,
     job,
     sbatch,
-    slurm,
     stops,
     text,
     wait_for_end,
     wait_for_requeue,
     wait_for_step,
 )
-from test_train import DIGITS, TWO_PROCESS, assert_fid_is_that_of_all_samples, fid_monitoring
+from _tiny_data import extraction_config, make_images
+from _tiny_models import tiny_export
+from _tiny_runs import DIGITS, TWO_PROCESSES_20_STEPS, assert_fid_is_that_of_all_samples, fid_monitoring
+from training.stop_signals import STOPPED_STATUS
 
 ONCE_PER_JOB = "train.py start-up\n"  # the summary's head: printed by the global main process, not once per node
 
 
 def two_agents(run_dir, *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
     """train.py of RUN under two torchrun agents on this host, one per "node"; their results, node 0's first."""
-    script = ROOT / ("tests/faults.py" if fault else "train.py")
+    script = ROOT / ("tests/_faults.py" if fault else "train.py")
     return two_nodes([str(script), *RUN, f"run.dir={run_dir}", *extra], fault)
 
 
@@ -100,7 +101,14 @@ def test_a_lost_node_ends_the_other_with_one_line_naming_it_and_the_checkpoint_t
 def test_fid_during_training_on_two_nodes_is_the_fid_of_all_samples(bundled_inception, tmp_path):
     # Each node's process draws its half of the FID samples; the global main process logs the FID of all of them
     run_dir = tmp_path / "run"
-    command = ["train.py", "--config", str(DIGITS), *TWO_PROCESS, f"run.dir={run_dir}", *fid_monitoring(tmp_path)]
+    command = [
+        "train.py",
+        "--config",
+        str(DIGITS),
+        *TWO_PROCESSES_20_STEPS,
+        f"run.dir={run_dir}",
+        *fid_monitoring(tmp_path),
+    ]
     nodes = two_nodes(command)
     assert all(node.returncode == 0 for node in nodes), [node.stderr[-2000:] for node in nodes]
     assert_fid_is_that_of_all_samples(run_dir, bundled_inception)
@@ -130,7 +138,6 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
 
     import sample
     from generation.run_layout import TRAINER_STATE
-    from test_sample import tiny_export
 
     export = tiny_export(tmp_path / "export")
     arguments = ["--ckpt", str(export), "--num-samples", "12", "--shard-size", "3", "--per-proc-batch-size", "3"]
@@ -155,7 +162,6 @@ def test_sampling_on_two_nodes_equals_one_process(tmp_path):
 
 
 def test_latent_extraction_on_two_nodes_equals_one_process(tmp_path, vae_folder, single_process):
-    from test_latents import extraction_config, make_images
     from training.config import load_config
     from training.latents import extract_latents, shard_name
 

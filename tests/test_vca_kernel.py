@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import sample_arguments as sample
+from _launch import sample_env
 from dit_vca.attention import VCA_KERNEL_SETTINGS
-from test_sample import environment, tiny_export
 from training.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,11 +84,6 @@ SAMPLES = ["--num-samples", "2", "--per-proc-batch-size", "2", "--grid-size", "0
 SAMPLING = ["--sampler", "ddpm", "--steps", "4", "--cfg-scale", "2", "--seed", "3"]
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory.mktemp("export"))
-
-
 def sample_with(export: Path, out: Path, kernel: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     command = [sys.executable, str(ROOT / "sample.py"), "--ckpt", str(export), "--out", str(out), *SAMPLES]
     return subprocess.run(
@@ -100,7 +95,7 @@ def test_sampling_on_aten_and_triton_gives_the_same_images(export, tmp_path):
     images = {}
     for kernel in ("aten", "triton"):
         out = tmp_path / f"{kernel}.npz"
-        done = sample_with(export, out, kernel, environment())
+        done = sample_with(export, out, kernel, sample_env())
         assert done.returncode == 0, done.stderr[-3000:]
         with np.load(out) as data:
             images[kernel] = data["arr_0"].astype(int)
@@ -113,7 +108,7 @@ def test_sampling_on_aten_and_triton_gives_the_same_images(export, tmp_path):
 
 
 def test_triton_without_cuda_or_interpreter_is_one_line(export, tmp_path):
-    done = sample_with(export, tmp_path / "samples.npz", "triton", without_cuda_or_interpreter(environment()))
+    done = sample_with(export, tmp_path / "samples.npz", "triton", without_cuda_or_interpreter(sample_env()))
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines() == [
         "error: --vca-kernel triton on cpu needs a CUDA device or Triton's interpreter (TRITON_INTERPRET=1 in the "

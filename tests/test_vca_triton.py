@@ -23,10 +23,17 @@ import triton
 import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
+from _attention_cases import (
+    BLOCK_OPTIONS,
+    block_ids,
+    core_multiply_adds,
+    outputs_and_gradients,
+    perturbed_vca,
+    switch_ids,
+)
 from dit_vca import vca_triton
 from dit_vca.attention import VCAOptions, VisualContrastAttention
 from dit_vca.kernel_layout import KernelLayout
-from test_attention import BLOCK_OPTIONS, block_ids, outputs_and_gradients, perturbed_vca, switch_ids
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ALL_OPTIONS = [VCAOptions(3, *values) for values in itertools.product((True, False), repeat=4)]  # p = 3
@@ -300,7 +307,6 @@ def test_triton_core_counts_the_products_it_runs():
     """FlopCounterMode sees the operator, not its kernels: its formula for the Triton path counts their products,
     Stage II's value product once for a joint softmax (7·n·N·C + 9·N·C, as VCA.md's cost) and once per stream
     for two softmaxes (8·n·N·C + 9·N·C)."""
-    from test_attention import core_multiply_adds
 
     dim, tokens, n = 384, 256, 64
     for joint, products in ((True, 7), (False, 8)):

@@ -8,7 +8,7 @@ In a test process:
 
 Under torchrun (or any launcher) the same signals come from this file used as the script:
 
-    FAULT_SIGNAL="7:1:SIGUSR1:self" torchrun ... tests/faults.py --config ...   # rank 1 signals itself after step 7
+    FAULT_SIGNAL="7:1:SIGUSR1:self" torchrun ... tests/_faults.py --config ...   # rank 1 signals itself after step 7
 
 FAULT_SIGNAL is "step:rank:SIGNAL[+SIGNAL...]:self|parent" (rank * for every rank; parent: the launcher); a number
 among the signals is a pause in seconds ("SIGINT+2.5+SIGINT": a second Ctrl-C 2.5 s after the first).
@@ -95,22 +95,6 @@ def failing_writes(monkeypatch, error: int, after_bytes: int = 0) -> WriteBudget
 
     monkeypatch.setattr(atomic_files, "commit", commit)
     return budget
-
-
-def run_train(*arguments: str) -> None:
-    """train.py's main in this process; Accelerate's process-wide state is reset after the run."""
-    import importlib.util
-
-    from accelerate.state import AcceleratorState, GradientState
-
-    spec = importlib.util.spec_from_file_location("train_in_test", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        module.main(list(arguments))
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
 
 
 class _Patch:

@@ -1,6 +1,6 @@
 """train.py under a launcher, every process writing its post-hoc EMA averages when training ends:
 
-    torchrun ... tests/posthoc_ranks.py --config ... train.posthoc_ema.sigma_rel=[0.05]  # writes rank-<r>.safetensors
+    torchrun ... tests/_posthoc_ranks.py --config ... train.posthoc_ema.sigma_rel=[0.05]  # writes rank-<r>.safetensors
 
 Only the main process writes snapshots and checkpoints; this shows what the others hold.
 """
