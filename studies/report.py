@@ -89,8 +89,11 @@ def reading(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) ->
             f"it is not evidence either way."
         )
     largest = max(sds)
-    p_value = ttest_ind(a["values"], b["values"], equal_var=False).pvalue
-    welch = "Welch p < 0.01" if p_value < 0.01 else f"Welch p = {p_value:.2f}"
+    if len(sds) < 2:  # Welch's test needs a variance in each arm
+        welch = "no Welch test: one arm has a single seed"
+    else:
+        p_value = ttest_ind(a["values"], b["values"], equal_var=False).pvalue
+        welch = "Welch p < 0.01" if p_value < 0.01 else f"Welch p = {p_value:.2f}"
     if abs(difference) <= largest:
         return (
             f"The difference ({label_a} - {label_b} = {difference:+.2f} FID) is within the seed spread "

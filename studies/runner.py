@@ -44,6 +44,7 @@ class Budget:
     sampler_steps: dict[str, int]  # objective kind -> steps of its sampler
     seeds: tuple[int, ...]
     model_overrides: tuple[str, ...]  # size overrides on top of the study's config
+    checkpoint_fractions: tuple[float, ...] = CHECKPOINT_FRACTIONS  # of max_steps: the checkpoints sampled
 
 
 # A study's budget: the config's training steps, 1000 samples of each final model and 250 of each earlier checkpoint,
@@ -90,15 +91,20 @@ def run_name(arm: Arm, seed: int) -> str:
 
 
 def checkpoint_steps(budget: Budget) -> list[int]:
-    return [round(fraction * budget.max_steps) for fraction in CHECKPOINT_FRACTIONS]
+    return [round(fraction * budget.max_steps) for fraction in budget.checkpoint_fractions]
+
+
+def trained(arm: Arm, seed: int, budget: Budget, out: Path) -> bool:
+    """Whether the run has its final checkpoint (a finished run: train_run skips it)."""
+    from generation.run_layout import CHECKPOINTS_FOLDER, step_name
+
+    return (out / "runs" / run_name(arm, seed) / CHECKPOINTS_FOLDER / step_name(budget.max_steps)).is_dir()
 
 
 def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> Path:
     """Train (or resume, or skip when finished) one run of `config` with train.py; returns its run directory."""
-    from generation.run_layout import CHECKPOINTS_FOLDER, step_name
-
     run_dir = out / "runs" / run_name(arm, seed)
-    if (run_dir / CHECKPOINTS_FOLDER / step_name(budget.max_steps)).is_dir():
+    if trained(arm, seed, budget, out):
         return run_dir
     every = checkpoint_steps(budget)[0]
     command = [
@@ -258,15 +264,15 @@ def score_export(
 def train_and_score(
     runs: list[tuple[Arm, int]], budget: Budget, out: Path, scorer: Scorer, config: Path
 ) -> tuple[dict[tuple[str, int], list[dict]], dict[str, float]]:
-    """Train every run of `config`, score each of its checkpoints (skipping finished work); returns the scores
-    per (arm, seed) and the wall time spent on training, sampling and scoring."""
-    run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, config) for arm, seed in runs}
+    """Train every run of `config` and score each of its checkpoints, run by run (skipping finished work, so that
+    a study stopped early has its first runs scored); returns the scores per (arm, seed) and the wall time spent
+    on training, sampling and scoring."""
+    steps = checkpoint_steps(budget)
     scores = {}
     for arm, seed in runs:
-        steps = checkpoint_steps(budget)
+        run_dir = train_run(arm, seed, budget, out, config)
         scores[(arm.name, seed)] = [
-            score_checkpoint(run_dirs[(arm.name, seed)], step, step == steps[-1], budget, scorer, out, arm, seed)
-            for step in steps
+            score_checkpoint(run_dir, step, step == steps[-1], budget, scorer, out, arm, seed) for step in steps
         ]
     # Wall time as recorded by every invocation that worked on these runs, so that a rerun which only rewrites
     # the report (everything already done) reports the same figures.

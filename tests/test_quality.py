@@ -117,6 +117,10 @@ def test_reading_calls_a_difference_within_the_seed_spread_no_difference():
     assert "Welch p = 0." in close
     single = reading(spread([10.0]), spread([12.0]), "VCA", "MHSA")
     assert "not evidence" in single
+    # One arm with seeds, the other with one (a study stopped early): its spread still judges, no Welch test.
+    uneven = reading(spread([10.0, 10.2]), spread([12.0]), "VCA", "MHSA")
+    assert "standard deviation up to 0.14" in uneven and "no Welch test: one arm has a single seed" in uneven
+    assert "nan" not in uneven
 
 
 def test_the_full_study_meets_the_issue_minimums():

@@ -1,0 +1,99 @@
+"""studies/recipe_digits.py (VCA vs MHSA on the 2022 and the modern recipe, and each modern option alone, on the
+digits; issue 41 item 4): its arms, the --quick study end to end, and the one-channel cosine-loss claim its
+docstring makes."""
+
+import json
+
+import pytest
+import torch
+
+from _study import run_quick
+from dit_vca.model_options import RECIPES
+from generation import read_export
+from studies.recipe_digits import (
+    ALONE,
+    CONFIG,
+    FULL_DESIGN,
+    MHSA_2022,
+    MHSA_MODERN,
+    QUICK_BUDGET,
+    STEM,
+    VCA_2022,
+    VCA_MODERN,
+    main,
+)
+from studies.runner import checkpoint_export, checkpoint_steps
+from training.config import load_config
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_runs_go_seed_by_seed_and_each_option_alone_changes_only_its_keys():
+    runs = [(arm.name, seed) for arm, seed in FULL_DESIGN.runs((0, 1, 2))]
+    recipes = [arm.name for arm in (MHSA_2022, VCA_2022, MHSA_MODERN, VCA_MODERN)]
+    # The four attention x recipe arms at seed 0, then seeds 1 and 2, then the one-option arms at seed 0: a study
+    # stopped early has whole seeds.
+    assert runs == [(name, seed) for seed in (0, 1, 2) for name in recipes] + [(arm.name, 0) for arm in ALONE]
+    reference = load_config(CONFIG, list(VCA_2022.overrides))
+    modern = load_config(CONFIG, list(VCA_MODERN.overrides))
+    assert modern.model.block_options == RECIPES["lightning-qknorm"] and modern.train.betas == [0.9, 0.95]
+    assert (modern.transport.time_distribution, modern.transport.cosine_loss_weight) == ("logit-normal", 1.0)
+    assert load_config(CONFIG, list(MHSA_MODERN.overrides)).model.block_options == RECIPES["lightning-qknorm"]
+    for arm in ALONE:  # a misspelt key fails here rather than after an hour of training
+        config = load_config(CONFIG, list(arm.overrides))
+        assert config.train.lr == reference.train.lr and config.train.max_steps == reference.train.max_steps
+        changed = {key for key, value in config.model.block_options.items() if value != RECIPES["dit"][key]}
+        assert len(changed) <= 1, (arm.name, changed)  # one block option at most, the others the 2022 recipe's
+
+
+def test_one_channel_cosine_loss_moves_no_weight_except_from_a_zero_prediction():
+    """The docstring's claim: on one channel 1 - cos(v, u) is 0 or 2 per pixel, so its gradient is 0 wherever the
+    prediction is away from 0; at a prediction of exactly 0 (a zero-initialised output layer) cosine_similarity's
+    eps (1e-8) turns it into u / 1e-8."""
+    from sit_vca.transport import velocity_direction_loss
+
+    target = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))  # (B, 1, H, W)
+    for scale in (1.0, 1e-3):
+        prediction = (scale * torch.randn(2, 1, 8, 8)).requires_grad_()
+        velocity_direction_loss(prediction, target).sum().backward()
+        assert torch.count_nonzero(prediction.grad) == 0
+    zero = torch.zeros(2, 1, 8, 8, requires_grad=True)
+    velocity_direction_loss(zero, target).sum().backward()
+    assert zero.grad.abs().max() > 1e5  # of order max|u| / (64 pixels x 1e-8)
+
+
+def test_finished_only_with_nothing_trained_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--finished-only", "--out", str(tmp_path / "empty")])
+    assert stop.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and str(tmp_path / "empty") in message and not (tmp_path / "empty").exists()
+    assert message.startswith("error: --finished-only: no run of the study is trained")
+
+
+@pytest.mark.slow
+def test_quick_study_trains_both_recipes_scores_run_by_run_and_reports(tmp_path):
+    out = tmp_path / "study"
+    first = run_quick("studies.recipe_digits", out)
+    # Each run is scored as soon as it is trained (a study stopped early has its first runs scored).
+    assert first.index("sampling and scoring vca-2022-seed0") < first.index("training vca-modern-seed0")
+    results = json.loads((out / f"{STEM}.json").read_text())
+    markdown = (out / f"{STEM}.md").read_text()
+    assert (out / f"{STEM}.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert list(results["arms"]) == ["vca-2022", "vca-modern"] and results["design"]["missing"] == []
+    for name, kind in (("vca-2022", "diffusion"), ("vca-modern", "transport")):
+        entry = results["arms"][name]
+        assert entry["seeds"] == [0] and entry["fid"]["mean"] > 0 and 0 <= entry["accuracy"]["mean"] <= 1
+        assert [point[0] for point in entry["curves"]["0"]] == checkpoint_steps(QUICK_BUDGET) == [4]  # final only
+        assert entry["train_seconds"][0] > 0 and entry["parameters"] > 0
+        record = json.loads((out / "scores" / f"{name}-seed0" / "step-0000004.json").read_text())
+        assert record["fid"] == record["fid_curve"] and record["settings"]["num_samples"] == 12  # one FID, all samples
+        export = read_export(checkpoint_export(out / "runs" / f"{name}-seed0", 4))
+        assert export.description.objective["kind"] == kind
+    assert "| VCA, modern recipe | 0 |" in markdown and "Only the final model of each run is scored" in markdown
+    assert "Every planned run was trained and scored." in markdown
+
+    # Reporting what is trained trains and scores nothing and writes the same report.
+    second = run_quick("studies.recipe_digits", out, "--finished-only")
+    assert "quality: training" not in second and "sampling and scoring" not in second
+    assert (out / f"{STEM}.md").read_text() == markdown
