@@ -19,6 +19,9 @@ class FeatureMoments:
         self.count = 0
         self.sum = torch.zeros(dim, dtype=torch.float64, device=device)  # (D,)
         self.outer = torch.zeros(dim, dim, dtype=torch.float64, device=device)  # (D, D)
+        # The vectors themselves while there are no more of them than dimensions, for Gaussian.rows (a faster
+        # FID of small sets, fid.frechet); None once there are more, or after summing across processes.
+        self.vectors: list[torch.Tensor] | None = []
 
     @property
     def dim(self) -> int:
@@ -32,6 +35,8 @@ class FeatureMoments:
         self.count += x.shape[0]
         self.sum += x.sum(dim=0)
         self.outer.addmm_(x.T, x)  # += x^T x without a (D, D) temporary
+        if self.vectors is not None:
+            self.vectors = self.vectors + [x.clone()] if self.count <= self.dim else None
 
     def merge(self, other: "FeatureMoments") -> "FeatureMoments":
         """The moments of both sets together (e.g. two processes' shares)."""
@@ -39,6 +44,10 @@ class FeatureMoments:
         merged.count = self.count + other.count
         merged.sum = self.sum + other.sum.to(self.sum.device)
         merged.outer = self.outer + other.outer.to(self.sum.device)
+        if self.vectors is not None and other.vectors is not None and merged.count <= merged.dim:
+            merged.vectors = self.vectors + [vectors.to(self.sum.device) for vectors in other.vectors]
+        else:
+            merged.vectors = None
         return merged
 
     def packed(self) -> torch.Tensor:
@@ -57,6 +66,7 @@ class FeatureMoments:
         moments.count = int(packed[0].item())
         moments.sum = packed[1 : 1 + dim].clone()
         moments.outer = packed[1 + dim :].reshape(dim, dim).clone()
+        moments.vectors = None  # a sum carries no vectors
         return moments
 
     def all_reduce(self) -> "FeatureMoments":
@@ -74,7 +84,10 @@ class FeatureMoments:
         mean = self.sum / self.count  # (D,)
         cov = torch.addr(self.outer, mean, mean, alpha=-self.count).div_(self.count - 1)  # (D, D)
         cov = (cov + cov.T).div_(2)  # exact symmetry; x^T x from BLAS is symmetric only to rounding
-        return Gaussian(mean.cpu().numpy(), cov.cpu().numpy())
+        rows = None
+        if self.vectors is not None:
+            rows = ((torch.cat(self.vectors) - mean) / (self.count - 1) ** 0.5).cpu().numpy()  # (N, D)
+        return Gaussian(mean.cpu().numpy(), cov.cpu().numpy(), rows)
 
 
 def gaussian_of(features: np.ndarray | torch.Tensor) -> Gaussian:

@@ -6,7 +6,7 @@ computes the statistics from features, with torch.
 
 import os
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +21,22 @@ STAT_KEYS = {"pool": ("mu", "sigma"), "spatial": ("mu_s", "sigma_s")}
 
 @dataclass(frozen=True)
 class Gaussian:
-    """Mean and covariance of a set of feature vectors, float64."""
+    """Mean and covariance of a set of feature vectors, float64.
+
+    `rows`, when known, are n vectors F (n, D) with cov = FᵀF: the centred features / sqrt(N - 1) of a set of no
+    more vectors than dimensions (fid.moments keeps them). The Fréchet distance then solves an n×n eigenproblem
+    instead of two D×D ones (fid.frechet); files hold mean and covariance only."""
 
     mean: np.ndarray  # (D,)
     cov: np.ndarray  # (D, D)
+    rows: np.ndarray | None = field(default=None, compare=False, repr=False)  # (n, D)
 
     def __post_init__(self):
         dim = self.mean.shape[0] if self.mean.ndim == 1 else -1
         if self.cov.shape != (dim, dim):
             raise ValueError(f"mean {self.mean.shape} and covariance {self.cov.shape} do not describe a (D,) Gaussian")
+        if self.rows is not None and (self.rows.ndim != 2 or self.rows.shape[1] != dim):
+            raise ValueError(f"rows {self.rows.shape} of a {dim}-d Gaussian: expected (n, {dim})")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from _fid_reference import numpy_inception_score, self_distance_tolerance
 from fid import FeatureMoments, Gaussian, frechet_distance, inception_score, precision_recall
 from fid.manifolds import manifold_radii
+from fid.moments import gaussian_of
 
 
 def random_gaussian(rng: np.random.Generator, dim: int, samples: int, shift: float = 0.0) -> Gaussian:
@@ -77,6 +78,50 @@ def test_frechet_of_a_set_with_itself_is_zero():
     a = random_gaussian(rng, 256, 100)  # rank 99 of 256, like a small FID run
     # 2 tr S - 2 tr S up to the square roots of round-off eigenvalues (see self_distance_tolerance).
     assert abs(frechet_distance(a, a)) <= self_distance_tolerance(a.cov)
+
+
+def test_frechet_of_a_set_with_known_rows_is_a_nuclear_norm():
+    # S_b = FᵀF (F: 12 rows, 300-d) against a full-rank S_a = Q diag(l) Qᵀ: tr (S_a S_b)^(1/2) is the sum of the
+    # singular values of F S_a^(1/2), computed here by an SVD (the fast path solves F S_a Fᵀ's eigenvalues instead).
+    rng = np.random.default_rng(6)
+    dim, n = 300, 12
+    q, _ = np.linalg.qr(rng.normal(size=(dim, dim)))
+    eigenvalues = rng.uniform(0.1, 3.0, size=dim)
+    rows = rng.normal(size=(n, dim)) / 4
+    a = Gaussian(rng.normal(size=dim), (q * eigenvalues) @ q.T)
+    b = Gaussian(rng.normal(size=dim), rows.T @ rows, rows)
+    nuclear = np.linalg.svd(rows @ (q * np.sqrt(eigenvalues)) @ q.T, compute_uv=False).sum()
+    expected = np.sum((a.mean - b.mean) ** 2) + np.trace(a.cov) + np.trace(b.cov) - 2 * nuclear
+    assert frechet_distance(a, b) == pytest.approx(expected, rel=1e-10)  # float64 round-off only
+    assert frechet_distance(b, a) == pytest.approx(expected, rel=1e-10)  # either side may know its rows
+
+
+def test_frechet_with_rows_equals_the_dense_path():
+    # Streamed statistics of fewer vectors than dimensions keep their rows; the distance is the dense path's up to
+    # the square roots of the dense path's round-off eigenvalues (self_distance_tolerance's reason), ~1e-8 here.
+    rng = np.random.default_rng(7)
+    mixing = rng.normal(size=(256, 256)) / 16
+    small = np.abs(rng.normal(size=(20, 256)) @ mixing + 0.3)
+    large = np.abs(rng.normal(size=(200, 256)) @ mixing + 0.4)
+    with_rows = [gaussian_of(small), gaussian_of(large)]
+    assert [gaussian.rows.shape for gaussian in with_rows] == [(20, 256), (200, 256)]
+    dense = [Gaussian(gaussian.mean, gaussian.cov) for gaussian in with_rows]
+    np.testing.assert_allclose(with_rows[0].rows.T @ with_rows[0].rows, dense[0].cov, rtol=0, atol=1e-12)
+    assert frechet_distance(*with_rows) == pytest.approx(frechet_distance(*dense), rel=1e-6)
+    assert frechet_distance(with_rows[0], dense[1]) == pytest.approx(frechet_distance(*dense), rel=1e-6)
+
+
+def test_streamed_moments_keep_rows_only_while_they_are_no_more_than_the_dimensions():
+    rng = np.random.default_rng(8)
+    moments, other = FeatureMoments(8), FeatureMoments(8)
+    moments.update(rng.normal(size=(5, 8)))
+    other.update(rng.normal(size=(3, 8)))
+    assert moments.merge(other).gaussian().rows.shape == (8, 8)  # 8 vectors of 8 dimensions: kept
+    other.update(rng.normal(size=(1, 8)))
+    assert moments.merge(other).gaussian().rows is None  # 9: the covariance alone
+    moments.update(rng.normal(size=(4, 8)))
+    assert moments.gaussian().rows is None  # and once dropped, never back
+    assert FeatureMoments.from_packed(other.packed(), 8).gaussian().rows is None  # a sum across processes
 
 
 def test_frechet_rejects_mismatched_dimensions():
