@@ -279,7 +279,7 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any]):
-    """Final FID (left) and classifier accuracy (right) of every arm: one dot per seed, the mean as a bar with
+    """Final FID (left) and classifier accuracy (right) of every arm: one dot per seed, the mean as a diamond with
     ± 1 sd; the attention x recipe arms first, then the options alone on VCA."""
     from bench._harness import subplots
 
@@ -294,15 +294,18 @@ def plot(results: dict[str, Any]):
     ):
         means = [scale * arms[name][key]["mean"] for name in shown]
         sds = [scale * (arms[name][key]["sd"] or 0.0) for name in shown]
-        axis.barh(positions, means, xerr=sds, color=colours, alpha=0.45, capsize=3)
-        for position, name in zip(positions, shown, strict=True):
+        for position, name, mean, sd, colour in zip(positions, shown, means, sds, colours, strict=True):
+            axis.errorbar(mean, position, xerr=sd, fmt="D", color=colour, markersize=8, capsize=4, alpha=0.6)
             values = scale * np.array(arms[name][key]["values"])
-            axis.scatter(values, np.full(len(values), position), color="black", s=12, zorder=3)
+            axis.scatter(values, np.full(len(values), position), color="black", s=14, zorder=3)
         axis.set_xlabel(title)
         axis.grid(alpha=0.3, axis="x")
     axes[0].set_yticks(positions, [arms[name]["label"] for name in shown])
     axes[0].invert_yaxis()
-    figure.suptitle(f"studies.recipe_digits: final models after {results['budget']['max_steps']} steps (dots: seeds)")
+    figure.suptitle(
+        f"studies.recipe_digits: final models after {results['budget']['max_steps']} steps "
+        "(dots: seeds; diamonds: mean ± sd)"
+    )
     figure.tight_layout()
     return figure
 

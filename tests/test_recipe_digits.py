@@ -13,6 +13,7 @@ from generation import read_export
 from studies.recipe_digits import (
     ALONE,
     CONFIG,
+    FULL_BUDGET,
     FULL_DESIGN,
     MHSA_2022,
     MHSA_MODERN,
@@ -21,8 +22,9 @@ from studies.recipe_digits import (
     VCA_2022,
     VCA_MODERN,
     main,
+    render_markdown,
 )
-from studies.runner import checkpoint_export, checkpoint_steps
+from studies.runner import REPO, checkpoint_export, checkpoint_steps, run_name
 from training.config import load_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -97,3 +99,23 @@ def test_quick_study_trains_both_recipes_scores_run_by_run_and_reports(tmp_path)
     second = run_quick("studies.recipe_digits", out, "--finished-only")
     assert "quality: training" not in second and "sampling and scoring" not in second
     assert (out / f"{STEM}.md").read_text() == markdown
+
+
+def test_the_published_study_is_the_committed_result():
+    """studies/results/recipe-digits.md is the committed JSON rendered, and docs/evidence.md carries its tables row
+    for row and names the runs that were not trained: a rerun that changes a figure must change the page too."""
+    results = json.loads((REPO / "studies" / "results" / f"{STEM}.json").read_text())
+    assert results["budget"]["max_steps"] == 2000 and results["budget"]["seeds"] == list(FULL_BUDGET.seeds)
+    assert results["budget"]["checkpoint_fractions"] == [1.0] and results["budget"]["final_samples"] == 1000
+    planned = {run_name(arm, seed) for arm, seed in FULL_DESIGN.runs(FULL_BUDGET.seeds)}
+    reported = {f"{name}-seed{seed}" for name, entry in results["arms"].items() for seed in entry["seeds"]}
+    assert reported | set(results["design"]["missing"]) == planned and not reported & set(results["design"]["missing"])
+    markdown = render_markdown(results)
+    assert (REPO / "studies" / "results" / f"{STEM}.md").read_text() == markdown
+    page = (REPO / "docs" / "evidence.md").read_text()
+    rows = [line for line in markdown.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
+    assert len(rows) >= len(results["design"]["recipes"])
+    for row in rows:
+        assert row in page.splitlines(), row
+    for run in results["design"]["missing"]:
+        assert run in page, run
