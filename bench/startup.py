@@ -76,6 +76,12 @@ def seconds_by_command(results: dict) -> dict[str, dict[str, float]]:
     return table
 
 
+def tree_commit(tree: Path) -> str:
+    """The commit a tree has checked out (its path would name this machine's folders, not what was measured)."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "not a git checkout"
+
+
 def markdown(results: dict) -> str:
     labels = results["trees"]
     ratio = len(labels) == 2
@@ -84,7 +90,7 @@ def markdown(results: dict) -> str:
         f"# Start-up times on {results['cpu']}",
         "",
         f"median of {results['repeats']} runs of each command (wall time of a fresh `python` process), trees "
-        + ", ".join(f"{label}: `{path}`" for label, path in results["tree_paths"].items())
+        + ", ".join(f"{label}: commit {commit}" for label, commit in results["tree_commits"].items())
         + f"; load average {results['load_before']:.2f} before, {results['load_after']:.2f} after",
         "",
         header,
@@ -127,7 +133,7 @@ def main() -> None:
     results = {
         "cpu": describe_device(torch.device("cpu")),
         "trees": list(trees),
-        "tree_paths": {label: str(path) for label, path in trees.items()},
+        "tree_commits": {label: tree_commit(path) for label, path in trees.items()},
         "repeats": repeats,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
