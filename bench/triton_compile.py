@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from atomic_files import atomic_output
 from bench._harness import benchmark_parser, describe_device, save_results, subplots
 from bench.triton_launches import PRECISIONS
+from bench.triton_worker import STALE_SOURCE
 from dit_vca import triton_exclusions
 from dit_vca.triton_exclusions import config_name
 
@@ -169,6 +170,9 @@ def compile_jobs(jobs: list[dict], version: str, rows: dict[str, dict], row_log:
                 done = subprocess.run(worker, cwd=ROOT, env=compiler_environment(version, Path(scratch) / "cache"),
                                       stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
             output = log.read_text(errors="replace")
+            if done.returncode == STALE_SOURCE:  # edited since discover(): its rows would describe other code
+                print(f"bench.triton_compile: {output.strip().splitlines()[-1]}", file=sys.stderr)
+                raise SystemExit(2)
             if done.returncode != 0 and "compiling " not in output:
                 raise RuntimeError(f"the Triton {version} worker failed before compiling:\n{output[-3000:]}")
             rows |= {key: row for key, row in read_row_log(row_log).items() if key in {j["key"] for j in pending}}

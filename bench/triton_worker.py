@@ -40,6 +40,7 @@ from triton.runtime.jit import JITFunction, MockTensor, create_function_from_sig
 from bench.triton_launches import INTEGER_CLASSES, source_hash
 
 FLOAT_STAND_IN = 0.5  # non-constexpr floats compile as fp32 whatever their value
+STALE_SOURCE = 3  # exit status: a kernel's source is not the one the jobs were planned from (nothing compiled)
 
 
 def _jit_function(kernel_path: str) -> JITFunction:
@@ -104,9 +105,6 @@ def compile_job(job: dict) -> dict:
     row |= {"version": job["version"], "ok": False, "error": None, "shared": None, "registers": None}
     row |= {"spill_stores": None, "spill_loads": None, "seconds": None}
     jit = _jit_function(job["kernel"])
-    if source_hash(jit) != job["source"]:
-        row["error"] = "the kernel's source changed after its launches were recorded: run the matrix again"
-        return row
     config = job["config"]
     kwargs = {name: _argument(description) for name, description in job["args"].items()} | config["params"]
     kwargs |= {option: config[option] for option in ("num_warps", "num_stages") if config[option] is not None}
@@ -130,12 +128,27 @@ def compile_job(job: dict) -> dict:
     return row | _ptxas_figures(log.getvalue())
 
 
+def changed_kernels(jobs: list[dict]) -> list[str]:
+    """The kernels of `jobs` whose source (as this process imported it) is not the one their launches were recorded
+    from. Checked once, as the worker starts: the source is read lazily (linecache), so a check made later, after
+    the file was edited, would read the edited lines at the imported line numbers, and a row from a stale
+    discovery must not be recorded, let alone as a failure the autotuning lists would then leave out."""
+    recorded = {job["kernel"]: job["source"] for job in jobs}
+    return sorted(kernel for kernel, source in recorded.items() if source_hash(_jit_function(kernel)) != source)
+
+
 def main(jobs_file: Path, rows_file: Path) -> None:
+    jobs = json.loads(jobs_file.read_text())
+    changed = changed_kernels(jobs)
+    if changed:
+        print(f"error: {', '.join(changed)} changed after their launches were recorded: run the matrix again",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(STALE_SOURCE)
     done = set()
     if rows_file.exists():
         done = {json.loads(line)["key"] for line in rows_file.read_text().splitlines() if line.endswith("}")}
     with rows_file.open("a") as rows:
-        for job in json.loads(jobs_file.read_text()):
+        for job in jobs:
             if job["key"] in done:
                 continue
             print(f"compiling {job['key']}", flush=True)  # the parent tells a crash in a compilation by this line

@@ -67,7 +67,9 @@ def _configs(kernel: str, names: tuple[str, ...], interpreted: tuple, compiled: 
 # One declaration per kernel. Block sizes ≥ 16 (tl.dot's smallest): BLOCK_M contrast rows, BLOCK_N keys or
 # queries, BLOCK_C contrast columns. Chosen by registers and spills compiled for sm_90 at d = 72 in bf16 (each
 # first spills at most 40 bytes; docs/benchmarks.md); the last, unpipelined, is the one for fp32, where the
-# others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group.
+# others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group. The
+# backward's last, 32x32 with 4 warps, is the one that fits an A100 (163 KiB) in fp32-TF32 at d = 128: 112 and 88
+# KiB there, where the others need 168-304 KiB (sm_80, Triton 3.6.0).
 _STAGE1_FORWARD_BLOCKS = _configs(
     "_stage1_forward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
 )
@@ -78,10 +80,10 @@ _STAGE2_BACKWARD_BLOCKS = _configs(
     "_stage2_backward_kernel",
     ("BLOCK_N", "BLOCK_C"),
     (16, 16, 4, 1),
-    [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)],
+    [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1), (32, 32, 4, 1)],
 )
 _STAGE1_BACKWARD_BLOCKS = _configs(
-    "_stage1_backward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1)]
+    "_stage1_backward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 1)]
 )
 _AUTOTUNED = {  # the autotuned kernels' configurations, by kernel (tile_products)
     "_stage1_forward_kernel": _STAGE1_FORWARD_BLOCKS,

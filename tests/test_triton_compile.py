@@ -205,3 +205,19 @@ def test_a_missing_triton_version_is_one_line(capsys):
     assert stop.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "error: Triton 0.0.1 not installed in" in error and "--install" in error, error
+
+
+def test_a_kernel_edited_since_its_launches_were_recorded_stops_the_run(results, tmp_path, capsys):
+    """A job whose recorded source is not the kernel's now (the file was edited after discover()) is never compiled
+    nor recorded, least of all as a failure that the autotuning lists would leave out: the worker refuses every
+    job before compiling any, and the run stops with one line naming the kernel."""
+    spec = next(spec for spec in results["specs"].values() if spec["configs"][0]["params"])
+    stale = matrix.job(spec | {"source": "0" * 16}, spec["configs"][0], "sm_90", matrix.venv_version())
+    row_log = tmp_path / "rows.jsonl"
+    rows: dict[str, dict] = {}
+    with pytest.raises(SystemExit) as stop:
+        matrix.compile_jobs([stale], matrix.venv_version(), rows, row_log=row_log)
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and spec["kernel"] in error[0] and "run the matrix again" in error[0], error
+    assert rows == {} and (not row_log.exists() or row_log.read_text() == "")
