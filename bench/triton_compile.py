@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 
 from atomic_files import atomic_output
 from bench._harness import benchmark_parser, describe_device, save_results, subplots
-from bench.triton_launches import PRECISIONS
-from bench.triton_worker import STALE_SOURCE
+from bench.triton_launches import PRECISIONS, STALE_SOURCE
 from dit_vca import triton_exclusions
 from dit_vca.triton_exclusions import config_name
 

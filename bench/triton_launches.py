@@ -44,6 +44,9 @@ RELEASED = (True, True, True, True)  # VCAOptions' defaults: the released code, 
 # The classes Triton's JIT tells integers apart by, each with the value that stands in for it at compilation.
 INTEGER_CLASSES = {"one": 1, "multiple of 16": 16, "i32": 17, "i64": 2**40 + 1}
 DISCOVERY_SHAPE = {"batch": 1, "heads": 2, "grid": 16, "contrast_grid": 8}  # N = 256, n = 64
+# The exit status of a compile worker that found a kernel's source_hash changed since its launches were recorded
+# (bench.triton_worker compiles nothing then); here, so that bench.triton_compile needs no compiler import to read it.
+STALE_SOURCE = 3
 
 
 def kernel_function(kernel) -> types.FunctionType:

@@ -37,10 +37,9 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction, MockTensor, create_function_from_signature
 
-from bench.triton_launches import INTEGER_CLASSES, source_hash
+from bench.triton_launches import INTEGER_CLASSES, STALE_SOURCE, source_hash
 
 FLOAT_STAND_IN = 0.5  # non-constexpr floats compile as fp32 whatever their value
-STALE_SOURCE = 3  # exit status: a kernel's source is not the one the jobs were planned from (nothing compiled)
 
 
 def _jit_function(kernel_path: str) -> JITFunction:
