@@ -68,10 +68,14 @@ def _configs(kernel: str, names: tuple[str, ...], interpreted: tuple, compiled: 
 # queries, BLOCK_C contrast columns. Chosen by registers and spills compiled for sm_90 at d = 72 in bf16 (each
 # first spills at most 40 bytes; docs/benchmarks.md); the last, unpipelined, is the one for fp32, where the
 # others may need more shared memory than the GPU has. On Hopper a tile product wants 64 rows per warp group. The
-# backward's last, 32x32 with 4 warps, is the one that fits an A100 (163 KiB) in fp32-TF32 at d = 128: 112 and 88
-# KiB there, where the others need 168-304 KiB (sm_80, Triton 3.6.0).
+# 32x32 ones with 4 warps are for an A100 (sm_80): the backward's fit its 163 KiB in fp32-TF32 at d = 128 (112 and 88
+# KiB, where the others need 168-304 KiB), and Stage I's forward spills 152 bytes a thread there in bf16 at d = 72,
+# where its 64x64 ones spill 8.6 KB with Triton 3.5 and 3.6 (compiled for sm_80; 0 and 200 bytes with 3.8).
 _STAGE1_FORWARD_BLOCKS = _configs(
-    "_stage1_forward_kernel", ("BLOCK_M", "BLOCK_N"), (16, 16, 4, 1), [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1)]
+    "_stage1_forward_kernel",
+    ("BLOCK_M", "BLOCK_N"),
+    (16, 16, 4, 1),
+    [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 2)],
 )
 _STAGE2_FORWARD_BLOCKS = _configs(
     "_stage2_forward_kernel", ("BLOCK_N", "BLOCK_C"), (16, 16, 4, 1), [(64, 64, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)]
