@@ -2,6 +2,8 @@
 
     python3 -m bench.gpu --out "$OUT"           # on the GPU machine, from the repository root; nothing to install
     python3 -m bench.gpu --rehearse --out /tmp/g    # the same code on the CPU at tiny sizes (the suite runs it)
+    python3 -m bench.gpu --parts train-compiled-vca # a later call: only the parts named (one that failed, say)
+    python3 -m bench.gpu --summarize A.jsonl B.jsonl --out bench/results   # one summary and plot of both calls
 
 Every row is appended to <out>/gpu-<device>-<time>.jsonl the moment it is measured (--out defaults to $OUT, else
 bench/results), and <out>/gpu-<device>.md is rewritten after each part, so a part stopped by its time budget, by an
@@ -38,14 +40,17 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atomic_files import write_text_atomic
-from bench._harness import RESULTS, describe_device, synchronize
+from atomic_files import atomic_output, write_text_atomic
+from bench._harness import RESULTS, describe_device, subplots, synchronize
 from bench.gpu_training import LARGE_MODEL, LARGE_MODEL_GOAL, TIME_GOALS, TrainingCase, measure_training
 from commands import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RUNBOOK_SECONDS = 560  # each runbook on one H200-class GPU: one call of the device tool (600 s) with room to spare
 MAIN_PROCESS_SECONDS = 20  # the main process's own start-up, versions row and summaries, outside the parts' budgets
@@ -107,6 +112,7 @@ def versions_row(device: torch.device) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),
+        "timm": _version("timm"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "driver": _nvidia_driver() if device.type == "cuda" else None,
@@ -303,7 +309,10 @@ RUNBOOK = Runbook(
     },
     # check: compiles every kernel and autotuning configuration for bf16 at d = 72 (some twenty compilations of a
     # few seconds each); triton: the same kernels from Triton's cache on disk; a compiled DiT-XL/2: a minute or two.
-    budgets={"check": 90, "triton": 60, "train-eager": 80, "train-compiled-mhsa": 155, "train-compiled-vca": 155},
+    # Measured on H200s (2026-12-04): check 68 s (every compilation), triton 20 s (from the cache), and each on a
+    # machine with a cold Triton cache, train-eager 63 s, compiled MHSA 96 s (compile 78 s), compiled VCA 160 s
+    # (compile 107 s; the first-use check's compilations, some 30 s of it, come from the cache in one run).
+    budgets={"check": 90, "triton": 45, "train-eager": 80, "train-compiled-mhsa": 135, "train-compiled-vca": 190},
     rehearsal_budgets={  # room for a loaded CI machine: a rehearsal part takes 10-40 s there
         "check": 120,
         "triton": 120,
@@ -429,8 +438,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("case") == "versions":
             lines += [
-                f"- {r['device']}: torch {r['torch']}, triton {r['triton']}, CUDA {r['cuda']}, cuDNN {r['cudnn']}, "
-                f"driver {r['driver']}, Python {r['python']}"
+                f"- {r['device']}: torch {r['torch']}, triton {r['triton']}, timm {r.get('timm', 'unrecorded')}, "
+                f"CUDA {r['cuda']}, cuDNN {r['cudnn']}, driver {r['driver']}, Python {r['python']}"
                 + (f"; compute capability {r['capability']}, {r['memory_gib']} GiB" if "capability" in r else "")
             ]
     lines += [f"- {r['part']}: {r['error']}" for r in rows if "error" in r and "case" not in r]
@@ -578,17 +587,58 @@ def _pair(row: dict) -> tuple:
 
 
 def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[dict]) -> str:
-    lines = [
-        title,
-        "",
-        "| part | status | seconds |",
-        "|---|---|---:|",
-        *(f"| {name} | {s['status']} | {s['seconds']} |" for name, s in statuses.items()),
-        "",
-        *summary_lines(rows),
-    ]
+    """The summary of `rows` under `title`, with a table of each part's status where `statuses` has any."""
+    status_table = ["| part | status | seconds |", "|---|---|---:|"]
+    status_table += [f"| {name} | {s['status']} | {s['seconds']} |" for name, s in statuses.items()]
+    lines = [title, "", *(status_table + [""] if statuses else []), *summary_lines(rows)]
     text = "\n".join(lines) + "\n"
     write_text_atomic(path, text)
+    return text
+
+
+def merged_rows(files: list[Path]) -> list[dict]:
+    """The rows of several runs of one runbook, in the order given (a later one rerunning some parts, say --parts
+    after a failure): a part's error is left out where a later file has rows of that part without an error."""
+    runs = [read_rows(path) for path in files]
+    rows = []
+    for index, run in enumerate(runs):
+        later = {r["part"] for later_run in runs[index + 1 :] for r in later_run if "part" in r and "error" not in r}
+        rows += [r for r in run if not ("error" in r and "case" not in r and r["part"] in later)]
+    return rows
+
+
+def plot_rows(rows: list[dict]) -> Figure:
+    """The Triton goal rows (one layer, forward + backward: MHSA, the ATen core and the Triton core, ms) and the
+    training rows (images/s, MHSA against VCA), each panel where such rows exist."""
+    layers = [r for r in rows if r.get("case") == "triton-layer" and r.get("mode") == "fwd+bwd" and "ms" in r]
+    trained = [r for r in rows if r.get("case") == "train"]
+    panels = [panel for panel, present in (("layer", layers), ("train", trained)) if present]
+    figure, axes = subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "layer":
+            paths = ("mhsa", "vca-aten", "vca-triton")
+            for offset, path in enumerate(paths):
+                positions = [i + (offset - 1) * 0.27 for i in range(len(layers))]
+                ax.bar(positions, [r["ms"][path] for r in layers], width=0.27, label=path)
+            ax.set_xticks(range(len(layers)), [f"N = {r['tokens']}, batch {r['batch']}" for r in layers])
+            ax.set_ylabel("ms per forward + backward")
+            ax.set_title(f"one layer, C = {layers[0]['width']}, n = {layers[0]['contrast_tokens']}, bf16")
+            ax.legend()
+        else:
+            ax.barh([r["label"] for r in trained], [r["images_per_s"] for r in trained])
+            ax.set_xlabel("training images/s")
+            ax.set_title("training step")
+    figure.tight_layout()
+    return figure
+
+
+def summarize(runbook: Runbook, files: list[Path], out: Path) -> str:
+    """<out>/<stem>-cuda.md and .png from the rows of one or more runs of `runbook` (merged_rows)."""
+    rows = merged_rows(files)
+    title = f"`python -m {runbook.module}`: the rows of {', '.join(path.name for path in files)}"
+    text = write_summary(out / f"{runbook.stem}-cuda.md", title, {}, rows)
+    with atomic_output(out / f"{runbook.stem}-cuda.png") as path:
+        plot_rows(rows).savefig(path, format="png", dpi=110)
     return text
 
 
@@ -601,11 +651,33 @@ def main(argv: list[str] | None = None, runbook: Runbook = RUNBOOK) -> None:
         default=Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS,
         help="folder for the JSONL rows and the summary (default: $OUT, else bench/results)",
     )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=list(runbook.parts),
+        default=list(runbook.parts),
+        help="run only these parts, in the runbook's order (rerunning a part that failed; default: all)",
+    )
+    parser.add_argument(
+        "--summarize",
+        nargs="+",
+        type=Path,
+        metavar="ROWS",
+        help=f"run nothing: rewrite <out>/{runbook.stem}-cuda.md and .png from these JSONL files of earlier runs, "
+        "in order (a later file's rows of a part replace an earlier file's error for it)",
+    )
     parser.add_argument("--part", choices=sorted(runbook.parts), help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:
         run_part_here(runbook, args.part, args.rehearse, args.rows)
+        return
+    if args.summarize:
+        missing = [str(path) for path in args.summarize if not path.is_file()]
+        if missing:
+            print(f"error: {runbook.module} --summarize: no such file: {missing[0]}", file=sys.stderr)
+            raise SystemExit(2)
+        print(summarize(runbook, args.summarize, args.out))
         return
     if not torch.cuda.is_available() and not args.rehearse:
         print(
@@ -625,6 +697,8 @@ def main(argv: list[str] | None = None, runbook: Runbook = RUNBOOK) -> None:
     budgets = runbook.rehearsal_budgets if args.rehearse else runbook.budgets
     text = write_summary(args.out / f"{stem}.md", title, statuses, read_rows(rows_path))
     for part, budget in budgets.items():
+        if part not in args.parts:
+            continue
         statuses[part] = run_part(runbook, part, budget, args.rehearse, rows_path)
         text = write_summary(args.out / f"{stem}.md", title, statuses, read_rows(rows_path))
     print(text)

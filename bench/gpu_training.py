@@ -91,7 +91,9 @@ def measure_training(
     set_vca_kernel(model, "auto", device, "bench", dtype)  # the Triton core's first-use check, before compiling
     layers = [m for m in model.modules() if isinstance(m, VisualContrastAttention)]
     core = ("triton" if layers[0].runs_triton(device, dtype) else "aten") if layers else None
-    ema = ModelEmaV3(model, decay=0.9999, dtype=torch.float32)
+    # float32, as training.ema's dtype=torch.float32 makes it: the parameters are float32 here (autocast computes
+    # in bf16). Without that argument, which timm before 1.0.31 lacks (the GPU machine's timm, 2026-12-04).
+    ema = ModelEmaV3(model, decay=0.9999)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None)
     objective = create_objective(default_objective_spec(family))
     if case.compiled:

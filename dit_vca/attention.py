@@ -17,7 +17,7 @@ from commands import UserError
 from dit_vca.kernel_layout import KernelLayout
 from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
-from dit_vca.vca_core import stage2_uses_sdpa, vca_core
+from dit_vca.vca_core import autocast_exists, stage2_uses_sdpa, vca_core
 
 ATTENTION_KINDS = ("mhsa", "vca")
 KERNEL_ATTRIBUTE = "VisualContrastAttention.kernel"  # how a refusal names the choice when no option made it
@@ -186,7 +186,7 @@ class VisualContrastAttention(nn.Module):
         outputs and gradients (tested). Under autocast the core computes in the autocast dtype, as nn.Linear
         would; the parameters' gradients come back in float32."""
         device_type = x.device.type
-        autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+        autocast = autocast_exists(device_type) and torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
         return self.proj(self.core(x.to(dtype), self.runs_triton(x.device, dtype)))  # (B, N, C)
 

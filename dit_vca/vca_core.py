@@ -347,10 +347,18 @@ _core_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@torch.compiler.assume_constant_result
+def autocast_exists(device_type: str) -> bool:
+    """Whether autocast exists on `device_type` (it does not on the meta device, for one). A constant to
+    torch.compile, since it never changes in a process: Dynamo in torch 2.11 cannot trace
+    torch.amp.is_autocast_available, and `train.compile=true` (fullgraph) stopped there on an H200."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast disabled on `device_type` (nothing to disable where autocast does not exist, e.g.
     the meta device)."""
-    if torch.amp.is_autocast_available(device_type):
+    if autocast_exists(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

@@ -99,6 +99,59 @@ def test_gpu_runbook_keeps_the_rows_of_a_part_stopped_by_its_budget(tmp_path: Pa
     assert [row["case"] for row in read_rows(rows)] == ["first-use check"]
 
 
+def test_gpu_training_step_runs_with_the_gpu_machines_older_timm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU machine's timm (2026-12-04) has a ModelEmaV3 without `dtype` (added in timm 1.0.31): the runbooks'
+    training parts stopped there with a TypeError. With that signature here, the step still builds and runs."""
+    import timm.utils
+
+    from bench.gpu_training import TrainingCase, measure_training
+
+    class OlderModelEmaV3(timm.utils.ModelEmaV3):
+        def __init__(self, model: torch.nn.Module, decay: float = 0.9999) -> None:  # no dtype, device, ...
+            super().__init__(model, decay=decay)
+
+    monkeypatch.setattr(timm.utils, "ModelEmaV3", OlderModelEmaV3)
+    sizes = {"depth": 1, "hidden_size": 64, "num_heads": 2}
+    row = measure_training(TrainingCase("DiT-S/2", 64, "vca", "fp32", False), 2, 1, 1, sizes, "aot_eager")
+    assert row["images_per_s"] > 0 and row["vca_core"] == "aten"
+
+
+def test_gpu_runbook_reruns_only_the_parts_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.gpu
+
+    ran = []
+    monkeypatch.setattr(
+        bench.gpu, "run_part", lambda _, part, *rest: ran.append(part) or {"status": "ok", "seconds": 0}
+    )
+    bench.gpu.main(["--rehearse", "--parts", "train-compiled-vca", "check", "--out", str(tmp_path)])
+    assert ran == ["check", "train-compiled-vca"]  # in the runbook's order
+    summary = (tmp_path / "gpu-cpu-rehearsal.md").read_text()
+    assert "| check | ok | 0 |" in summary and "| triton |" not in summary
+
+
+def test_gpu_summary_of_several_calls_replaces_a_parts_error_by_its_rerun(tmp_path: Path) -> None:
+    """The committed H200 rows (2026-12-04): the first call's training parts failed (timm's ModelEmaV3 signature),
+    two later calls reran them; the summary of the three holds every training row and none of those errors."""
+    from bench.gpu import RUNBOOK, summarize
+
+    calls = ["gpu-cuda-20261204T164630.jsonl", "gpu-cuda-20261204-rerun-train.jsonl"]
+    calls += ["gpu-cuda-20261204-rerun-train-compiled-vca.jsonl"]
+    text = summarize(RUNBOOK, [ROOT / "bench" / "results" / name for name in calls], tmp_path)
+    assert "TypeError" not in text and "Unsupported" not in text
+    assert (
+        "- first-use check of the Triton core (cuda:0, bfloat16, head dim 72, all switches on, N = 256): passed" in text
+    )
+    assert sum(line.startswith("| DiT-XL/2 256px ") for line in text.splitlines()) == 4
+    assert "- DiT-XL/2 256px vca bf16 compiled: 0.37x MHSA's images/s (goal ≥ 0.95, missed by 2.55x)" in text
+    assert (tmp_path / "gpu-cuda.png").stat().st_size > 0
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--summarize", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: bench.gpu --summarize: no such file: {tmp_path / 'absent.jsonl'}"]
+
+
 def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
     from bench.gpu import summary_lines
 

@@ -25,3 +25,19 @@ def test_a_graph_break_in_the_model_stops_a_compiled_run(tmp_path, monkeypatch):
     with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
         run_train(*TINY, "log.trackers=[]", "train.compile=true", f"run.dir={tmp_path / 'run'}")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_vca_compiles_whole_where_dynamo_cannot_trace_the_autocast_availability_query(monkeypatch):
+    """Dynamo in torch 2.11 (the H200 machine's) cannot trace torch.amp.is_autocast_available: a compiled VCA model
+    stopped at its first step there. Made untraceable here too (torch 2.14 traces it), the layer still compiles
+    whole, as dit_vca.vca_core.autocast_exists is a constant to Dynamo."""
+    from dit_vca.attention import VisualContrastAttention
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", torch._dynamo.disable(torch.amp.is_autocast_available))
+    torch._dynamo.reset()
+    layer = VisualContrastAttention(32, 2, 4, 0)
+    x = torch.randn(2, 16, 32)
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)  # (2, 16, 32)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 16, 32)
