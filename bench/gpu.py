@@ -56,7 +56,7 @@ RUNBOOK_SECONDS = 560  # each runbook on one H200-class GPU: one call of the dev
 MAIN_PROCESS_SECONDS = 20  # the main process's own start-up, versions row and summaries, outside the parts' budgets
 XL_WIDTH = (1152, 16)  # DiT-XL/2's (C, heads): d = 72
 CONTRAST_GRID = 8  # n = 64, the layer rows' contrast tokens
-# The Triton core's goals, VCA layer / flash MHSA time (bf16, fwd+bwd, n = 64), per token count.
+# The Triton core's goals, VCA layer / flash MHSA time (bf16, fwd+bwd, n = 64, at XL_WIDTH), per token count.
 TRITON_GOALS = {256: 1.0, 16384: 1 / 3}
 ATTENTION_GOAL = 1 / 3  # the ATen core, fwd+bwd at the largest N (bench.gpu_extended): ≤ 1/3 of flash MHSA
 
@@ -499,6 +499,7 @@ def _triton_table(rows: list[dict]) -> list[str]:
         goal = ""
         if (
             r["tokens"] in TRITON_GOALS
+            and (r["width"], r["heads"]) == XL_WIDTH
             and r["contrast_tokens"] == 64
             and r["dtype"] == "bf16"
             and r["mode"] == "fwd+bwd"
@@ -613,17 +614,19 @@ def plot_rows(rows: list[dict]) -> Figure:
     layers = [r for r in rows if r.get("case") == "triton-layer" and r.get("mode") == "fwd+bwd" and "ms" in r]
     trained = [r for r in rows if r.get("case") == "train"]
     panels = [panel for panel, present in (("layer", layers), ("train", trained)) if present]
-    figure, axes = subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    width = max(6, 1.5 * len(layers))
+    figure, axes = subplots(1, max(1, len(panels)), figsize=(width + 6 * (len(panels) - 1), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         if panel == "layer":
             paths = ("mhsa", "vca-aten", "vca-triton")
             for offset, path in enumerate(paths):
                 positions = [i + (offset - 1) * 0.27 for i in range(len(layers))]
                 ax.bar(positions, [r["ms"][path] for r in layers], width=0.27, label=path)
-            ax.set_xticks(range(len(layers)), [f"N = {r['tokens']}, batch {r['batch']}" for r in layers])
+            ticks = [f"N = {r['tokens']}, C = {r['width']}\n{r['dtype']}, batch {r['batch']}" for r in layers]
+            ax.set_xticks(range(len(layers)), ticks, fontsize=8)
             ax.set_ylabel("ms per forward + backward")
-            ax.set_title(f"one layer, C = {layers[0]['width']}, n = {layers[0]['contrast_tokens']}, bf16")
-            ax.legend()
+            ax.set_title(f"one layer, n = {layers[0]['contrast_tokens']}")
+            ax.legend(loc="upper left", fontsize=8)
         else:
             ax.barh([r["label"] for r in trained], [r["images_per_s"] for r in trained])
             ax.set_xlabel("training images/s")
