@@ -597,15 +597,14 @@ def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[
     return text
 
 
-def merged_rows(files: list[Path]) -> list[dict]:
+def merged_rows(runs: list[list[dict]]) -> list[dict]:
     """The rows of several runs of one runbook, in the order given (a later one rerunning some parts, say --parts
-    after a failure): a part's error is left out where a later file has rows of that part without an error."""
-    runs = [read_rows(path) for path in files]
-    rows = []
-    for index, run in enumerate(runs):
-        later = {r["part"] for later_run in runs[index + 1 :] for r in later_run if "part" in r and "error" not in r}
-        rows += [r for r in run if not ("error" in r and "case" not in r and r["part"] in later)]
-    return rows
+    after a failure): a part's error is left out where a later run has rows of that part without an error."""
+    kept, measured_later = [], set()
+    for run in reversed(runs):
+        kept.append([r for r in run if not ("error" in r and "case" not in r and r["part"] in measured_later)])
+        measured_later |= {r["part"] for r in run if "part" in r and "error" not in r}
+    return [row for run in reversed(kept) for row in run]
 
 
 def plot_rows(rows: list[dict]) -> Figure:
@@ -635,14 +634,28 @@ def plot_rows(rows: list[dict]) -> Figure:
     return figure
 
 
-def summarize(runbook: Runbook, files: list[Path], out: Path) -> str:
-    """<out>/<stem>-cuda.md and .png from the rows of one or more runs of `runbook` (merged_rows)."""
-    rows = merged_rows(files)
-    title = f"`python -m {runbook.module}`: the rows of {', '.join(path.name for path in files)}"
+def summarize(runbook: Runbook, runs: dict[str, list[dict]], out: Path) -> str:
+    """<out>/<stem>-cuda.md and .png from the rows of one or more runs of `runbook` (file name -> its rows, in
+    order; merged_rows)."""
+    rows = merged_rows(list(runs.values()))
+    title = f"`python -m {runbook.module}`: the rows of {', '.join(runs)}"
     text = write_summary(out / f"{runbook.stem}-cuda.md", title, {}, rows)
     with atomic_output(out / f"{runbook.stem}-cuda.png") as path:
         plot_rows(rows).savefig(path, format="png", dpi=110)
     return text
+
+
+def summarized_rows(runbook: Runbook, path: Path) -> list[dict]:
+    """The rows of one file given to --summarize; a missing file, or one with no rows, is a one-line error."""
+    try:
+        rows = read_rows(path) if path.is_file() else None
+    except UnicodeDecodeError:  # a binary file
+        rows = []
+    if not rows:
+        problem = f"no such file: {path}" if rows is None else f"{path} holds no rows (expected a run's JSONL file)"
+        print(f"error: {runbook.module} --summarize: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return rows
 
 
 def main(argv: list[str] | None = None, runbook: Runbook = RUNBOOK) -> None:
@@ -676,11 +689,7 @@ def main(argv: list[str] | None = None, runbook: Runbook = RUNBOOK) -> None:
         run_part_here(runbook, args.part, args.rehearse, args.rows)
         return
     if args.summarize:
-        missing = [str(path) for path in args.summarize if not path.is_file()]
-        if missing:
-            print(f"error: {runbook.module} --summarize: no such file: {missing[0]}", file=sys.stderr)
-            raise SystemExit(2)
-        print(summarize(runbook, args.summarize, args.out))
+        print(summarize(runbook, {path.name: summarized_rows(runbook, path) for path in args.summarize}, args.out))
         return
     if not torch.cuda.is_available() and not args.rehearse:
         print(

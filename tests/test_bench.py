@@ -132,11 +132,11 @@ def test_gpu_runbook_reruns_only_the_parts_asked_for(tmp_path: Path, monkeypatch
 def test_gpu_summary_of_several_calls_replaces_a_parts_error_by_its_rerun(tmp_path: Path) -> None:
     """The committed H200 rows (2026-12-04): the first call's training parts failed (timm's ModelEmaV3 signature),
     two later calls reran them; the summary of the three holds every training row and none of those errors."""
-    from bench.gpu import RUNBOOK, summarize
+    from bench.gpu import RUNBOOK, read_rows, summarize
 
     calls = ["gpu-cuda-20261204T164630.jsonl", "gpu-cuda-20261204-rerun-train.jsonl"]
     calls += ["gpu-cuda-20261204-rerun-train-compiled-vca.jsonl"]
-    text = summarize(RUNBOOK, [ROOT / "bench" / "results" / name for name in calls], tmp_path)
+    text = summarize(RUNBOOK, {name: read_rows(ROOT / "bench" / "results" / name) for name in calls}, tmp_path)
     assert "TypeError" not in text and "Unsupported" not in text
     assert (
         "- first-use check of the Triton core (cuda:0, bfloat16, head dim 72, all switches on, N = 256): passed" in text
@@ -150,6 +150,16 @@ def test_gpu_summary_of_several_calls_replaces_a_parts_error_by_its_rerun(tmp_pa
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: bench.gpu --summarize: no such file: {tmp_path / 'absent.jsonl'}"]
+    picture = tmp_path / "gpu-cuda.png"  # a file, but not rows: one line too, and the summary stays
+    before = (tmp_path / "gpu-cuda.md").read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--summarize", str(picture), "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and (tmp_path / "gpu-cuda.md").read_text() == before
+    assert done.stderr.splitlines() == [
+        f"error: bench.gpu --summarize: {picture} holds no rows (expected a run's JSONL file)"
+    ]
 
 
 def test_gpu_runbook_gives_every_goal_row_its_verdict() -> None:
