@@ -65,6 +65,8 @@ DEFAULT_SDE = {"diffusion_form": "sigma", "diffusion_norm": 1.0, "last_step": "M
 SDE_OPTIONS = tuple(DEFAULT_SDE)
 DIFFUSION_FORMS = ("constant", "SBDM", "sigma", "linear", "decreasing", "increasing-decreasing")
 LAST_STEPS = ("Mean", "Tweedie", "Euler", None)
+# The fixed-step ODE samplers' time shift (LightningDiT's timestep_shift): 1 leaves the grid uniform.
+DEFAULT_TIME_SHIFT = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,8 @@ TRANSPORT_SAMPLERS = SamplerTable(
     objective="SiT (interpolants)",
     default="dopri5",
     options={
-        "euler": (),
-        "heun": (),
+        "euler": ("time_shift",),
+        "heun": ("time_shift",),
         **{method: ("atol", "rtol") for method in ADAPTIVE_METHODS},
         "sde-euler": SDE_OPTIONS,
         "sde-heun": SDE_OPTIONS,

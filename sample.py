@@ -11,7 +11,7 @@ int64 labels), a preview grid `<out>.png` (one labelled row per class, the guida
 (settings and speed), never replacing files that an earlier sample.py run with other settings (unless
 --overwrite), or anything else, wrote. Given a run or checkpoint
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
-(`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
+(`export`, `train_step`). `--protocol NAME` (listed below) sets what the official evaluations used
 (generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
 settings. `--guide-ckpt PATH --guidance-scale W` guides with a weaker model of the same objective, inputs and classes
 instead of the null class (autoguidance, D = D_guide + W (D_main - D_guide)) on the channels and interval of

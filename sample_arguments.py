@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from atomic_files import check_writable
-from commands import CommandParser
+from commands import CommandParser, UserError
 from dit_vca.model_options import VCA_KERNEL_SETTINGS
 from generation.protocols import PROTOCOLS
 from generation.sample_plan import LABEL_MODES
-from objectives import SAMPLERS
+from objectives import DEFAULT_SDE, DEFAULT_TIME_SHIFT, DIFFUSION_FORMS, LAST_STEPS, SAMPLERS
 
 PLAIN_DEFAULTS = {"labels": "balanced", "cfg_scale": 1.0}  # without a protocol; None in the parser, so that a
 # protocol can tell a value the user gave from a default
@@ -66,10 +66,32 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     add("--clip-denoised", action="store_const", const=True, help="DDPM/DDIM: clamp the predicted x_0 to [-1, 1]")
     add("--atol", type=float, help="adaptive ODE solver atol")
     add("--rtol", type=float, help="adaptive ODE solver rtol")
-    add("--diffusion-form", help="SDE diffusion coefficient form")
-    add("--diffusion-norm", type=float, help="SDE diffusion scale")
-    add("--last-step", help="SDE last step type")
-    add("--last-step-size", type=float, help="SDE last step size")
+    add(
+        "--diffusion-form",
+        choices=DIFFUSION_FORMS,
+        help=f"SDE samplers' diffusion coefficient w(t) (default {DEFAULT_SDE['diffusion_form']})",
+    )
+    add(
+        "--diffusion-norm",
+        type=float,
+        help=f"SDE samplers' scale of w(t) (default {DEFAULT_SDE['diffusion_norm']:g})",
+    )
+    add(
+        "--last-step",
+        choices=[step for step in LAST_STEPS if step is not None],
+        help=f"SDE samplers' noise-free final step (default {DEFAULT_SDE['last_step']})",
+    )
+    add(
+        "--last-step-size",
+        type=float,
+        help=f"SDE samplers' final step's length (default {DEFAULT_SDE['last_step_size']:g})",
+    )
+    add(
+        "--time-shift",
+        type=float,
+        help="euler/heun: shift the time grid t -> s t / (1 - (1 - s) t) (LightningDiT's timestep_shift; "
+        f"0.3: more steps at the noise end, t = 0; default {DEFAULT_TIME_SHIFT:g}: none)",
+    )
     add("--cfg-scale", type=float, help="classifier-free guidance scale (default 1: none)")
     add("--guide-ckpt", help="autoguidance: a weaker model of the same objective, inputs and classes (as --ckpt)")
     add("--guidance-scale", type=float, help="autoguidance scale W: guide + W * (model - guide); needs --guide-ckpt")
@@ -123,10 +145,14 @@ def describe_protocol(args: argparse.Namespace) -> str:
     parts = []
     for name, preset in PROTOCOLS[args.protocol].settings.items():
         used = getattr(args, name)
-        parts.append(
-            f"--{name.replace('_', '-')} {used}" + ("" if used == preset else f" (given; the protocol's {preset})")
-        )
+        given = "" if used == preset else f" (given; the protocol's {flag_value(preset)})"
+        parts.append(f"--{name.replace('_', '-')} {flag_value(used)}{given}")
     return f"sample.py: --protocol {args.protocol}: " + " ".join(parts)
+
+
+def flag_value(value) -> str:
+    """A setting as it is written on the command line: "0.125 1.0" for a pair."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -141,6 +167,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not math.isfinite(args.cfg_scale) or args.cfg_scale < 0:
         raise SystemExit(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
     check_autoguidance_args(args)
+    if args.time_shift is not None and not (math.isfinite(args.time_shift) and args.time_shift > 0):
+        raise UserError(f"--time-shift must be a finite number > 0 (1: no shift), got {args.time_shift}")
     if args.guidance_interval is not None and not args.guidance_interval[0] < args.guidance_interval[1]:
         low, high = args.guidance_interval
         raise SystemExit(f"--guidance-interval {low} {high}: expected LO < HI")

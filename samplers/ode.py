@@ -18,6 +18,15 @@ from .noise import PerSampleNoise, standard_normal_like
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, ...), t (B,), y (B,)) -> dx/dt (B, ...)
 
 
+def shift_times(times: Sequence[float], shift: float) -> list[float]:
+    """A time grid on SiT's axis (0 noise, 1 data) shifted as LightningDiT's `timestep_shift` s shifts its ODE's:
+    t -> s·t / (1 − (1 − s)·t). The map keeps 0 and 1 and is increasing; s < 1 moves the points towards the noise
+    end (LightningDiT samples with s = 0.3: slope 0.3 at t = 0, 1/0.3 at t = 1), s = 1 is the identity."""
+    if not (math.isfinite(shift) and shift > 0):
+        raise SamplerOptionError(f"time_shift must be a finite number > 0 (1: no shift), got {shift}")
+    return [shift * t / (1 - (1 - shift) * t) for t in times]
+
+
 def euler(
     velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], progress: bool = False
 ) -> SampleResult:

@@ -15,6 +15,7 @@ from objectives import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     DEFAULT_SDE,
+    DEFAULT_TIME_SHIFT,
     DIFFUSION_FORMS,
     LAST_STEPS,
     LOSS_WEIGHT,
@@ -273,7 +274,8 @@ class Transport:
         progress: bool = False,
         **options,
     ) -> SampleResult:
-        """Integrate from noise x_T (t = 0) to data. Samplers: "euler"/"heun" (fixed ODE steps, default 50),
+        """Integrate from noise x_T (t = 0) to data. Samplers: "euler"/"heun" (fixed ODE steps, default 50, on a
+        uniform grid or, with option time_shift s, LightningDiT's shifted one: `samplers.ode.shift_times`),
         adaptive torchdiffeq methods such as "dopri5" (options atol 1e-6, rtol 1e-3; no `steps`), and
         "sde-euler"/"sde-heun" (default 250 steps counting the last step; options diffusion_form "sigma",
         diffusion_norm 1.0, last_step "Mean" | "Tweedie" | "Euler" | None, last_step_size 0.04). How these step
@@ -305,7 +307,8 @@ class Transport:
                 )
             if sampler in ("euler", "heun"):
                 t0, t1 = self.interval(self.sample_eps)
-                t_steps = torch.linspace(t0, t1, steps + 1, dtype=torch.float64).tolist()
+                uniform = torch.linspace(t0, t1, steps + 1, dtype=torch.float64).tolist()
+                t_steps = ode.shift_times(uniform, options.get("time_shift", DEFAULT_TIME_SHIFT))
                 run = ode.euler if sampler == "euler" else ode.heun
                 return run(velocity, x_T, labels, t_steps=t_steps, progress=progress)
             return self._sample_sde(model_fn, x_T, labels, sampler, steps, noise, progress, **options)

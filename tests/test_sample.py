@@ -645,6 +645,28 @@ OFFICIAL = {
         "atol": 1e-6,
         "rtol": 1e-3,
     },
+    # LightningDiT (hustvl/LightningDiT at 2725fed): inference.py draws labels with torch.randint, its
+    # forward_with_cfg guides channels [:3] only where t >= cfg_interval_start, transport/integrators.py's ode takes
+    # num_sampling_steps 250 grid points, shifted by timestep_shift 0.3, through torchdiffeq's euler; the cfg scale
+    # and interval start of configs/reproductions/lightningdit_xl_vavae_f16d32_{800ep,64ep}_cfg.yaml.
+    "lightningdit": {
+        "labels": "uniform",
+        "guidance": 6.7,
+        "guidance_channels": 3,
+        "guidance_interval": [0.125, 1.0],
+        "sampler": "euler",
+        "steps": 249,
+        "time_shift": 0.3,
+    },
+    "lightningdit-64ep": {
+        "labels": "uniform",
+        "guidance": 10.0,
+        "guidance_channels": 3,
+        "guidance_interval": [0.1, 1.0],
+        "sampler": "euler",
+        "steps": 249,
+        "time_shift": 0.3,
+    },
 }
 
 
@@ -655,6 +677,8 @@ def test_protocol_sets_the_official_settings(name):
     assert {key: settings.get(key) for key in OFFICIAL[name]} == OFFICIAL[name]
     unset = set(sample.SAMPLER_OPTIONS) - set(OFFICIAL[name])
     assert all(key not in settings for key in unset)  # nothing else is passed on to the sampler
+    if "guidance_interval" not in OFFICIAL[name]:
+        assert settings["guidance_interval"] is None
 
 
 def test_explicit_flags_win_over_the_protocol():
@@ -874,6 +898,35 @@ def test_help_lists_each_objectives_samplers_with_their_default_steps(capsys):
             shown = re.escape(name) + (r"(?: \(default\))?" + (rf" {steps}\b" if steps is not None else ""))
             assert re.search(shown, listed), (name, steps)
         assert f"{objective.default_sampler} (default)" in listed
+
+
+def test_help_lists_the_sde_and_shift_options_choices_and_defaults(capsys):
+    """--diffusion-form, --last-step list their choices; each SDE option and --time-shift its default, read from
+    the table the samplers use (objectives.py); a value outside the choices is refused by the parser."""
+    from objectives import DEFAULT_SDE, DIFFUSION_FORMS
+
+    with pytest.raises(SystemExit):
+        sample.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split()).partition(" options: ")[2]  # the options, not the usage
+    assert "--diffusion-form {" + ",".join(DIFFUSION_FORMS) + "}" in text
+    assert "--last-step {Mean,Tweedie,Euler}" in text
+    for flag, default in [
+        ("--diffusion-form", DEFAULT_SDE["diffusion_form"]),
+        ("--diffusion-norm", "1"),
+        ("--last-step", DEFAULT_SDE["last_step"]),
+        ("--last-step-size", "0.04"),
+        ("--time-shift", "1: none"),
+    ]:
+        described = text.partition(f"{flag} ")[2].partition(" --")[0]
+        assert f"default {default}" in described, (flag, described)
+    error = one_line_error(sample.main, [*MINIMAL, "--last-step", "Median"], capsys)
+    assert "--last-step: invalid choice: 'Median' (choose from 'Mean', 'Tweedie', 'Euler')" in error
+
+
+@pytest.mark.parametrize("value", ["0", "-0.3", "nan"])
+def test_a_time_shift_that_is_not_positive_is_one_line(value, capsys):
+    error = one_line_error(sample.main, [*MINIMAL, "--time-shift", value], capsys)
+    assert f"--time-shift must be a finite number > 0 (1: no shift), got {float(value)}" in error
 
 
 # ----------------------------------------------------------------------------------------------

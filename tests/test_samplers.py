@@ -1,6 +1,9 @@
 """Samplers against exact mathematics: the optimal predictors of Gaussian data as the "model" (closed forms in
 _gaussian.py), diffusers' schedulers as a step-by-step peer, and the reproducibility and NFE contract."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
@@ -189,6 +192,51 @@ def test_dopri5_with_tight_tolerances_is_exact(path):
         interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler="dopri5", atol=1e-8, rtol=1e-8
     )
     assert (result.samples - exact_flow(path, x_T, *transport.interval(transport.sample_eps))).abs().max() <= 1e-6
+
+
+def sd3_shift(t: float, shift: float) -> float:
+    """SD3's and FLUX's shift of the noise level sigma (sigma -> a·sigma / (1 + (a − 1)·sigma)), on SiT's axis,
+    where the noise level is 1 − t."""
+    sigma = 1 - t
+    return 1 - shift * sigma / (1 + (shift - 1) * sigma)
+
+
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+@pytest.mark.parametrize("shift", [0.3, 1.0, 2.5])
+def test_the_time_shift_puts_the_fixed_step_solvers_on_lightningdits_grid(sampler, shift):
+    """LightningDiT's timestep_shift s is SD3's shift 1/s of the noise level 1 − t (algebra: 1 − s·t / (1 − (1 − s)
+    t) = (1 − t) / (s + (1 − s)(1 − t))), so the grid is written here in SD3's form, not LightningDiT's. On the toy
+    ODE dx/dt = x (a velocity model returning x) Euler's solution on any grid is x_0 Π (1 + h_k) and Heun's
+    x_0 Π (1 + h_k + h_k² / 2): the samplers' results equal these products on the shifted grid (float64 rounding
+    over 12 factors: 1e-12), and the model sees exactly the grid's times (the last one for Euler excepted)."""
+    steps = 12
+    grid = [sd3_shift(k / steps, 1 / shift) for k in range(steps + 1)]
+    seen = []
+
+    def model(x, t, y):
+        seen.append(float(t[0]))
+        return x
+
+    x_T = torch.ones(2, 1, 1, 1, dtype=torch.float64)
+    options = {} if shift == 1.0 else {"time_shift": shift}  # 1: the option left out is the same grid
+    result = create_transport("linear").sample(model, x_T, labels(2), sampler=sampler, steps=steps, **options)
+    widths = [b - a for a, b in zip(grid, grid[1:])]
+    factor = math.prod(1 + h + (h * h / 2 if sampler == "heun" else 0) for h in widths)
+    torch.testing.assert_close(result.samples, x_T * factor, rtol=1e-12, atol=0)
+    expected_times = grid[:-1] if sampler == "euler" else [t for pair in zip(grid, grid[1:]) for t in pair]
+    np.testing.assert_allclose(seen, expected_times, rtol=0, atol=1e-15)
+    if shift == 0.3:  # LightningDiT's: small steps at the noise end (slope 0.3), large at the data end (1/0.3)
+        assert widths[0] < 0.4 / steps and widths[-1] > 2 / steps
+
+
+def test_lightningdits_shifted_euler_still_follows_the_exact_flow():
+    """Euler on 250 points shifted by 0.3 (LightningDiT's sampling) lands within Euler-50's bound of the exact flow
+    of the Gaussian's optimal velocity (measured 1.3e-3 on the Linear path)."""
+    n, transport = 1024, create_transport("linear")
+    x_T = prior(n)
+    model = interpolant_optimal_model("linear", "velocity")
+    result = transport.sample(model, x_T, labels(n), sampler="euler", steps=249, time_shift=0.3)
+    assert (result.samples - exact_flow("linear", x_T, 0.0, 1.0)).abs().max() <= ODE_ERROR_BOUNDS[("euler", 50)]
 
 
 @pytest.mark.parametrize(
@@ -420,6 +468,8 @@ def test_progress_bar_only_when_asked(capsys):
         ({"sampler": "sde-euler", "diffusion_form": "cubic"}, "unknown diffusion_form"),
         ({"sampler": "sde-euler", "last_step": "Median"}, "unknown last_step"),
         ({"sampler": "sde-euler", "diffusion_form": "SBDM"}, "sample_eps > 0"),
+        ({"sampler": "euler", "time_shift": 0.0}, "time_shift must be a finite number > 0"),
+        ({"sampler": "dopri5", "time_shift": 0.3}, r"unknown option\(s\) \['time_shift'\]"),
     ],
 )
 def test_bad_transport_requests_fail_before_sampling(kwargs, message):
