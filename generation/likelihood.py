@@ -15,10 +15,19 @@ of a model trained with label dropout; no guidance. What the figure includes:
   bits/dim = (-log p(x) + D ln 127.5) / (D ln 2), D = C x H x W of the model: in expectation over u an upper bound
   on -log2 P(k) / D of the 8-bit images (Jensen). With --dequantization none x = k / 127.5 - 1, the bin's centre
   and the training input: the same formula, then a density evaluated on the grid, not a bound.
-- Latent models: z = latent_scale x (the VAE encoder's posterior mean of x = k / 127.5 - 1) and
-  bits/dim = -log p(z) / (D ln 2), D = C x h x w of the latents: the latent likelihood only. No term of the VAE (no
-  decoder likelihood, no posterior entropy), so it bounds nothing about the images; no dequantisation (latents are
-  continuous); the density of the scaled latents (add -log2(latent_scale) for the unscaled ones).
+- Latent models: z is the VAE encoder's posterior mean of x = k / 127.5 - 1, and the flow integrates from the
+  latents the model saw in training, w = scale (z - mean_c) / std_c with the export's per-channel statistics
+  (vae.normalize=channels, LightningDiT's latent norm, every imported LightningDiT checkpoint), or w = scale z
+  without them. The figure is the density of z, the VAE's own latent space, whatever the normalisation:
+  bits/dim = (-log p(w) - log |det dw/dz|) / (D ln 2), log |det dw/dz| = h w sum_c log(scale / std_c), D = C x h x w
+  of the latents; so two models of one latent space compare whatever statistics each was trained with. The
+  density of w itself is reported beside it (`model_space_bits_per_dim`). The latent likelihood only: no term of
+  the VAE (no decoder likelihood, no posterior entropy), so it bounds nothing about the images; no dequantisation
+  (latents are continuous).
+
+--images is an .npz (arr_0 uint8 (N, H, W, 3), labels arr_1, as sample.py writes) or a folder of image files,
+read as `python -m fid` reads one (every image file under it, in sorted path order, all of one size); a folder
+has no labels, so it needs --label K or --label null.
 
 A bad argument, an export of another objective, or images the model cannot take are one line and exit status 2
 before the model is loaded.
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
     from generation.export import ExportDescription
+    from generation.vae import LatentNormalization
     from sit_vca import Transport
 
 DEQUANTIZATIONS = ("uniform", "none")
@@ -59,11 +69,12 @@ class ModelSpace:
     """How 8-bit images become points of the model's space, and what bits per dimension then include.
 
     `channels`: the model's input channels in pixel space (1: gray images, read from the red channel);
-    `vae` and `latent_scale`: the encoder of a latent model; `dequantization`: "uniform" or "none" (pixels)."""
+    `vae` and `normalization`: the encoder of a latent model and the map from its latents to the model's inputs
+    (the export's `latent_normalization`); `dequantization`: "uniform" or "none" (pixels)."""
 
     channels: int = 3
     vae: Any = None  # diffusers AutoencoderKL of a latent model
-    latent_scale: float | None = None
+    normalization: LatentNormalization | None = None
     dequantization: str = "uniform"
 
     @property
@@ -80,8 +91,8 @@ class ModelSpace:
             from generation.vae import encode_posterior
 
             x = (pixels / 127.5 - 1).to(device, torch.float32)
-            mean, _ = encode_posterior(self.vae, x)  # (B, C, h, w)
-            return (self.latent_scale * mean).to(dtype)
+            mean, _ = encode_posterior(self.vae, x)  # (B, C, h, w): z
+            return self.normalization.to_model(mean.double()).to(dtype)  # (B, C, h, w): what the model saw
         pixels = pixels[:, : self.channels]
         if self.dequantization == "none":
             return (pixels / 127.5 - 1).to(device, dtype)
@@ -89,16 +100,27 @@ class ModelSpace:
         u = torch.stack([torch.from_numpy(np.random.default_rng(seed).random(shape)) for seed in seeds])  # [0, 1)
         return ((pixels - 128 + u) * PIXEL_BIN).to(device, dtype)
 
-    def offset(self, dims: int) -> float:
-        """Nats per image added to -log p before dividing by D ln 2: the bin width's D ln 127.5 for pixels."""
-        return 0.0 if self.latent else dims * math.log(127.5)
+    def offset(self, shape: Sequence[int]) -> float:
+        """Nats per image added to -log p of a model-space point of `shape` (C, h, w) before dividing by D ln 2: the
+        bin width's D ln 127.5 for pixels; for latents -log |det| of the map from the VAE's latents to the model's
+        inputs (`LatentNormalization.log_abs_det`), so that the figure is the density of the VAE's latents."""
+        channels, *spatial = shape
+        if self.latent:
+            return -self.normalization.log_abs_det(channels, math.prod(spatial))
+        return math.prod(shape) * math.log(127.5)
 
     def describe(self) -> str:
         if self.latent:
+            normalization = self.normalization
+            model_input = (
+                f"{normalization.scale:g} (z - mean_c) / std_c with the export's per-channel statistics"
+                if normalization.mean is not None
+                else f"{normalization.scale:g} z"
+            )
             return (
-                f"latent likelihood only: -log p(z) / (D ln 2) of z = {self.latent_scale:g} x the VAE encoder's "
-                f"posterior mean; no VAE term (not a bound on the images' bits), no dequantisation; for unscaled "
-                f"latents add {-math.log2(self.latent_scale):.4f}"
+                "latent likelihood only: (-log p(w) - log |det dw/dz|) / (D ln 2), the density of z, the VAE "
+                f"encoder's posterior mean, through the flow from w = {model_input} (what the model saw); no VAE "
+                "term (not a bound on the images' bits), no dequantisation"
             )
         if self.dequantization == "none":
             return (
@@ -117,10 +139,16 @@ class BitsPerDim:
     includes, and the model evaluations of the solver (summed over batches)."""
 
     bits: np.ndarray  # (N,)
-    log_prob: np.ndarray  # (N,) nats
+    log_prob: np.ndarray  # (N,) nats, of the model-space points
     dims: int
     includes: str
     nfe: int
+
+    @property
+    def model_space_bits(self) -> np.ndarray:
+        """-log p / (D ln 2) of the model-space points themselves (N,): for latents, of the normalised latents the
+        flow integrates from, without the log-determinant of the normalisation."""
+        return -self.log_prob / (self.dims * math.log(2))
 
     @property
     def mean(self) -> float:
@@ -171,7 +199,7 @@ def bits_per_dim(
         )
         log_prob = result.log_prob.double().cpu().numpy()  # (B,) nats
         log_probs.append(log_prob)
-        bits.append((-log_prob + space.offset(dims)) / (dims * math.log(2)))
+        bits.append((-log_prob + space.offset(x.shape[1:])) / (dims * math.log(2)))
         nfe += result.nfe
         start += len(images)
     return BitsPerDim(np.concatenate(bits), np.concatenate(log_probs), dims, space.describe(), nfe)
@@ -186,7 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="python -m generation.likelihood", description=__doc__)
     add = parser.add_argument
     add("--ckpt", required=True, help="a SiT export, checkpoint or run folder, official .pt or hub id (as sample.py)")
-    add("--images", type=Path, required=True, help="an .npz of uint8 images arr_0 (N, H, W, 3), labels arr_1")
+    add(
+        "--images",
+        type=Path,
+        required=True,
+        help="an .npz of uint8 images arr_0 (N, H, W, 3), labels arr_1 (as sample.py writes), or a folder of image "
+        "files (as python -m fid reads one; with --label)",
+    )
     add("--num-images", type=int, help="the first N images (default: all)")
     add("--label", help="every image's class K, or 'null' for the unconditional density (default: arr_1)")
     add("--dequantization", choices=DEQUANTIZATIONS, default="uniform", help="pixel-space models (default uniform)")
@@ -218,14 +252,18 @@ def read_images(args: argparse.Namespace, description: ExportDescription) -> tup
     """The image reader of --images, how many of its images to take (--num-images) and their labels, checked
     against the model: size, gray images for a one-channel model (all read once), classes."""
     from fid.errors import InputError
-    from fid.inputs import NpzImages
+    from fid.inputs import FolderImages, NpzImages
 
+    if args.images.is_dir() and args.label is None:
+        raise LikelihoodError(
+            f"--images {args.images}: a folder of images has no labels; give --label K or --label null"
+        )
     try:
-        images = NpzImages(args.images)
+        images = FolderImages(args.images) if args.images.is_dir() else NpzImages(args.images)
     except (InputError, OSError, KeyError) as error:
         raise LikelihoodError(f"--images {args.images}: {error}") from None
     count = min(len(images), args.num_images or len(images))
-    size = images.shape[1:3]
+    size = next(images.batches(1)).shape[1:3]  # an .npz or a folder: one image read
     if size != (description.image_size, description.image_size):
         raise LikelihoodError(
             f"--images {args.images}: {size[0]}x{size[1]} images; the model takes {description.image_size} px"
@@ -300,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from generation.vae import load_vae
 
         vae = load_vae(args.vae or description.vae, device, None if args.vae else description.vae_path, "--vae")
-    space = ModelSpace(description.channels, vae, description.latent_scale, args.dequantization)
+    normalization = None if description.in_pixel_space else description.latent_normalization
+    space = ModelSpace(description.channels, vae, normalization, args.dequantization)
     result = bits_per_dim(
         load_model(export, device),
         create_objective(description.objective),
@@ -316,9 +355,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     error = "" if result.standard_error is None else f" ± {result.standard_error:.4f}"
     print(f"bits/dim {result.mean:.4f}{error} (mean ± standard error over {count} images, D = {result.dims})")
     print(f"includes: {result.includes}")
+    model_space = {}
+    if space.latent:
+        model_space = {"model_space_bits_per_dim": float(result.model_space_bits.mean())}
+        print(f"model space (the latents the flow integrates from): {model_space['model_space_bits_per_dim']:.4f}")
     report = {
         "bits_per_dim": result.mean,
         "standard_error": result.standard_error,
+        **model_space,
         "dims": result.dims,
         "includes": result.includes,
         "per_image": result.bits.tolist(),

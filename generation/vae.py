@@ -14,6 +14,7 @@ only when a VAE is loaded: a command that checks its arguments or config never p
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import warnings
@@ -73,6 +74,16 @@ class LatentNormalization:
         if self.mean is not None:
             z = (z - self._per_channel(self.mean, z)) / self._per_channel(self.std, z)
         return self.scale * z
+
+    def log_abs_det(self, channels: int, pixels: int) -> float:
+        """log |det| of the Jacobian of `to_model` on latents of `channels` channels of `pixels` (h · w) pixels each:
+        h w Σ_c log(scale / std_c), or C h w log(scale) without statistics. A density of the model's inputs x is
+        one of the VAE's latents z times exp(this): -log p(z) = -log p(x) - log |det|."""
+        if self.std is None:
+            return channels * pixels * math.log(self.scale)
+        if len(self.std) != channels:
+            raise ValueError(f"statistics of {len(self.std)} channels for latents of {channels}")
+        return pixels * sum(math.log(self.scale / std) for std in self.std)
 
     def from_model(self, x: torch.Tensor) -> torch.Tensor:
         """VAE latents of model-space latents (..., C, h, w): the inverse of `to_model`."""

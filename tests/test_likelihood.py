@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from _tiny_models import TINY_VAE, tiny_export
+from _user_errors import one_line_error
 from commands import USER_ERROR_STATUS, run_command
 from generation.likelihood import PIXEL_BIN, ModelSpace, bits_per_dim, main
+from generation.vae import LatentNormalization
 from sit_vca import create_transport
 
 MU = torch.tensor([0.2, -0.3, 0.1], dtype=torch.float64).view(1, 3, 1, 1)  # in the model's [-1, 1]
@@ -110,35 +112,91 @@ def test_uniform_dequantisation_stays_in_each_bin_and_averages_to_the_closed_for
     assert "upper bound" in result.includes
 
 
-@pytest.mark.slow
-def test_latent_models_take_the_vaes_posterior_mean_scaled_and_add_no_pixel_term():
-    """A latent model's figure is -log p(z) / (D ln 2) of z = latent_scale x the encoder's posterior mean, D the
-    latent dimensions: for a Gaussian latent model, the closed form at the z the VAE gives (float64, atol 1e-8,
-    rtol 1e-6; Hutchinson's probe is exact on this diagonal Jacobian)."""
+LATENT_MU = torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64).view(1, 4, 1, 1)  # of the model's inputs w
+LATENT_STD = torch.tensor([0.5, 0.4, 0.6, 0.3], dtype=torch.float64).view(1, 4, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae():
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(**TINY_VAE).eval()  # 2 px per latent cell: 4-channel 4x4 latents of 8x8 images
-    mu = torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64).view(1, 4, 1, 1)
-    std = torch.tensor([0.5, 0.4, 0.6, 0.3], dtype=torch.float64).view(1, 4, 1, 1)
-    images = np.random.default_rng(3).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
-    scale = 0.5
-    result = bits_per_dim(
+    return AutoencoderKL(**TINY_VAE).eval()  # 2 px per latent cell: 4-channel 4x4 latents of 8x8 images
+
+
+def posterior_means(vae, images: np.ndarray) -> torch.Tensor:
+    """z: the encoder's posterior means (N, 4, 4, 4) of 8-bit images, in float64."""
+    with torch.no_grad():
+        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+        return vae.encode(x).latent_dist.mean.double()
+
+
+def latent_bits(vae, images, mu, std, normalization):
+    """bits_per_dim of a Gaussian model N(mu, diag std^2) of the model's inputs w (the flow of its exact velocity)
+    on the VAE's latents mapped by `normalization`: float64, dopri5 at atol 1e-8, rtol 1e-6; Hutchinson's probe is
+    exact on this diagonal Jacobian."""
+    return bits_per_dim(
         gaussian_velocity(mu, std),
         create_transport("linear"),
-        [(images, np.zeros(6, np.int64))],
-        ModelSpace(vae=vae, latent_scale=scale),
+        [(images, np.zeros(len(images), np.int64))],
+        ModelSpace(vae=vae, normalization=normalization),
         dtype=torch.float64,
         atol=1e-8,
         rtol=1e-6,
     )
-    with torch.no_grad():
-        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-        z = scale * vae.encode(x).latent_dist.mean.double()  # (6, 4, 4, 4)
-    nll = gaussian_nll(z, mu, std).flatten(1).sum(1)
+
+
+def test_a_latent_models_figure_is_the_density_of_the_vaes_latents(tiny_vae):
+    """With a global scale a: w = a z, so log p(z) = log p(w) + D ln a, and the figure is -log p(z) / (D ln 2)
+    with D the latent dimensions: the Gaussian's closed form of z = w / a, N(mu / a, std / a) (float64 solve; 1e-5),
+    and the model-space figure beside it is -log p(w) / (D ln 2)."""
+    images = np.random.default_rng(3).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    scale = 0.5
+    result = latent_bits(tiny_vae, images, LATENT_MU, LATENT_STD, LatentNormalization(scale))
+    z = posterior_means(tiny_vae, images)  # (6, 4, 4, 4)
+    nll_z = gaussian_nll(z, LATENT_MU / scale, LATENT_STD / scale).flatten(1).sum(1)
+    nll_w = gaussian_nll(scale * z, LATENT_MU, LATENT_STD).flatten(1).sum(1)
     assert result.dims == 64
-    np.testing.assert_allclose(result.bits, (nll / (64 * math.log(2))).numpy(), rtol=0, atol=1e-5)
-    assert "latent likelihood only" in result.includes and f"{-math.log2(scale):.4f}" in result.includes
+    np.testing.assert_allclose(result.bits, (nll_z / (64 * math.log(2))).numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.model_space_bits, (nll_w / (64 * math.log(2))).numpy(), rtol=0, atol=1e-5)
+    assert "latent likelihood only" in result.includes and "0.5 z" in result.includes
+
+
+def test_per_channel_statistics_enter_the_flow_and_their_log_determinant_the_figure(tiny_vae):
+    """vae.normalize=channels: the model saw w = a (z - m_c) / s_c. Model A, statistics (m, s) and a Gaussian
+    N(MU, STD) of w, is the density N(m + s MU / a, s STD / a) of z. Model B moves every channel's mean by 3 and
+    triples every std (m + 3, 3 s); the same density of z then needs N(MU / 3 - a / s, STD / 3) of B's w. Both
+    models' figures equal that closed form of z (so the figure does not depend on the normalisation a model was
+    trained with), while their model-space figures differ by exactly log2(3) per dimension, the log-determinant
+    of the tripled stds (float64 solves; 1e-5). Before, the statistics were ignored: the flow started from a z and
+    the figure left out h w sum_c log(a / s_c)."""
+    images = np.random.default_rng(4).integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
+    scale = 0.8
+    mean = torch.tensor([0.3, -1.0, 2.0, 0.5], dtype=torch.float64).view(1, 4, 1, 1)
+    std = torch.tensor([1.5, 0.7, 2.0, 1.1], dtype=torch.float64).view(1, 4, 1, 1)
+    a = LatentNormalization(scale, tuple(mean.flatten().tolist()), tuple(std.flatten().tolist()))
+    b = LatentNormalization(scale, tuple((mean + 3).flatten().tolist()), tuple((3 * std).flatten().tolist()))
+    result_a = latent_bits(tiny_vae, images, LATENT_MU, LATENT_STD, a)
+    result_b = latent_bits(tiny_vae, images, LATENT_MU / 3 - scale / std, LATENT_STD / 3, b)
+    z = posterior_means(tiny_vae, images)
+    nll_z = gaussian_nll(z, mean + std * LATENT_MU / scale, std * LATENT_STD / scale).flatten(1).sum(1)
+    expected = (nll_z / (64 * math.log(2))).numpy()
+    np.testing.assert_allclose(result_a.bits, expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result_b.bits, expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result_a.model_space_bits - result_b.model_space_bits, math.log2(3), rtol=0, atol=1e-5)
+    nll_w = gaussian_nll(scale * (z - mean) / std, LATENT_MU, LATENT_STD).flatten(1).sum(1)  # A's model space
+    np.testing.assert_allclose(result_a.model_space_bits, (nll_w / (64 * math.log(2))).numpy(), rtol=0, atol=1e-5)
+    assert "per-channel statistics" in result_a.includes
+
+
+def test_the_log_determinant_of_the_latent_normalisation():
+    """h w sum_c log(scale / std_c), or C h w log(scale) without statistics: against the log-determinant of the map's
+    Jacobian built by autograd on a 2-channel 2x1 latent (float64)."""
+    normalization = LatentNormalization(0.7, (0.5, -2.0), (3.0, 0.25))
+    z = torch.randn(1, 2, 2, 1, dtype=torch.float64)
+    jacobian = torch.autograd.functional.jacobian(normalization.to_model, z).reshape(4, 4)
+    assert normalization.log_abs_det(2, 2) == pytest.approx(torch.linalg.slogdet(jacobian)[1].item(), abs=1e-12)
+    assert LatentNormalization(0.18215).log_abs_det(4, 16) == pytest.approx(64 * math.log(0.18215), abs=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,6 +229,78 @@ def test_the_command_reports_bits_per_dim_of_a_sit_export_and_what_they_include(
     # (the adaptive solver's steps follow the batch, so the figures agree to its tolerance, not bit for bit).
     again = main([*arguments[:-4], "--batch-size", "3", "--device", "cpu"])
     np.testing.assert_allclose(again["per_image"], report["per_image"], atol=1e-3)
+
+
+def latent_sit_export(folder, vae_folder, mean=None, std=None, scale: float = 0.8):
+    """A 1-block SiT-VCA on the tiny VAE's 4x4x4 latents of 8x8 images (random weights, seed 0), with per-channel
+    statistics where given."""
+    import sit_vca
+    from generation import ExportDescription, write_export
+
+    torch.manual_seed(0)
+    model = sit_vca.create_model(
+        "SiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, in_channels=4, num_classes=4
+    )
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    description = ExportDescription(
+        model=model.config,
+        objective={"kind": "transport"},
+        space="latents",
+        image_size=8,
+        num_classes=4,
+        vae=str(vae_folder),
+        latent_scale=scale,
+        latent_mean=mean,
+        latent_std=std,
+    )
+    write_export(folder, model.state_dict(), description)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_command_integrates_from_the_exports_normalised_latents_and_reports_the_vae_latents_density(
+    tmp_path, vae_folder, capsys
+):
+    """The issue's case: one model exported with every channel mean moved by 3 and every std tripled gave the same
+    figure. Now the flow starts from the latents each export's statistics make (other log-densities), and each
+    figure is its log-density less the log-determinant h w sum_c log(scale / std_c) of its normalisation."""
+    images = tmp_path / "images.npz"
+    np.savez(images, arr_0=np.random.default_rng(5).integers(0, 256, (3, 8, 8, 3), dtype=np.uint8), arr_1=[0, 1, 2])
+    mean, std = [0.1, -0.3, 0.2, 0.0], [0.9, 1.2, 0.8, 1.1]
+    reports = []
+    for name, (m, s) in {"a": (mean, std), "b": ([v + 3 for v in mean], [3 * v for v in std])}.items():
+        export = latent_sit_export(tmp_path / name, vae_folder, m, s)
+        reports.append(main(["--ckpt", str(export), "--images", str(images), "--device", "cpu"]))
+        log_det = 16 * sum(math.log(0.8 / v) for v in s)  # 4x4 latent pixels
+        expected = (-np.array(reports[-1]["log_prob_nats"]) - log_det) / (64 * math.log(2))
+        np.testing.assert_allclose(reports[-1]["per_image"], expected, rtol=1e-12)
+        assert reports[-1]["model_space_bits_per_dim"] == pytest.approx(
+            -np.mean(reports[-1]["log_prob_nats"]) / (64 * math.log(2))
+        )
+    assert np.abs(np.subtract(reports[0]["log_prob_nats"], reports[1]["log_prob_nats"])).min() > 1.0
+    printed = capsys.readouterr().out
+    assert "per-channel statistics" in printed and "model space (the latents the flow integrates from)" in printed
+
+
+@pytest.mark.slow
+def test_an_image_folder_is_read_as_python_m_fid_reads_it_with_a_label(tmp_path, capsys):
+    """A folder of PNGs gives the figures of the same images in an .npz; without --label it is one line."""
+    from PIL import Image
+
+    export = tiny_export(tmp_path / "export", family="SiT")
+    npz = gray_images(tmp_path / "images.npz")
+    (tmp_path / "folder" / "sub").mkdir(parents=True)
+    with np.load(npz) as data:
+        for index, image in enumerate(data["arr_0"]):
+            Image.fromarray(image).save(tmp_path / "folder" / "sub" / f"{index:03d}.png")
+    common = ["--ckpt", str(export), "--label", "1", "--device", "cpu"]
+    from_folder = main([*common, "--images", str(tmp_path / "folder")])
+    from_npz = main([*common, "--images", str(npz)])
+    assert from_folder["per_image"] == from_npz["per_image"]
+    error = one_line_error(main, ["--ckpt", str(export), "--images", str(tmp_path / "folder")], capsys)
+    assert f"--images {tmp_path / 'folder'}: a folder of images has no labels; give --label K or --label null" in error
 
 
 @pytest.mark.parametrize(
