@@ -15,8 +15,11 @@ keep LayerNorm).
 
 LightningDiT trains rectified flow (SiT's Linear path, velocity prediction), so the model is a "SiT-" name, and
 normalises its latents per channel, (z − mean) / std times a multiplier (1): `--latent-stats` is the
-`latents_stats.pt` its training wrote ({"mean", "std"} of shape (1, C, 1, 1)), `--vae` a diffusers AutoencoderKL
-of that latent space. Files are read with weights_only=True (generation.official.load_state_dict).
+`latents_stats.pt` its training wrote ({"mean", "std"} of shape (1, C, 1, 1)), required unless `--no-latent-norm`
+says the checkpoint was trained without (an export without the statistics would decode wrongly, silently), `--vae`
+a diffusers AutoencoderKL of that latent space. Sample the export as LightningDiT does with `sample.py
+--protocol lightningdit` (generation/protocols.py). Files are read with weights_only=True
+(generation.official.load_state_dict).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def lightning_model_config(
     missing = [key for key in SHAPE_KEYS if key not in state]
     if missing:
         raise OfficialCheckpointError(f"{source} has no {', '.join(missing)}: not a LightningDiT state dict")
+    check_patch_size(state, name, patch, source)
     in_channels = state["x_embedder.proj.weight"].shape[1]
     tokens = state["pos_embed"].shape[1]
     outputs = state["final_layer.linear.weight"].shape[0] // (patch * patch)
@@ -97,6 +101,18 @@ def lightning_model_config(
     )
     with torch.device("meta"):
         return build_model_from_config(config).config
+
+
+def check_patch_size(state: dict[str, torch.Tensor], name: str, patch: int, source: str) -> None:
+    """The patch size of the checkpoint's patch embedding (a p x p convolution) is the name's, else an error naming
+    both and the name that fits."""
+    found = state["x_embedder.proj.weight"].shape[-1]
+    if found != patch:
+        fitting = f"{name.rsplit('/', 1)[0]}/{found}"
+        raise OfficialCheckpointError(
+            f"{source} has patch size {found} (x_embedder.proj.weight {tuple(state['x_embedder.proj.weight'].shape)}),"
+            f" --model {name} patch size {patch}: use --model {fitting}"
+        )
 
 
 def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: str) -> dict[str, torch.Tensor]:
@@ -136,6 +152,22 @@ def read_latent_stats(path: Path, channels: int) -> tuple[list[float], list[floa
     return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
 
 
+def check_latent_stats(latent_stats: str | Path | None, latent_norm: bool) -> None:
+    """Statistics given exactly when the checkpoint was trained with LightningDiT's latent_norm: without them an
+    export of such a model decodes wrongly, silently (every released LightningDiT model normalises its latents)."""
+    if latent_norm and latent_stats is None:
+        raise OfficialCheckpointError(
+            "--latent-stats missing: LightningDiT normalises its latents per channel (latent_norm: true in every "
+            "released config), and sampling must undo it; give the latents_stats.pt of its training latents, or "
+            "--no-latent-norm for a checkpoint trained with latent_norm: false"
+        )
+    if not latent_norm and latent_stats is not None:
+        raise OfficialCheckpointError(
+            f"--latent-stats {latent_stats} with --no-latent-norm: the statistics are for a model trained with "
+            "latent_norm; give one of the two"
+        )
+
+
 def lightning_export(
     ckpt: str | Path,
     model: str,
@@ -143,9 +175,11 @@ def lightning_export(
     latent_stats: str | Path | None,
     latent_scale: float = 1.0,
     num_heads: int | None = None,
+    latent_norm: bool = True,
 ) -> Export:
     """A LightningDiT checkpoint as an in-memory export: the MHSA backbone with the checkpoint's block options, the
-    Linear velocity transport, latents decoded by `vae` after undoing the per-channel statistics (None: scale only)."""
+    Linear velocity transport, latents decoded by `vae` after undoing the per-channel statistics `latent_stats`
+    (required unless `latent_norm` is False: a checkpoint trained without LightningDiT's latent_norm, scale only)."""
     from generation.vae import latent_downsampling, load_vae, vae_source
 
     source = str(ckpt)
@@ -157,6 +191,7 @@ def lightning_export(
         raise OfficialCheckpointError(f"--model {model}: LightningDiT trains rectified flow; name its size as SiT-")
     if not latent_scale > 0:
         raise OfficialCheckpointError(f"--latent-scale {latent_scale}: expected a value > 0")
+    check_latent_stats(latent_stats, latent_norm)
     state = load_state_dict(Path(ckpt))
     config = lightning_model_config(state, model, source, num_heads)
     weights = backbone_state_dict(state, config, source)
@@ -191,14 +226,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("ckpt", type=Path, help="a LightningDiT .pt (bare EMA state dict or training checkpoint)")
     parser.add_argument("--model", required=True, help="the size, as a SiT name, e.g. SiT-XL/1 (LightningDiT-XL/1)")
     parser.add_argument("--vae", required=True, help="diffusers AutoencoderKL folder or hub id of the latent space")
-    parser.add_argument("--latent-stats", type=Path, help="latents_stats.pt of the training latents (latent_norm)")
+    parser.add_argument(
+        "--latent-stats", type=Path, help="latents_stats.pt of the training latents (required: latent_norm)"
+    )
+    parser.add_argument(
+        "--no-latent-norm",
+        dest="latent_norm",
+        action="store_false",
+        help="the checkpoint was trained with latent_norm: false (no statistics; LightningDiT's configs set true)",
+    )
     parser.add_argument("--latent-scale", type=float, default=1.0, help="LightningDiT's latent_multiplier (1.0)")
     parser.add_argument("--num-heads", type=int, help="attention heads, where the width is not the name's")
     parser.add_argument("--out", type=Path, required=True, help="export folder to write (must not exist yet)")
     args = parser.parse_args(argv)
     write_converted(
         args.out,
-        lambda: lightning_export(args.ckpt, args.model, args.vae, args.latent_stats, args.latent_scale, args.num_heads),
+        lambda: lightning_export(
+            args.ckpt, args.model, args.vae, args.latent_stats, args.latent_scale, args.num_heads, args.latent_norm
+        ),
     )
 
 

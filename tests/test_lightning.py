@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
+from _user_errors import one_line_error
 from commands import USER_ERROR_STATUS, run_command
 from dit_vca.models import build_model_from_config
 from generation import ImageGenerator, load_export
@@ -209,6 +210,16 @@ def test_foreign_variants_are_refused_by_name():
     ]:
         with pytest.raises(OfficialCheckpointError, match=message):
             lightning_model_config({**state, key: value}, "SiT-S/1", "x.pt", num_heads=2)
+    # A patch-2 checkpoint named with patch 1: the error names both patch sizes and the name that fits (before:
+    # "16 tokens (not a square grid) or 16 output channels", for a square grid).
+    patch2 = lightning_state(1, 32, 2, 2, 4, 4, 10, False)
+    with pytest.raises(OfficialCheckpointError) as error:
+        lightning_model_config(patch2, "SiT-S/1", "x.pt", num_heads=2)
+    assert str(error.value) == (
+        "x.pt has patch size 2 (x_embedder.proj.weight (32, 4, 2, 2)), --model SiT-S/1 patch size 1: "
+        "use --model SiT-S/2"
+    )
+    assert lightning_model_config(patch2, "SiT-S/2", "x.pt", num_heads=2)["input_size"] == 8
     transposed = {**state, "feat_rope.freqs_cos": rope_angles_eva(4, 16).T.reshape(16, 16).cos()}  # another layout
     with pytest.raises(OfficialCheckpointError, match="feat_rope.freqs_cos .16, 16. is not the 2-D RoPE"):
         backbone_state_dict(transposed, config, "x.pt")
@@ -255,3 +266,15 @@ def test_a_lightning_checkpoint_becomes_an_export_that_samples_through_its_f16_a
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"--latent-stats {tmp_path / 'four.pt'}: expected" in error
     assert "with 32 values each" in error
+
+    # Without statistics: refused, since every released LightningDiT model normalises its latents (before, an
+    # export that decodes wrongly was written); --no-latent-norm says the checkpoint was trained without.
+    error = one_line_error(main, [*arguments, "--out", str(tmp_path / "x")], capsys)
+    assert "--latent-stats missing: LightningDiT normalises its latents per channel" in error
+    assert "--no-latent-norm" in error and not (tmp_path / "x").exists()
+    stats = ["--latent-stats", str(tmp_path / "latents_stats.pt")]
+    error = one_line_error(main, [*arguments, *stats, "--no-latent-norm", "--out", str(tmp_path / "x")], capsys)
+    assert "with --no-latent-norm: the statistics are for a model trained with latent_norm" in error
+    run_command(main, [*arguments, "--no-latent-norm", "--out", str(tmp_path / "plain")])
+    plain = load_export(tmp_path / "plain").description
+    assert (plain.latent_mean, plain.latent_std, plain.latent_scale) == (None, None, 1.0)
