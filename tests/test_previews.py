@@ -84,7 +84,7 @@ def test_a_short_run_draws_its_grid_from_the_raw_weights_and_its_curves_at_each_
 ):
     """log.fid_weights=raw: the grid of step 2 is the grid of the checkpoint's trained (not averaged) weights, drawn
     anew here; the EMA's grid of the same step differs. curves.png is drawn at each checkpoint (CURVES_INTERVAL_S
-    apart at least: 0 here; a tiny run with the real interval draws none)."""
+    apart at least: 0 here), and not again at the end when nothing came since."""
     import training.loop
 
     drawn = []
@@ -126,6 +126,30 @@ def test_a_short_run_draws_its_grid_from_the_raw_weights_and_its_curves_at_each_
     assert drawn == [run_dir / "metrics.jsonl"] * 2  # after the checkpoints of steps 1 and 2
 
 
+def curves_description(path: Path) -> str:
+    with Image.open(path) as picture:
+        return picture.text["Description"]
+
+
+@pytest.mark.slow
+def test_the_curves_end_at_the_last_checkpoint_and_fid_of_a_short_run_and_of_its_resume(tmp_path):
+    """With the real interval (a drawing at most once a minute between checkpoints), a run of seconds draws its
+    curves at its end, up to its last step and FID, and its resume draws them again with the FID it added. Before,
+    the throttle counted from the launch and took the last drawing too: such a run had no curves.png at all, and a
+    1500-step run's stopped at step 1000 with one of three FID points."""
+    run_dir = tmp_path / "run"
+    reference = tmp_path / "reference.npz"
+    np.savez(reference, mu=np.zeros(2048), sigma=np.eye(2048))
+    fid = ["log.fid_every=2", "log.fid_samples=4", f"log.fid_reference={reference}", "log.fid_inception=bundled"]
+    common = ["--config", "digits", *TINY, "log.every=1", "log.checkpoint_every=2", "log.sample_every=0", *fid]
+    run_train(*common, "train.max_steps=3", f"run.dir={run_dir}")
+    assert curves_description(run_dir / "curves.png") == "loss at steps 1-3 (3 points); FID at steps 2, 3 (4 samples)"
+    run_train(*common, "train.max_steps=5", f"run.dir={run_dir}", "--resume", "latest")
+    assert curves_description(run_dir / "curves.png") == (
+        "loss at steps 1-5 (5 points); FID at steps 2, 3, 4, 5 (4 samples)"
+    )
+
+
 def test_the_curves_show_the_fid_beside_the_loss_and_skip_a_torn_line(tmp_path):
     metrics, fid = tmp_path / "metrics.jsonl", tmp_path / "fid.jsonl"
     assert draw_curves(metrics, fid, tmp_path / "none.png", "run") is None  # nothing logged yet
@@ -135,3 +159,8 @@ def test_the_curves_show_the_fid_beside_the_loss_and_skip_a_torn_line(tmp_path):
     draw_curves(metrics, fid, tmp_path / "curves.png", "run")
     with Image.open(tmp_path / "curves.png") as curves:
         assert curves.size == (1000, 400)  # two panels: loss and FID
+        assert curves.text == {
+            "Title": "run",
+            "Description": "loss at steps 50-150 (3 points); FID at steps 100 (8 samples)",
+            "Software": curves.text["Software"],  # matplotlib's own
+        }

@@ -1,4 +1,6 @@
-"""The run's curves as a picture: `<run>/curves.png`, drawn again after every checkpoint (main process).
+"""The run's curves as a picture: `<run>/curves.png`, drawn again after every checkpoint (main process) and at
+the end of the run. What it shows (the steps of the loss, of each FID) is written into the PNG's text too
+(`Description`), so that a glance with any PNG reader, or a test, tells how far it goes.
 
 The training loss of every metrics.jsonl line against the step (REPA's alignment loss beside it when logged), and
 the FID of every fid.jsonl line when FID is measured during training, read from the files the run writes, so a
@@ -50,5 +52,13 @@ def draw_curves(metrics_file: Path, fid_file: Path, out: Path, title: str) -> Pa
     for axis in axes:
         axis.grid(True, alpha=0.3)
     with atomic_output(out) as temporary:
-        figure.savefig(temporary, format="png", dpi=100)
+        figure.savefig(temporary, format="png", dpi=100, metadata={"Title": title, "Description": shown(steps, fids)})
     return out
+
+
+def shown(steps: list[int], fids: list[dict[str, Any]]) -> str:
+    """What a drawing shows, in words: "loss at steps 1-40 (8 points); FID at steps 20, 40 (1000 samples)"."""
+    text = f"loss at steps {steps[0]}-{steps[-1]} ({len(steps)} points)"
+    if fids:
+        text += f"; FID at steps {', '.join(str(line['step']) for line in fids)} ({fids[-1]['samples']} samples)"
+    return text

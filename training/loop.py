@@ -3,7 +3,9 @@
 One optimiser step consumes `grad_accum_steps` micro-batches on every process. After the step the EMA is
 updated; then, at their intervals, a metrics line is written, a checkpoint saved, a grid drawn and FID
 measured; after a checkpoint (and after FID) the loss and FID curves are drawn to <run>/curves.png, at most once
-every CURVES_INTERVAL_S. A non-finite loss stops the run before anything is saved after it. A stop signal
+every CURVES_INTERVAL_S, and once more at the end of the run (a resumed one too) where a checkpoint or FID came
+since the last drawing, so the picture always shows the last of them.
+A non-finite loss stops the run before anything is saved after it. A stop signal
 (SIGTERM, SIGUSR1, SIGINT; see training.stop_signals) ends the run after the current optimiser step, with its
 metrics line and a checkpoint of it. A process of the run that dies ends the others with one line
 (PeerLostError) naming it and the checkpoint that stands.
@@ -106,6 +108,7 @@ class Trainer:
         self.fid_log = JsonLines(run.fid)
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
         self.curves_drawn_at = time.monotonic()  # the launch: see CURVES_INTERVAL_S
+        self.curves_behind = False  # a checkpoint or FID logged since curves.png was last drawn
 
     def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
@@ -179,6 +182,7 @@ class Trainer:
                 self.save_grid()
             if log.fid_every and (step % log.fid_every == 0 or last):
                 self.measure_fid()
+        self.save_curves(final=True)  # the last checkpoint and FID, whatever the interval
         end_processes(accelerator)
         return None
 
@@ -309,12 +313,16 @@ class Trainer:
         self.last_checkpoint, self.saving_step = str(path), None
         self.say(f"saved checkpoint {path}")
 
-    def save_curves(self) -> None:
-        """<run>/curves.png from the logs so far (after a checkpoint, and after FID, which comes later), unless it
-        was drawn less than CURVES_INTERVAL_S ago."""
-        if self.accelerator.is_main_process and time.monotonic() - self.curves_drawn_at >= CURVES_INTERVAL_S:
+    def save_curves(self, final: bool = False) -> None:
+        """<run>/curves.png from the logs so far: after a checkpoint, and after FID, which comes later, unless it was
+        drawn less than CURVES_INTERVAL_S ago; at the end of the run (`final`) whenever one of them came since the
+        last drawing."""
+        if not self.accelerator.is_main_process:
+            return
+        self.curves_behind |= not final
+        if self.curves_behind and (final or time.monotonic() - self.curves_drawn_at >= CURVES_INTERVAL_S):
             draw_curves(self.run.metrics, self.run.fid, self.run.curves, self.run.root.name)
-            self.curves_drawn_at = time.monotonic()
+            self.curves_drawn_at, self.curves_behind = time.monotonic(), False
 
     def save_posthoc_snapshot(self) -> None:
         if self.accelerator.is_main_process:
