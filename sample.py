@@ -379,22 +379,23 @@ def finish(
 
 def save_grid(args: argparse.Namespace, shards: ShardPlan, images_of, labels: SampleLabels, generator, path: Path):
     """The preview PNG: about --grid-size samples in one labelled row per class (class names where the export has
-    them), chosen among the first --grid-size x classes samples so that the rows fill, under a title with the
-    guidance and the sampler."""
+    them), chosen among the first --grid-size x classes samples so that the rows fill, under a short title with the
+    checkpoint's name, the guidance and the sampler; every setting of the run in the PNG's text."""
     from generation.images import class_grid_indices, save_class_grid
+    from generation.run_layout import short_name
 
     rows = class_grid_indices(labels[: min(len(labels), args.grid_size * labels.num_classes)], args.grid_size)
     images = images_at(shards, images_of, np.concatenate([indices for _, indices in rows]))
     starts = np.cumsum([0] + [len(indices) for _, indices in rows])
     guidance = (
-        f"autoguidance {args.guidance_scale:g} by {args.guide_ckpt}"
+        f"autoguidance {args.guidance_scale:g} by {short_name(args.guide_ckpt)}"
         if args.guide_ckpt is not None
         else f"guidance {args.cfg_scale:g}"
     )
     steps = f", {args.steps} steps" if args.steps is not None else ""
-    title = f"{args.ckpt}: {guidance}, {args.sampler or generator.objective.default_sampler}{steps}"
+    title = f"{short_name(args.ckpt)}: {guidance}, {args.sampler or generator.objective.default_sampler}{steps}"
     grid = [(label, images[start:stop]) for (label, _), start, stop in zip(rows, starts, starts[1:])]
-    save_class_grid(grid, path, title, generator.class_names)
+    save_class_grid(grid, path, title, generator.class_names, run_settings(args))
 
 
 def command() -> None:

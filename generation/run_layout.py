@@ -75,6 +75,20 @@ def step_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:07d}"
 
 
+def short_name(ckpt: str | Path) -> str:
+    """A checkpoint's name for a picture's title: "<run> step-XXXXXXX" for a run's checkpoint or milestone export
+    (its export/ folder or the step folder), "<folder>/export" for another export folder, the last part of another
+    local path, and what is not a local path (a hub id, a released checkpoint's name) as given."""
+    path = Path(ckpt)
+    if not path.exists():
+        return str(ckpt)
+    path = path.resolve()
+    folder = path.parent if path.name == EXPORT_FOLDER else path
+    if STEP_FOLDER.match(folder.name) and folder.parent.name in (CHECKPOINTS_FOLDER, EXPORTS_FOLDER):
+        return f"{folder.parent.parent.name} {folder.name}"
+    return f"{folder.name}/{path.name}" if folder != path else path.name
+
+
 def grid_name(step: int) -> str:
     """The file name of the sample grid of `step` in samples/."""
     return step_name(step) + GRID_SUFFIX

@@ -118,6 +118,20 @@ def test_a_short_run_draws_its_grid_from_the_raw_weights_and_its_curves_at_each_
     save_preview_grid(ours, log, tmp_path / "raw.png", title)
     written = np.asarray(Image.open(run_dir / "samples" / "step-0000002.png"))
     assert np.array_equal(written, np.asarray(Image.open(tmp_path / "raw.png")))
+    with Image.open(run_dir / "samples" / "step-0000002.png") as grid:  # issue 48: every class whatever the count
+        assert grid.text["Rows"].splitlines() == [str(k) for k in range(10)]  # (the sqrt rule drew classes 0 and 5)
+        assert grid.text["Title"] == title
+        settings = json.loads(grid.text["Settings"])
+    assert settings == {
+        "run": str(run_dir),
+        "step": 2,
+        "weights": "raw weights",
+        "guidance": 1.0,
+        "sampler": "ddim",  # the digits config's
+        "steps": 2,
+        "sample_count": 4,
+        "seed": 0,
+    }
     save_preview_grid(ImageGenerator.from_export(export), log, tmp_path / "ema.png", title)
     assert not np.array_equal(written, np.asarray(Image.open(tmp_path / "ema.png")))  # the test can tell them apart
 

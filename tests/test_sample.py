@@ -310,10 +310,15 @@ def test_output_layout(reference, export):
 
     from generation.images import class_grid_indices, save_class_grid
 
-    rows = class_grid_indices(labels, 9)  # --grid-size 9 of 4 classes: 3 rows (classes 0, 1, 2) of 3 samples
-    assert [(label, indices.tolist()) for label, indices in rows] == [(0, [0, 4, 8]), (1, [1, 5, 9]), (2, [2, 6, 10])]
+    rows = class_grid_indices(labels, 9)  # --grid-size 9 of 4 classes: every class, 3 samples each
+    assert [(label, indices.tolist()) for label, indices in rows] == [
+        (0, [0, 4, 8]),
+        (1, [1, 5, 9]),
+        (2, [2, 6, 10]),
+        (3, [3, 7, 11]),
+    ]
     expected = out.parent / "expected-grid.png"
-    title = f"{export}: guidance 2, {SAMPLING[1]}, {SAMPLING[3]} steps"
+    title = f"{export.name}: guidance 2, {SAMPLING[1]}, {SAMPLING[3]} steps"  # the folder, not its path
     save_class_grid([(label, images[indices]) for label, indices in rows], expected, title)
     assert np.array_equal(np.asarray(Image.open(out.with_suffix(".png"))), np.asarray(Image.open(expected)))
     summary = json.loads(out.with_suffix(".json").read_text())

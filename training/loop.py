@@ -343,8 +343,9 @@ class Trainer:
             log = self.config.log
             title = f"step {self.state.step:,}, {self.parts.preview_weights.label}, guidance {log.sample_guidance:g}"
             self.parts.preview_weights.refresh(self.accelerator.unwrap_model(self.model))
+            about = {"run": str(self.run.root), "step": self.state.step, "weights": self.parts.preview_weights.label}
             with self.accelerator.autocast():
-                save_preview_grid(self.parts.preview, log, grid, title)
+                save_preview_grid(self.parts.preview, log, grid, title, about)
             log_grid(self.accelerator, grid, self.state.step)
         self.accelerator.wait_for_everyone()
 

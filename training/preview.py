@@ -82,14 +82,20 @@ def generation_options(log: LogConfig) -> dict:
     return dict(guidance=log.sample_guidance, sampler=log.sample_sampler, steps=log.sample_steps)
 
 
-def save_preview_grid(generator: ImageGenerator, log: LogConfig, path: Path, title: str) -> None:
-    """A grid of about `log.sample_count` samples, one labelled row per class, under `title`."""
+def save_preview_grid(
+    generator: ImageGenerator, log: LogConfig, path: Path, title: str, about: dict | None = None
+) -> None:
+    """A grid of about `log.sample_count` samples, one labelled row per class (every class of data with up to
+    generation.images.EVERY_CLASS_UP_TO), under `title`; the generation settings and `about` (the run, the step,
+    the weights) in the PNG's text."""
     classes, columns = grid_classes(range(generator.num_classes), log.sample_count)
     indices = np.arange(len(classes) * columns)
     labels = np.repeat(classes, columns)
-    images = generator.generate(labels, sample_seeds(PREVIEW_SEED, indices), **generation_options(log))
+    options = generation_options(log)
+    images = generator.generate(labels, sample_seeds(PREVIEW_SEED, indices), **options)
     rows = [(label, images[row * columns : (row + 1) * columns]) for row, label in enumerate(classes)]
-    save_class_grid(rows, path, title, generator.class_names)
+    settings = {**(about or {}), **options, "sample_count": log.sample_count, "seed": PREVIEW_SEED}
+    save_class_grid(rows, path, title, generator.class_names, settings)
 
 
 def preview_fid(
