@@ -168,7 +168,7 @@ def test_the_startup_summary_names_the_block_options_that_are_not_dits():
     with torch.device("meta"):
         lightning = dit_vca.create_model("DiT-XL/2", attention="mhsa", **recipe_options("lightning"))
         dit = dit_vca.create_model("DiT-XL/2", attention="mhsa")
-    assert describe_model(lightning.config) == "DiT-XL/2 with rmsnorm, swiglu, rope"
+    assert describe_model(lightning.config) == "DiT-XL/2 with rmsnorm, swiglu (hidden width 3072), rope"
     assert describe_model(dit.config) == "DiT-XL/2"
 
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from safetensors.torch import load_file
 
@@ -42,6 +43,8 @@ def test_the_startup_summary_says_what_the_run_will_do_and_is_kept(tmp_path, cap
         f"attention vca: {total:,} parameters"
     )
     assert rows["model"].endswith(f"attention layers {attention:,})") and attention > 0
+    assert rows["objective"] == "DDPM, 1000 linear-beta steps, t uniform over them; predicts epsilon, loss MSE"
+    assert rows["latents"] == "none: the model works on pixels in [-1, 1]"
     assert rows["data"] == "digits (built in): 1,797 images in 10 classes, 8 px"
     assert rows["loader"] == "in the training process (data.num_workers=0)"
     assert rows["batch"] == "1 process(es) x 64 micro-batch x 1 accumulation = 64 global batch"
@@ -155,3 +158,43 @@ def test_a_model_of_the_names_own_sizes_is_named_alone():
     built = {"name": "SiT-XL/2", "depth": 28, "hidden_size": 1152, "num_heads": 16, "mlp_ratio": 4.0}
     assert describe_model(built) == "SiT-XL/2"
     assert describe_model({**built, "mlp_ratio": 2.0}).startswith("SiT-XL/2 resized to depth 28, width 1152, 16 heads")
+
+
+def test_the_summary_states_a_swiglu_blocks_width_the_objective_and_the_latents():
+    """Issue 48: the summary said "MLP ratio 4" for a SwiGLU block, and neither the objective nor the latents'
+    normalisation. LightningDiT's recipe: SwiGLU of hidden width int(2/3 int(4 C)), rectified flow with
+    logit-normal times and the direction loss, latents normalised per channel."""
+    from generation.objective import create_objective
+    from generation.vae import LatentNormalization
+    from training.build import objective_spec
+    from training.config import load_config
+    from training.summary import describe_latents, describe_objective
+
+    built = {"name": "SiT-S/2", "depth": 12, "hidden_size": 384, "num_heads": 6, "mlp_ratio": 4.0, "mlp": "swiglu"}
+    assert describe_model(built) == "SiT-S/2 with swiglu (hidden width 1024)"
+    assert describe_model({**built, "depth": 1, "hidden_size": 48, "num_heads": 2}) == (
+        "SiT-S/2 with swiglu resized to depth 1, width 48, 2 heads, SwiGLU hidden width 128 (the name's: 12, 384, 6, "
+        "1024)"
+    )
+    config = load_config("lightning-sit-s2-vca", ["data.latents=latents/imagenet256"])
+    assert describe_objective(config, create_objective(objective_spec(config))) == (
+        "interpolant, linear path (t = 0 noise, 1 data), velocity prediction, t logit-normal (location 0, scale 1) "
+        "on [0, 1], loss velocity MSE + 1 x direction loss 1 - cos"
+    )
+    statistics = SimpleNamespace(normalization=LatentNormalization(1.0, (0.1, 0.2, 0.3, 0.4), (0.5, 1.0, 2.0, 4.0)))
+    assert describe_latents(config, statistics) == (
+        f"VAE {config.vae.name}: x = 1 (z - mean_c) / std_c per channel (vae.normalize=channels), the statistics of "
+        "latents/imagenet256 (4 channels, std 0.5 to 4)"
+    )
+    sit = load_config("sit-s2-vca", ["data.latents=latents/imagenet256"])
+    assert describe_latents(sit, SimpleNamespace(normalization=LatentNormalization(0.18215))) == (
+        f"VAE {sit.vae.name}: x = 0.18215 z (vae.normalize=scale)"
+    )
+    assert describe_objective(sit, create_objective(objective_spec(sit))) == (
+        "interpolant, linear path (t = 0 noise, 1 data), velocity prediction, t uniform on [0, 1], loss velocity MSE"
+    )
+    dit = load_config("dit-s2-vca", ["data.latents=latents/imagenet256"])
+    assert describe_objective(dit, create_objective(objective_spec(dit))) == (
+        "DDPM, 1000 linear-beta steps, t uniform over them; predicts epsilon and a learned-range variance, loss MSE "
+        "+ variational bound (DiT's hybrid)"
+    )

@@ -1,8 +1,9 @@
 """What a training launch is about to do, said once before the first step (printed and kept as
 `<run>/startup.txt`): model and attention with their parameter counts (REPA's projector included, with a line of
-its own when REPA is on), the data, the batch geometry, precision, devices, the run directory, where the run
-resumes from, what the EMA holds at the last step (with a warning when the run is too short for it:
-training.ema.describe_ema) and which weights the grids and FID draw from."""
+its own when REPA is on), the objective (path, prediction, training times, loss terms), what the model's inputs
+are (pixels, or latents scaled or normalised per channel), the data, the batch geometry, precision, devices, the
+run directory, where the run resumes from, what the EMA holds at the last step (with a warning when the run is too
+short for it: training.ema.describe_ema) and which weights the grids and FID draw from."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from dit_vca.diffusion import NUM_TIMESTEPS
 from dit_vca.model_options import RECIPES
-from dit_vca.models import name_size
-from training.build import TrainingParts
+from dit_vca.models import name_size, swiglu_hidden_size
+from generation.vae import LatentNormalization
+from training.build import TrainingParts, objective_spec
 from training.config import Config
 from training.ema import describe_ema
 from training.loop import TrainerState
@@ -39,17 +42,74 @@ def attention_parameters(model: nn.Module) -> int:
 def describe_model(built: dict[str, Any]) -> str:
     """The model's name, with the sizes that were built where they are not the name's own (tiny test and demo
     models override depth, width, heads or the MLP ratio) and the block options that are not DiT's (RMSNorm,
-    SwiGLU, QK-norm, RoPE): `built` is the model's `config`."""
+    SwiGLU with its hidden width, QK-norm, RoPE): `built` is the model's `config`. A SwiGLU block's MLP is said by
+    its hidden width (two thirds of the ratio's: dit_vca.models.swiglu_hidden_size), not by the ratio."""
     (depth, width, heads), _ = name_size(built["name"])
     sizes = (built["depth"], built["hidden_size"], built["num_heads"], built["mlp_ratio"])
     dit = RECIPES["dit"]  # config keys of the block options and DiT's values
-    changed = [value if isinstance(value, str) else key for key, value in built.items() if dit.get(key, value) != value]
+    swiglu = built.get("mlp") == "swiglu"
+    hidden = swiglu_hidden_size(built["hidden_size"], built["mlp_ratio"])
+    resized = sizes != (depth, width, heads, 4.0)
+    swiglu_text = "swiglu" if resized else f"swiglu (hidden width {hidden})"  # resized: said with the sizes
+    changed = [
+        (swiglu_text if value == "swiglu" else value) if isinstance(value, str) else key
+        for key, value in built.items()
+        if dit.get(key, value) != value
+    ]
     options = f" with {', '.join(changed)}" if changed else ""
-    if sizes == (depth, width, heads, 4.0):
+    if not resized:
         return built["name"] + options
+    mlp, name_mlp = (
+        (f"SwiGLU hidden width {hidden}", swiglu_hidden_size(width, 4.0)) if swiglu else (f"MLP ratio {sizes[3]:g}", 4)
+    )
     return (
-        f"{built['name']}{options} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, MLP ratio "
-        f"{sizes[3]:g} (the name's: {depth}, {width}, {heads}, 4)"
+        f"{built['name']}{options} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, {mlp} "
+        f"(the name's: {depth}, {width}, {heads}, {name_mlp})"
+    )
+
+
+def describe_objective(config: Config, objective: Any) -> str:
+    """What the model is trained to do: DDPM's process and loss, or the interpolant's path, prediction, training
+    times (their law and interval) and loss terms with their weights."""
+    if objective_spec(config)["kind"] == "diffusion":
+        loss = (
+            "epsilon and a learned-range variance, loss MSE + variational bound (DiT's hybrid)"
+            if config.diffusion.learn_sigma
+            else "epsilon, loss MSE"
+        )
+        return f"DDPM, {NUM_TIMESTEPS} linear-beta steps, t uniform over them; predicts {loss}"
+    transport = config.transport
+    t0, t1 = objective.interval(objective.train_eps)
+    times = (
+        f"logit-normal (location {transport.logit_normal_location:g}, scale {transport.logit_normal_scale:g})"
+        if transport.time_distribution == "logit-normal"
+        else "uniform"
+    )
+    if transport.prediction == "velocity":
+        loss = "velocity MSE" + (
+            f" + {transport.cosine_loss_weight:g} x direction loss 1 - cos" if transport.cosine_loss_weight else ""
+        )
+    else:
+        loss = f"{transport.prediction} MSE, weight {transport.loss_weight or 'none'}"
+    return (
+        f"interpolant, {transport.path} path (t = 0 noise, 1 data), {transport.prediction} prediction, t {times} "
+        f"on [{t0:g}, {t1:g}], loss {loss}"
+    )
+
+
+def describe_latents(config: Config, dataset: Any) -> str:
+    """What the model's inputs are: pixels, or the VAE's latents z scaled, or normalised per channel (with the
+    statistics' source and spread)."""
+    if config.data.in_pixel_space:
+        return "none: the model works on pixels in [-1, 1]"
+    normalization = getattr(dataset, "normalization", None) or LatentNormalization(config.vae.scale)
+    scale = f"{normalization.scale:g}"
+    if normalization.mean is None:
+        return f"VAE {config.vae.name}: x = {scale} z (vae.normalize=scale)"
+    return (
+        f"VAE {config.vae.name}: x = {scale} (z - mean_c) / std_c per channel (vae.normalize=channels), the "
+        f"statistics of {config.data.latents} ({normalization.channels} channels, std "
+        f"{min(normalization.std):.3g} to {max(normalization.std):.3g})"
     )
 
 
@@ -143,6 +203,8 @@ def startup_summary(
         "model": f"{describe_model(model.config)}, attention {config.model.attention}: {total:,} parameters "
         f"({trainable:,} trained{with_projector}; attention layers {attention_parameters(model):,})",
         **({"REPA": describe_alignment(config, parts.alignment, projector)} if parts.alignment is not None else {}),
+        "objective": describe_objective(config, parts.objective),
+        "latents": describe_latents(config, parts.batches.dataset),
         "data": describe_data(config, parts.batches.dataset),
         "loader": describe_loader(config.data.num_workers, parts.batches.loader.num_workers),
         "batch": f"{geometry(asdict(state))} = {train.global_batch_size} global batch",
