@@ -174,9 +174,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--guidance-interval {low} {high}: expected LO < HI")
     if args.out.suffix != ".npz":
         raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
-    if not args.out.parent.is_dir():
-        raise SystemExit(f"--out {args.out}: folder {args.out.parent} does not exist")
-    check_writable(args.out.parent)
+    check_writable(args.out.parent)  # or, where it does not exist yet, its nearest existing parent
 
 
 def check_autoguidance_args(args: argparse.Namespace) -> None:
