@@ -15,9 +15,10 @@ those of separate sample.py and `python -m fid` runs with the same options. What
 start-up of two per point (importing torch and the model packages) and Inception's loading, once per sweep.
 
 Resumable: each point's score is one JSON in <out>/scores/, written atomically with the settings it was made
-with; a rerun skips the points scored with the same settings, and a point killed while sampling continues from
-its finished shards (sample.py). The sweep ends with <out>/sweep.json (every point's record), <out>/sweep.md (the
-table) and <out>/sweep.png (FID against the guidance scale, one line per export and guidance). One process (one
+with; a rerun skips the points scored with the same settings (and says how many), and a point killed while sampling
+continues from its finished shards (sample.py). fid's warning of sets too small for an unbiased FID comes once per
+sweep. The sweep ends with <out>/sweep.json (every point's record), <out>/sweep.md (the table) and <out>/sweep.png
+(FID against the guidance scale, one line per export and guidance, the samples per point in its title). One process (one
 GPU or the CPU): for 8 GPUs per point, use sample.py and `python -m fid` themselves. A bad argument, a REF that is
 missing or cannot give a metric asked for, or a sample.py option that sample.py refuses is one line and exit
 status 2 before anything is reconstructed or sampled.
@@ -31,6 +32,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cache
@@ -127,6 +129,7 @@ class Sweep:
     scoring: Scoring
     extra_scores: ExtraScores | None = None
     extra_settings: dict[str, Any] = field(default_factory=dict)
+    small_sets_said: bool = field(default=False, init=False)  # fid's small-set warning, said once per sweep
 
     def samples_path(self, point: Point) -> Path:
         return self.out / "samples" / f"{point.name}.npz"
@@ -161,16 +164,13 @@ class Sweep:
         """The record of `point`: read when a previous invocation made it with the same settings, else sampled
         (sample.py resumes its shards) and scored, then written atomically."""
         import sample
-        from sample_arguments import parse_args
 
         argv = self.sample_argv(point)
-        sampling = sample.run_settings(parse_args(argv))
-        expected = {"point": asdict(point), "sampling": sampling, "scoring": self.scoring_settings}
+        expected = self.settings_of(point)
+        stored = self.stored(point, expected)
+        if stored is not None:
+            return stored
         record_path = self.record_path(point)
-        if record_path.is_file():
-            stored = json.loads(record_path.read_text())
-            if all(stored.get(key) == value for key, value in expected.items()):
-                return stored
         print(f"sweep: {describe(point)}", flush=True)
         started = time.perf_counter()
         self.samples_path(point).parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +191,23 @@ class Sweep:
         print(f"sweep: {describe(point)}: {format_metrics(metrics)}", flush=True)
         return record
 
+    def settings_of(self, point: Point) -> dict[str, Any]:
+        """What a record of `point` is made with: the point, sample.py's settings, the scoring's."""
+        import sample
+        from sample_arguments import parse_args
+
+        sampling = sample.run_settings(parse_args(self.sample_argv(point)))
+        return {"point": asdict(point), "sampling": sampling, "scoring": self.scoring_settings}
+
+    def stored(self, point: Point, expected: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The record an earlier invocation made of `point` with the same settings, else None."""
+        record_path = self.record_path(point)
+        if not record_path.is_file():
+            return None
+        stored = json.loads(record_path.read_text())
+        expected = self.settings_of(point) if expected is None else expected
+        return stored if all(stored.get(key) == value for key, value in expected.items()) else None
+
     @property
     def scoring_settings(self) -> dict[str, Any]:
         return {**self.scoring.settings(), **self.extra_settings}
@@ -200,8 +217,12 @@ class Sweep:
         scores; with the Inception weights' description."""
         from fid import evaluate
         from fid.cli import one_line_warnings
+        from fid.evaluation import SmallSetWarning
 
         with one_line_warnings():
+            if self.small_sets_said:  # every point has as many samples: said at the first
+                warnings.simplefilter("ignore", SmallSetWarning)
+            self.small_sets_said = True
             evaluation = evaluate(
                 samples,
                 self.scoring.ref,
@@ -340,7 +361,7 @@ def plot(records: Sequence[dict[str, Any]]) -> Figure:
                 axis.plot(scales, fids, style, color=f"C{index}", label=f"{label}, {kind}")
     axis.set_xlabel("guidance scale (cfg 1: no guidance)")
     axis.set_ylabel("FID")
-    axis.set_title("FID against the guidance scale")
+    axis.set_title(f"FID of {records[0]['sampling']['num_samples']:,} samples per point against the guidance scale")
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
     figure.tight_layout()
@@ -451,6 +472,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         folders = posthoc_exports(args.run, args.sigma_rel, args.step)
         exports |= {f"sigma_rel {sigma_rel:g}": str(folder) for sigma_rel, folder in folders.items()}
     points = sweep_points(exports, args.guidance, args.scales, args.guide_ckpt)
+    kept = sum(sweep.stored(point) is not None for point in points)
+    if kept:
+        print(
+            f"sweep: {kept} of {len(points)} points already scored with these settings in {args.out}: read back, "
+            "not sampled again",
+            flush=True,
+        )
     records = [sweep.score(point) for point in points]
     write_report(args.out, records, args.num_samples, sample_options)
     print(render_markdown(records, args.num_samples, sample_options), end="")

@@ -32,6 +32,10 @@ STATISTICS_OF = {"fid": "pool", "sfid": "spatial"}  # metric -> the Gaussian it 
 FULL_RANK_IMAGES = POOL_DIM
 
 
+class SmallSetWarning(UserWarning):
+    """A set of fewer than FULL_RANK_IMAGES images scored for FID (a sweep says it once, not once per point)."""
+
+
 @dataclass
 class ImageFeatures:
     """What one Inception pass over a set of images keeps (each part only when asked for)."""
@@ -160,6 +164,7 @@ def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistic
             f"{role} {source.path}: {count} images; with fewer than {FULL_RANK_IMAGES} per set FID is "
             f"biased upwards and the covariance is rank-deficient (rank <= {count - 1}): compare only "
             "with scores from sets of the same sizes (published scores use 50 000 samples)",
+            SmallSetWarning,
             stacklevel=3,
         )
     return plan

@@ -77,13 +77,31 @@ def test_a_sweep_scores_each_point_as_sample_py_and_python_m_fid_do_and_resumes(
     stamp = record.stat().st_mtime_ns
     capsys.readouterr()
     assert sweep.main(sweep_arguments(tmp_path, export, reference, guidance=("cfg",))) == [first]
-    assert "sweep: tiny" not in capsys.readouterr().out and record.stat().st_mtime_ns == stamp
+    printed = capsys.readouterr().out
+    assert "sweep: tiny" not in printed and record.stat().st_mtime_ns == stamp
+    # and says so (issue 48: a resumed sweep did not say how many points it skipped)
+    assert f"sweep: 1 of 1 points already scored with these settings in {out}: read back, not sampled again" in printed
 
     # Other sample.py options into the same --out: sample.py refuses before sampling (a sweep never overwrites).
     error = sweep_one_line_error(
         [*sweep_arguments(tmp_path, export, reference, guidance=("cfg",)), "--steps", "3"], capsys
     )
     assert "belongs to a run with steps=2, not 3" in error
+
+
+@pytest.mark.slow
+def test_a_sweep_warns_of_small_sets_once_and_its_plot_names_the_sample_count(tmp_path, reference, capsys):
+    """Issue 48: fid's small-set warning came once per point; the plot did not say how many samples each FID is
+    of. A resumed sweep with one more point says it kept the first."""
+    export = tiny_export(tmp_path / "export")
+    records = sweep.main(sweep_arguments(tmp_path, export, reference, guidance=("none", "cfg")))
+    assert len(records) == 2
+    warned = [line for line in capsys.readouterr().err.splitlines() if "FID is biased upwards" in line]
+    assert len(warned) == 1 and "3 images; with fewer than 2048 per set" in warned[0]
+    assert sweep.plot(records).axes[0].get_title() == "FID of 3 samples per point against the guidance scale"
+    sweep.main(sweeping(sweep_arguments(tmp_path, export, reference), "--scales", "2", "3"))  # the later --scales
+    printed = capsys.readouterr().out
+    assert "sweep: 2 of 3 points already scored" in printed and "sweep: tiny, cfg 3" in printed
 
 
 def posthoc_run(run_dir: Path, export: Path) -> None:
