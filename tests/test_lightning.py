@@ -278,3 +278,53 @@ def test_a_lightning_checkpoint_becomes_an_export_that_samples_through_its_f16_a
     run_command(main, [*arguments, "--no-latent-norm", "--out", str(tmp_path / "plain")])
     plain = load_export(tmp_path / "plain").description
     assert (plain.latent_mean, plain.latent_std, plain.latent_scale) == (None, None, 1.0)
+
+
+def test_an_export_written_in_lightnings_format_has_its_layout_and_imports_back(tmp_path, f16_vae, capsys):
+    """generation.lightning_writer: a SiT with LightningDiT's block options trained here (random weights) becomes
+    LightningDiT's checkpoint: its keys and shapes those of the layout read from LightningDiT's code (this file's
+    `lightning_state`), its RoPE buffers EVA-02's tables (the convention the importer checks), its statistics
+    latents_stats.pt; imported back, the same weights and statistics. A VCA export is refused by name."""
+    import sit_vca
+    from generation import ExportDescription, write_export
+    from generation.lightning_writer import main as write_main
+
+    torch.manual_seed(0)
+    model = sit_vca.create_model(
+        "SiT-S/1", attention="mhsa", depth=1, hidden_size=32, num_heads=2, input_size=4, in_channels=32,
+        num_classes=10, learn_sigma=False, norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True,
+    )  # fmt: skip
+    mean, std = torch.linspace(-1, 1, 32).tolist(), torch.linspace(0.5, 2, 32).tolist()
+    description = ExportDescription(
+        model=model.config, objective={"kind": "transport", "path": "linear", "prediction": "velocity"},
+        space="latents", image_size=64, num_classes=10, vae=str(f16_vae), latent_scale=1.0, latent_mean=mean,
+        latent_std=std,
+    )  # fmt: skip
+    write_export(tmp_path / "ours", model.state_dict(), description)
+    run_command(write_main, [str(tmp_path / "ours"), "--out", str(tmp_path / "lightning")])
+    printed = capsys.readouterr().out
+    written = torch.load(tmp_path / "lightning" / "lightningdit.pt", weights_only=True)["ema"]
+    layout = lightning_state(1, 32, 2, 1, 32, 4, 10, False, **OPTIONS)
+    assert {key: tuple(value.shape) for key, value in written.items()} == {
+        key: tuple(value.shape) for key, value in layout.items()
+    }
+    for key in ("feat_rope.freqs_cos", "feat_rope.freqs_sin"):  # LightningDiT's float32 buffers: agree to ~1e-6
+        torch.testing.assert_close(written[key], layout[key], rtol=0, atol=1e-5)
+    stats = torch.load(tmp_path / "lightning" / "latents_stats.pt", weights_only=True)
+    assert stats["mean"].shape == (1, 32, 1, 1) and stats["std"].flatten().tolist() == pytest.approx(std)
+
+    command = printed.split("import it with: python -m generation.lightning ")[1].split()
+    assert command[-2:] == ["--out", "EXPORT"] and "--latent-stats" in command
+    run_command(main, [*command[:-1], str(tmp_path / "back")])
+    back = load_export(tmp_path / "back")
+    assert back.description.latent_mean == pytest.approx(mean) and back.description.latent_std == pytest.approx(std)
+    assert back.description.model == description.model
+    assert all(torch.equal(back.weights[key], value) for key, value in model.state_dict().items())
+
+    vca = sit_vca.create_model(
+        "SiT-S/1", attention="vca", depth=1, hidden_size=32, num_heads=2, input_size=4, in_channels=32, num_classes=10
+    )
+    vca_description = ExportDescription(**{**description.__dict__, "model": vca.config})
+    write_export(tmp_path / "vca", vca.state_dict(), vca_description)
+    error = one_line_error(write_main, [str(tmp_path / "vca"), "--out", str(tmp_path / "x")], capsys)
+    assert "attention vca; LightningDiT has MHSA only" in error and not (tmp_path / "x").exists()
