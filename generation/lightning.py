@@ -115,6 +115,14 @@ def check_patch_size(state: dict[str, torch.Tensor], name: str, patch: int, sour
         )
 
 
+def lightning_rope_tables(config: dict) -> dict[str, torch.Tensor]:
+    """The RoPE buffers of a LightningDiT model of the backbone `config`, as the backbone computes them: LightningDiT's
+    (N, d), each pair's value twice (ours are (N, d/2), once per pair)."""
+    head_dim = config["hidden_size"] // config["num_heads"]
+    rope = RotaryEmbedding2d(head_dim, config["input_size"] // name_size(config["name"])[1])
+    return {key: table.repeat_interleave(2, dim=1) for key, table in zip(ROPE_TABLES, (rope.cos, rope.sin))}
+
+
 def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: str) -> dict[str, torch.Tensor]:
     """The state dict of the backbone `config` from a LightningDiT one: SwiGLU keys renamed, the RoPE tables checked
     against the backbone's own and dropped."""
@@ -124,17 +132,12 @@ def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: st
             key = key.replace(old, new)
         converted[key] = value
     if config["rope"]:
-        head_dim = config["hidden_size"] // config["num_heads"]
-        expected = RotaryEmbedding2d(head_dim, config["input_size"] // name_size(config["name"])[1])
-        for key, table in zip(ROPE_TABLES, (expected.cos, expected.sin)):
-            # LightningDiT's (N, d): each pair's value twice; ours (N, d/2): once per pair
+        for key, table in lightning_rope_tables(config).items():
             found = converted.pop(key).float()
-            if found.shape != (table.shape[0], 2 * table.shape[1]) or not torch.allclose(
-                found, table.repeat_interleave(2, dim=1), atol=ROPE_TOLERANCE, rtol=0
-            ):
+            if found.shape != table.shape or not torch.allclose(found, table, atol=ROPE_TOLERANCE, rtol=0):
                 raise OfficialCheckpointError(
                     f"{source}: {key} {tuple(found.shape)} is not the 2-D RoPE of dit_vca.rope for "
-                    f"{head_dim}-channel heads on a {int(math.isqrt(table.shape[0]))}-token grid side"
+                    f"{table.shape[1]}-channel heads on a {int(math.isqrt(table.shape[0]))}-token grid side"
                 )
     return converted
 

@@ -23,10 +23,8 @@ import torch
 
 from atomic_files import atomic_folder
 from commands import CommandParser, UserError, run_command
-from dit_vca.models import name_size
-from dit_vca.rope import RotaryEmbedding2d
 from generation.export import Export, read_export
-from generation.lightning import LIGHTNING_OBJECTIVE, RENAMES, ROPE_TABLES
+from generation.lightning import LIGHTNING_OBJECTIVE, RENAMES, lightning_rope_tables
 
 CHECKPOINT_FILE = "lightningdit.pt"
 STATS_FILE = "latents_stats.pt"
@@ -63,10 +61,7 @@ def lightning_state_dict(export: Export) -> dict[str, torch.Tensor]:
             key = key.replace(ours, lightning)
         state[key] = value
     if config["rope"]:
-        head_dim = config["hidden_size"] // config["num_heads"]
-        rope = RotaryEmbedding2d(head_dim, config["input_size"] // name_size(config["name"])[1])
-        for key, table in zip(ROPE_TABLES, (rope.cos, rope.sin)):
-            state[key] = table.repeat_interleave(2, dim=1)  # (N, d): each pair's value twice, as LightningDiT's
+        state.update(lightning_rope_tables(config))
     return state
 
 
