@@ -218,6 +218,20 @@ CASES = [  # (id, command, arguments, text the one line must contain)
         [*TRAIN, "model.name=SiT-S/2", "transport.prediction=noise", "transport.cosine_loss_weight=1"],
         "'transport.cosine_loss_weight' is 1, but transport.prediction=noise: the velocity-direction loss needs",
     ),
+    # issue 48: the grids' sampler and steps, checked before training (the first grid came after the first
+    # checkpoint and stopped the run there)
+    (
+        "preview-sampler",
+        "train",
+        [*TRAIN, "model.name=SiT-S/2"],  # the digits config's log.sample_sampler is ddim
+        "'log.sample_sampler' is 'ddim'; SiT-S/2's objective offers euler, heun, dopri5",
+    ),
+    (
+        "preview-adaptive-steps",
+        "train",
+        [*TRAIN, "model.name=SiT-S/2", "log.sample_sampler=null"],
+        "'log.sample_steps' is 50, but log.sample_sampler=dopri5 (the default) chooses its own steps: set",
+    ),
     ("latents-no-folders", "latents", ["--config", str(DIGITS)], "latent extraction needs data.images="),
     ("latents-bad-value", "latents", ["--config", str(DIGITS), "extract.batch_size=0"], "'extract.batch_size' is 0"),
     ("demo-num-samples", "demo", ["--out", "{tmp}/demo", "--num-samples", "0"], "--num-samples must be positive"),

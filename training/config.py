@@ -34,7 +34,17 @@ from dit_vca.model_options import (
     VCAOptions,
     recipe_options,
 )
-from objectives import DECODER_CDF, DIFFUSION, LOSS_WEIGHT, PATH, PREDICTION, TIME_DISTRIBUTION, Setting
+from objectives import (
+    DECODER_CDF,
+    DIFFUSION,
+    LOSS_WEIGHT,
+    MODEL_FAMILIES,
+    PATH,
+    PREDICTION,
+    SAMPLERS,
+    TIME_DISTRIBUTION,
+    Setting,
+)
 from training.encoder_source import encoder_source
 
 BASE_KEY = "base"
@@ -288,6 +298,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     _check_model_heads(config.model)
     _check_block_options(config.model)
     _check_transport(config)
+    _check_preview_sampler(config)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(
             f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
@@ -573,6 +584,25 @@ def _check_transport(config: Config) -> None:
         raise ConfigError(
             f"'transport.cosine_loss_weight' is {transport.cosine_loss_weight:g}, but transport.prediction="
             f"{transport.prediction}: the velocity-direction loss needs transport.prediction=velocity"
+        )
+
+
+def _check_preview_sampler(config: Config) -> None:
+    """The grids' and FID's sampler is one the model's objective offers, and given steps only where it takes them
+    (else the first grid, after the first checkpoint, would fail)."""
+    table = SAMPLERS[MODEL_FAMILIES[config.model.name.split("-", 1)[0]].kind]
+    log = config.log
+    sampler = log.sample_sampler or table.default
+    if sampler not in table.names:
+        raise ConfigError(
+            f"'log.sample_sampler' is {sampler!r}; {config.model.name}'s objective offers {', '.join(table.names)}"
+        )
+    if log.sample_steps is not None and table.steps[sampler] is None:
+        fixed = ", ".join(name for name in table.names if table.steps[name] is not None)
+        raise ConfigError(
+            f"'log.sample_steps' is {log.sample_steps}, but log.sample_sampler={sampler}"
+            + (" (the default)" if log.sample_sampler is None else "")
+            + f" chooses its own steps: set log.sample_steps=null, or a fixed-step sampler ({fixed})"
         )
 
 
