@@ -393,9 +393,11 @@ def save_grid(args: argparse.Namespace, shards: ShardPlan, images_of, labels: Sa
         else f"guidance {args.cfg_scale:g}"
     )
     steps = f", {args.steps} steps" if args.steps is not None else ""
-    title = f"{short_name(args.ckpt)}: {guidance}, {args.sampler or generator.objective.default_sampler}{steps}"
+    settings = run_settings(args)
+    name = short_name(settings.get("export", args.ckpt))  # a run folder's newest export: "<run> step-XXXXXXX"
+    title = f"{name}: {guidance}, {args.sampler or generator.objective.default_sampler}{steps}"
     grid = [(label, images[start:stop]) for (label, _), start, stop in zip(rows, starts, starts[1:])]
-    save_class_grid(grid, path, title, generator.class_names, run_settings(args))
+    save_class_grid(grid, path, title, generator.class_names, settings)
 
 
 def command() -> None:
