@@ -588,10 +588,12 @@ def _check_transport(config: Config) -> None:
 
 
 def _check_preview_sampler(config: Config) -> None:
-    """The grids' and FID's sampler is one the model's objective offers, and given steps only where it takes them
-    (else the first grid, after the first checkpoint, would fail)."""
+    """Where grids or FID are drawn, their sampler is one the model's objective offers, and given steps only where
+    it takes them (else the first grid, after the first checkpoint, would fail)."""
     table = SAMPLERS[MODEL_FAMILIES[config.model.name.split("-", 1)[0]].kind]
     log = config.log
+    if not (log.sample_every or log.fid_every):
+        return
     sampler = log.sample_sampler or table.default
     if sampler not in table.names:
         raise ConfigError(
