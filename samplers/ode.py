@@ -1,10 +1,11 @@
 """Probability-flow ODE samplers for interpolant models: fixed-step Euler and Heun, torchdiffeq's adaptive
 solvers, and the log-likelihood of data points by integrating the divergence of the velocity field."""
 
-import functools
+from __future__ import annotations
+
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import torch
 from torch import Tensor
@@ -16,7 +17,32 @@ from objectives import ADAPTIVE_METHODS
 from .interface import DenoiseFn, SampleResult, SamplerOptionError, SamplerStep, StepCallback, batch_time
 from .noise import PerSampleNoise, standard_normal_like
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
+
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, ...), t (B,), y (B,)) -> dx/dt (B, ...)
+
+
+def euler(
+    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], **stepping: Unpack[Stepping]
+) -> SampleResult:
+    """Explicit Euler from t_steps[0] to t_steps[-1]: x += (t_next - t) * v(x, t) (`fixed_steps`)."""
+    return fixed_steps(velocity, x, labels, t_steps=t_steps, method="euler", **stepping)
+
+
+def heun(
+    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], **stepping: Unpack[Stepping]
+) -> SampleResult:
+    """Heun's second-order method (explicit trapezoid): an Euler predictor, then the average of both slopes."""
+    return fixed_steps(velocity, x, labels, t_steps=t_steps, method="heun", **stepping)
+
+
+class Stepping(TypedDict, total=False):
+    """What the fixed-step solvers take beside their grid: a progress bar, a callback and the data estimate it gets."""
+
+    progress: bool
+    callback: StepCallback | None
+    denoise: DenoiseFn | None
 
 
 def fixed_steps(
@@ -47,10 +73,6 @@ def fixed_steps(
             callback(SamplerStep(i, t_cur, x, denoise(x, t, d_cur) if denoise else None, evaluations * (i + 1)))
         x = x + step
     return SampleResult(samples=x, nfe=evaluations * len(pairs))
-
-
-euler = functools.partial(fixed_steps, method="euler")
-heun = functools.partial(fixed_steps, method="heun")
 
 
 class _CountingField:
