@@ -80,6 +80,7 @@ def cpu_has_avx2() -> bool:
     return cpuinfo.exists() and " avx2" in cpuinfo.read_text()
 
 
+@pytest.mark.slow  # Inception on 42 digits in a child process: ~20 s on 2 shared cores
 def test_the_reference_code_path_gives_the_stored_features_bit_for_bit():
     # The reference features are no longer committed (issue 49): judges.digits_reference computes them once, in a
     # child process held to AVX2 kernels, the code path that made them. Every 43rd digit (42 images, every class),
