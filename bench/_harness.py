@@ -1,13 +1,15 @@
 """Shared benchmark plumbing: what machine a result came from, whether bf16 is worth timing there, how many
-bytes of activations a forward pass saves for backward, and saving a result as JSON, a Markdown table and a
-PNG plot (each replaced atomically). matplotlib is imported only to draw: the GPU runbook (bench.gpu) runs
-where it is not installed."""
+bytes of activations a forward pass saves for backward, which commit of the code produced a result, and saving a
+result as JSON, a Markdown table and a PNG plot (each replaced atomically), the JSON and the table stamped with
+that commit. matplotlib is imported only to draw: the GPU runbook (bench.gpu) runs where it is not installed."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,6 +23,12 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parents[1]
+# What the benchmarks and studies write (and `make bench` rewrites one after another): not part of "the code" whose
+# state a result records.
+RESULT_FOLDERS = ("bench/results", "studies/results")
+COMMIT_VARIABLE = "VCA_COMMIT"  # the commit of a tree that is no git checkout: "<sha>" or "<sha>-dirty"
+STAMP_KEY = "measured_on"  # the key of a result's stamp in its JSON (a JSONL file's: in its versions row)
 PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback
 
 
@@ -119,13 +127,54 @@ def subplots(rows: int = 1, columns: int = 1, *, figsize: tuple[float, float], *
     return figure, figure.subplots(rows, columns, **options)
 
 
+def source_stamp(root: Path = REPO) -> dict:
+    """{"commit": the full sha the code was at, "dirty": whether the tree differed from it}, read from git; a tree
+    differs when a file outside RESULT_FOLDERS is modified, added, deleted or new and not ignored. A tree that is no
+    git checkout (the GPU machine receives a copy of the working tree without .git) takes both from $VCA_COMMIT,
+    which the caller sets where git is: `VCA_COMMIT=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty)`.
+    Neither: {"commit": None, "dirty": None}, which tests/test_results.py refuses in a committed result."""
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        excluded = [f":(exclude){folder}" for folder in RESULT_FOLDERS]
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", ".", *excluded],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    given = os.environ.get(COMMIT_VARIABLE, "").strip()
+    if given:
+        commit, dirty = given.removesuffix("-dirty"), given.endswith("-dirty")
+        return {"commit": commit, "dirty": dirty}
+    return {"commit": None, "dirty": None}
+
+
+def stamp_line(stamp: dict) -> str:
+    """The sentence a Markdown result ends with: the commit its figures come from, and how that is known."""
+    recovered = stamp.get("recovered_from_git_history")
+    if recovered is not None and stamp["commit"] is None:
+        return f"Commit not recorded when measured and not recoverable from git history: {recovered}."
+    if recovered is not None:
+        return f"Commit {stamp['commit'][:12]}, recovered from git history (not recorded when measured): {recovered}."
+    if stamp.get("commit") is None:
+        return f"Commit unknown: measured outside a git checkout without ${COMMIT_VARIABLE}."
+    state = "with uncommitted changes" if stamp["dirty"] else "as committed"
+    return f"Measured on commit {stamp['commit'][:12]}, the tree {state}."
+
+
+def stamped_table(table: str, stamp: dict) -> str:
+    """`table` followed by its stamp line: what save_results writes as `<stem>.md`."""
+    return f"{table.rstrip()}\n\n{stamp_line(stamp)}\n"
+
+
 def save_results(out_dir: Path, stem: str, results: dict, table: str, plot: Callable[[dict], Figure]) -> None:
-    """Write `<stem>.json`, `<stem>.md` (the table) and `<stem>.png` (the figure `plot` draws) into out_dir."""
+    """Write `<stem>.json` (with the commit it was measured on under STAMP_KEY: `source_stamp`), `<stem>.md` (the
+    table, ending with that commit) and `<stem>.png` (the figure `plot` draws) into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    results = {**results, STAMP_KEY: source_stamp()}
     with atomic_output(out_dir / f"{stem}.json") as path:
         path.write_text(json.dumps(results, indent=1) + "\n")
     with atomic_output(out_dir / f"{stem}.md") as path:
-        path.write_text(table)
+        path.write_text(stamped_table(table, results[STAMP_KEY]))
     figure = plot(results)
     with atomic_output(out_dir / f"{stem}.png") as path:
         figure.savefig(path, format="png", dpi=110)

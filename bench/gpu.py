@@ -6,8 +6,10 @@
     python3 -m bench.gpu --summarize A.jsonl B.jsonl --out bench/results   # one summary and plot of both calls
 
 Every row is appended to <out>/gpu-<device>-<time>.jsonl the moment it is measured (--out defaults to $OUT, else
-bench/results), and <out>/gpu-<device>.md is rewritten after each part, so a part stopped by its time budget, by an
-error or by running out of memory keeps what it measured. In order:
+bench/results), stamped with the commit of the code (bench._harness.source_stamp: the GPU machine's copy of the tree
+has no .git, so put `VCA_COMMIT=<sha>` or `<sha>-dirty` before the command there), and <out>/gpu-<device>.md is
+rewritten after each part, so a part stopped by its time budget, by an error or by running out of memory keeps what
+it measured. In order:
 1. versions: torch, triton, CUDA, the NVIDIA driver, the device (this process, before any part);
 2. part `check`: the Triton core's first-use check (dit_vca.triton_check) at DiT-XL/2's width (C = 1152, 16 heads,
    d = 72, bf16, n = 64), then one VCA layer there, N = 256 and 16384, bf16: the Triton core, the ATen core and the
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from atomic_files import atomic_output, write_text_atomic
-from bench._harness import RESULTS, describe_device, subplots, synchronize
+from bench._harness import RESULTS, STAMP_KEY, describe_device, source_stamp, stamp_line, subplots, synchronize
 from bench.gpu_training import LARGE_MODEL, LARGE_MODEL_GOAL, TIME_GOALS, TrainingCase, measure_training
 from commands import UserError
 
@@ -361,10 +363,18 @@ RUNBOOK = Runbook(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def process_stamp() -> dict:
+    """The commit this process's code is at (`bench._harness.source_stamp`), read once."""
+    return source_stamp()
+
+
 def append_row(path: Path, row: dict) -> None:
-    """Append one JSON line and push it to disk, so that a process killed afterwards keeps it."""
+    """Append one JSON line, stamped with the commit it was measured on, and push it to disk, so that a process
+    killed afterwards keeps it. Every row carries its stamp: rows of several calls (a part rerun after a fix) are
+    summarized together."""
     with open(path, "a") as file:
-        file.write(json.dumps(row) + "\n")
+        file.write(json.dumps({**row, STAMP_KEY: process_stamp()}) + "\n")
         file.flush()
         os.fsync(file.fileno())
 
@@ -591,7 +601,8 @@ def write_summary(path: Path, title: str, statuses: dict[str, dict], rows: list[
     """The summary of `rows` under `title`, with a table of each part's status where `statuses` has any."""
     status_table = ["| part | status | seconds |", "|---|---|---:|"]
     status_table += [f"| {name} | {s['status']} | {s['seconds']} |" for name, s in statuses.items()]
-    lines = [title, "", *(status_table + [""] if statuses else []), *summary_lines(rows)]
+    stamps = dict.fromkeys(stamp_line(row.get(STAMP_KEY, {"commit": None})) for row in rows)
+    lines = [title, "", *(status_table + [""] if statuses else []), *summary_lines(rows), "", *stamps]
     text = "\n".join(lines) + "\n"
     write_text_atomic(path, text)
     return text

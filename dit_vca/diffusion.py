@@ -13,7 +13,7 @@ from objectives import DECODER_CDF, DIFFUSION, DIFFUSION_SAMPLERS, MULTISTEP_SOL
 from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
 from samplers.ddpm import ReverseStep
-from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
+from samplers.interface import ModelFn, SamplerOptionError, StepCallback, check_sampler_request
 from samplers.multistep import multistep_solver
 
 NUM_TIMESTEPS = 1000
@@ -300,20 +300,22 @@ class GaussianDiffusion:
         steps: int | None = None,
         noise: PerSampleNoise | None = None,
         progress: bool = False,
+        callback: StepCallback | None = None,
         **options,
     ) -> SampleResult:
         """Sample with "ddpm" (ancestral, respaced to `steps`, default 250), "ddim" (spacing "ddimK", default 50;
         option eta, default 0) or the deterministic multistep solvers "dpm++2m" and "unipc" (default 20 steps,
         spread over this process by diffusers' schedulers). Option clip_denoised (DDPM/DDIM) clamps predicted x_0
-        to [-1, 1] (pixel data only)."""
+        to [-1, 1] (pixel data only). `callback` gets a samplers.interface.SamplerStep per step (denoised: x_0)."""
         check_sampler_request(sampler, options, DIFFUSION_SAMPLERS.options)
         steps = DIFFUSION_SAMPLERS.steps[sampler] if steps is None else steps
+        stepping = {"progress": progress, "callback": callback}
         with torch.no_grad():
             if sampler in MULTISTEP_SOLVERS:
-                return multistep_solver(model_fn, x_T, labels, self, solver=sampler, steps=steps, progress=progress)
+                return multistep_solver(model_fn, x_T, labels, self, solver=sampler, steps=steps, **stepping)
             process = self.respaced(f"ddim{steps}" if sampler == "ddim" else str(steps))
             run = ddpm_samplers.ddim if sampler == "ddim" else ddpm_samplers.ddpm
-            return run(model_fn, x_T, labels, process, noise=noise, progress=progress, **options)
+            return run(model_fn, x_T, labels, process, noise=noise, **stepping, **options)
 
 
 def create_diffusion(

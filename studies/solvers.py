@@ -113,7 +113,8 @@ def sample_set(
 
 def run(args: argparse.Namespace) -> dict:
     from fid import fid_from_batches, gaussian_of, load_inception
-    from judges.digits import fit_classifier, inception_batches, real_digit_features, real_digits
+    from judges.digits import fit_classifier, inception_batches, real_digits
+    from judges.digits_reference import real_digit_features
 
     device = torch.device(args.device)
     settings = dict(QUICK if args.quick else FULL)
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     classifier = fit_classifier(real_images, real_labels)
     reference_images = real_images if settings["num_real"] is None else real_images[: settings["num_real"]]
     extractor = load_inception("bundled", device=device)
-    reference = gaussian_of(real_digit_features(reference_images, extractor))  # committed features when they fit
+    reference = gaussian_of(real_digit_features(reference_images, extractor))  # the reference features for all digits
     rows = []
     for sampler, steps in QUICK_RUNS if args.quick else FULL_RUNS:
         images, labels, seconds, nfe = sample_set(generator, sampler, steps, settings, device)
