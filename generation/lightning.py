@@ -112,15 +112,32 @@ def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: st
         expected = RotaryEmbedding2d(head_dim, config["input_size"] // name_size(config["name"])[1])
         for key, table in zip(ROPE_TABLES, (expected.cos, expected.sin)):
             # LightningDiT's (N, d): each pair's value twice; ours (N, d/2): once per pair
-            found = converted.pop(key).float()
+            found = converted.pop(key)
+            # a table stored in half precision is rounded to half an ulp at 1 (float16: 4.9e-4, bfloat16: 3.9e-3)
+            tolerance = max(ROPE_TOLERANCE, torch.finfo(found.dtype).eps)
+            found = found.float()
             if found.shape != (table.shape[0], 2 * table.shape[1]) or not torch.allclose(
-                found, table.repeat_interleave(2, dim=1), atol=ROPE_TOLERANCE, rtol=0
+                found, table.repeat_interleave(2, dim=1), atol=tolerance, rtol=0
             ):
                 raise OfficialCheckpointError(
                     f"{source}: {key} {tuple(found.shape)} is not the 2-D RoPE of dit_vca.rope for "
                     f"{head_dim}-channel heads on a {int(math.isqrt(table.shape[0]))}-token grid side"
                 )
     return converted
+
+
+def floating_weights(state: dict[str, torch.Tensor], source: str) -> str | None:
+    """Refuse a state dict with a tensor that is not floating point (an integer "weight" would be cast to float32
+    without a word); a note for the command to print when the weights are in another precision than float32 (a
+    float16 or bfloat16 checkpoint, cast to float32 by the export), else None."""
+    integer = next((key for key, value in state.items() if not value.is_floating_point()), None)
+    if integer is not None:
+        raise OfficialCheckpointError(
+            f"{source}: {integer} holds {str(state[integer].dtype).removeprefix('torch.')} values; a LightningDiT "
+            f"checkpoint's weights are floating point"
+        )
+    other = sorted({str(value.dtype).removeprefix("torch.") for value in state.values()} - {"float32"})
+    return f"{source}: {' and '.join(other)} weights, cast to float32 in the export" if other else None
 
 
 def read_latent_stats(path: Path, channels: int) -> tuple[list[float], list[float]]:
@@ -158,6 +175,7 @@ def lightning_export(
     if not latent_scale > 0:
         raise OfficialCheckpointError(f"--latent-scale {latent_scale}: expected a value > 0")
     state = load_state_dict(Path(ckpt))
+    precision = floating_weights(state, source)
     config = lightning_model_config(state, model, source, num_heads)
     weights = backbone_state_dict(state, config, source)
     autoencoder = load_vae(vae, option="--vae")  # fails before anything is written
@@ -183,7 +201,9 @@ def lightning_export(
         source=source,
     )
     check_fits(description, weights, source)
-    return Export(description, weights)
+    if precision is not None:
+        print(precision)
+    return Export(description, {key: value.float() for key, value in weights.items()})
 
 
 def main(argv: Sequence[str] | None = None) -> None:
