@@ -147,6 +147,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.out.suffix != ".npz":
         raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
     if not args.out.parent.is_dir():
+        check_writable(args.out.parent)  # a file where a folder should be is named as such
         raise SystemExit(f"--out {args.out}: folder {args.out.parent} does not exist")
     check_writable(args.out.parent)
 
