@@ -9,7 +9,8 @@
 released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0` uint8 (N, H, W, 3), `arr_1`
 int64 labels), a preview grid `<out>.png` (one labelled row per class, the guidance in its title) and `<out>.json`
 (settings and speed), never replacing files that an earlier sample.py run with other settings (unless
---overwrite), or anything else, wrote. Given a run or checkpoint
+--overwrite), or anything else, wrote. The settings name the sha256 of the weights file (`weights_sha256`): an
+export replaced in place is another run's, never resumed nor "already complete". Given a run or checkpoint
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
 (`export`, `train_step`). `--protocol dit|sit|sit-ode` sets what the official evaluations used
 (generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved

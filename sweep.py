@@ -19,8 +19,11 @@ with; a rerun skips the points scored with the same settings, and a point killed
 its finished shards (sample.py). The sweep ends with <out>/sweep.json (every point's record), <out>/sweep.md (the
 table) and <out>/sweep.png (FID against the guidance scale, one line per export and guidance). One process (one
 GPU or the CPU): for 8 GPUs per point, use sample.py and `python -m fid` themselves. A bad argument, a REF that is
-missing or cannot give a metric asked for, or a sample.py option that sample.py refuses is one line and exit
-status 2 before anything is reconstructed or sampled.
+missing or cannot give a metric asked for, a sample.py option that sample.py refuses, an export that is missing,
+damaged or cannot serve the options, or a file in --out that sweep.py (or sample.py) did not write is one line and
+exit status 2 before anything is reconstructed or sampled (the exports --run reconstructs: before the first point).
+A record names the sha256 of the weights its samples came from: an export replaced in place is never read back
+as the old one. One sweep at a time writes into an --out (a lock; a second is refused at once).
 """
 
 from __future__ import annotations
