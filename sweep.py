@@ -158,8 +158,8 @@ class Sweep:
         exists); an export (or guide) that is missing, damaged or holds NaN weights, or that cannot serve the
         options (another objective's sampler or sampler options, guidance without a null class, a guide of other
         inputs); a point's files in --out that sweep.py or sample.py did not write, or that another run (other
-        weights, other options) wrote. Points of reconstructions still to come have
-        their arguments checked only (their labels are in `not_made`)."""
+        weights, other options) wrote. Of a point whose label is in `not_made` (a reconstruction still to come),
+        only the arguments."""
         import sample
         from generation import ExportError, load_export
         from generation.autoguide import guide_mismatch

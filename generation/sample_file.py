@@ -30,8 +30,8 @@ SHARD_NAME = "shard-{:06d}.npz"  # shard k's file in <out>.shards/
 LABEL_BYTES = np.dtype(np.int64).itemsize  # a label, or a sample index, in a sample file
 NPZ_OVERHEAD_BYTES = 1024  # headers and zip records of an .npz of up to three arrays, at most (a shard: 748)
 RECORD_BYTES = 16 << 10  # the most a run's summary .json or its shard folder's settings.json takes (about 1.1 KiB)
-WRITER, CHOOSE = "sample.py", "choose another --out"  # for the refusal of a file sample.py did not write
 FOLDER_ENTRY_BYTES = 64  # a shard's entry in the shard folder (ext4: 24 bytes for 8 and its 16-character name)
+WRITER, CHOOSE = "sample.py", "choose another --out"  # for the refusal of a file sample.py did not write
 
 
 @dataclass(frozen=True)
