@@ -81,6 +81,26 @@ def check_launched_processes(processes_seen: int, script: str, cpu_option: str) 
         )
 
 
+def check_device(device: str, option: str = "--device") -> None:
+    """Refuse a torch device that this machine does not have, in one line naming `option` (cuda without a GPU,
+    cuda:3 with two, a name torch does not know), before a command loads anything onto it. Imports torch (only
+    commands given a device call it)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise UserError(f"{option} {device}: not a torch device ({str(error).splitlines()[0]})") from None
+    if parsed.type == "cpu":
+        return
+    backend = getattr(torch, parsed.type, None)
+    count = backend.device_count() if hasattr(backend, "device_count") else 0
+    if count == 0:
+        raise UserError(f"{option} {device}: this machine has no {parsed.type} device; use cpu, or leave {option} out")
+    if parsed.index is not None and parsed.index >= count:
+        raise UserError(f"{option} {device}: this machine has {count} {parsed.type} device(s), 0 to {count - 1}")
+
+
 def accelerate_launch_processes() -> int:
     """The --num_processes of the `accelerate launch` command that started this process (its parent), else 1.
     Read from the parent's command line (Linux /proc) with Accelerate's own launch parser."""

@@ -109,6 +109,7 @@ def whole_run_rate(lines: list[dict[str, Any]]) -> float:
 def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
     """Run train.py on the digits config (resuming the run in run_dir, if any); return its figures."""
     from generation.run_layout import METRICS_FILE
+    from training.log_lines import read_log
 
     command = [
         sys.executable,
@@ -127,7 +128,7 @@ def train(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any]:
     if status != 0:  # train.py has said why
         raise SystemExit(status)
     seconds = time.perf_counter() - started
-    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
+    lines = read_log(run_dir / METRICS_FILE, ["loss", "steps_per_s"])  # a damaged line: named, left out
     last = lines[-1]
     return {
         "steps": last["step"],
@@ -265,12 +266,28 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the demo; a stop (Ctrl-C) is one line and exit status STOPPED_STATUS (75), as train.py's."""
+    """Run the demo; a stop (Ctrl-C) is one line and exit status STOPPED_STATUS (75), as train.py's, however many
+    Ctrl-C follow while it stops (in a command process: `stop_once`)."""
+    from commands import is_command_process
+
+    if is_command_process():
+        signal.signal(signal.SIGINT, stop_once)
     try:
         return run_demo(argv)
     except (KeyboardInterrupt, DemoStopped):
+        if is_command_process():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped by train.py's status: the same from here on
         print("demo: stopped; run it again to continue", file=sys.stderr, flush=True)
         raise SystemExit(STOPPED_STATUS) from None
+
+
+def stop_once(number: int, frame: Any) -> None:
+    """The demo's SIGINT handler: the first Ctrl-C stops it (KeyboardInterrupt), and every later one is ignored
+    until the process has ended, so that a second Ctrl-C while it stops (while sampling, it unwinds torch's work
+    and shuts down) cannot end it with 130 instead of 75. Training's own second Ctrl-C reaches train.py directly
+    (the terminal signals the whole process group) and still ends it at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def run_demo(argv: Sequence[str] | None) -> dict[str, Any]:

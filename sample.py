@@ -9,7 +9,8 @@
 released one), or a Hugging Face Hub id of an export. Writes `<out>.npz` (`arr_0` uint8 (N, H, W, 3), `arr_1`
 int64 labels), a preview grid `<out>.png` (one labelled row per class, the guidance in its title) and `<out>.json`
 (settings and speed), never replacing files that an earlier sample.py run with other settings (unless
---overwrite), or anything else, wrote. Given a run or checkpoint
+--overwrite), or anything else, wrote. The settings name the sha256 of the weights file (`weights_sha256`): an
+export replaced in place is another run's, never resumed nor "already complete". Given a run or checkpoint
 folder, the newest export in it is used; the command prints it, and `<out>.json` records it with its training step
 (`export`, `train_step`). `--protocol NAME` (listed below) sets what the official evaluations used
 (generation/protocols.py); flags given explicitly win, and `<out>.json` records the protocol with the resolved
@@ -160,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Every setting that changes the output: shards and files of one run are never mixed with another's."""
+    """Every setting that changes the output, the weights' sha256 among them: shards and files of one run are never
+    mixed with another's, nor with those of other weights at the same path."""
     ckpt = Path(args.ckpt)
     protocol = {"protocol": args.protocol} if args.protocol else {}  # runs from before protocols keep matching
     export = resolved_export(ckpt)  # a run folder's newest export: a rerun after more training is another run
@@ -169,6 +171,7 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
         **protocol,
         "ckpt": str(ckpt.resolve()) if ckpt.exists() else args.ckpt,
         **newest,
+        "weights_sha256": weights_digest(args.ckpt, "--ckpt", args.model, args.image_size),
         "model": args.model,
         "image_size": args.image_size,
         "vae": args.vae,
@@ -195,8 +198,23 @@ def autoguidance_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "guide_ckpt": str(guide.resolve()) if guide.exists() else args.guide_ckpt,
         **({"guide_export": str(export)} if export is not None else {}),
+        "guide_weights_sha256": weights_digest(args.guide_ckpt, "--guide-ckpt"),
         "guidance_scale": args.guidance_scale,
     }
+
+
+def weights_digest(ckpt: str, option: str, model: str | None = None, image_size: int | None = None) -> str:
+    """The sha256 of the weights file `option` (--ckpt, --guide-ckpt) names: what identifies the model behind a run's
+    samples, so that an export replaced in place (same path, other weights) is another run's, never resumed or
+    taken as complete."""
+    from atomic_files.digest import file_sha256
+    from generation import ExportError, weights_file
+    from generation.official import OfficialCheckpointError
+
+    try:
+        return file_sha256(weights_file(ckpt, model, image_size))
+    except (ExportError, OfficialCheckpointError) as error:
+        raise UserError(f"{option}: {error}") from None
 
 
 def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:

@@ -20,8 +20,11 @@ continues from its finished shards (sample.py). fid's warning of sets too small 
 sweep. The sweep ends with <out>/sweep.json (every point's record), <out>/sweep.md (the table) and <out>/sweep.png
 (FID against the guidance scale, one line per export and guidance, the samples per point in its title). One process (one
 GPU or the CPU): for 8 GPUs per point, use sample.py and `python -m fid` themselves. A bad argument, a REF that is
-missing or cannot give a metric asked for, or a sample.py option that sample.py refuses is one line and exit
-status 2 before anything is reconstructed or sampled.
+missing or cannot give a metric asked for, a sample.py option that sample.py refuses, an export that is missing,
+damaged or cannot serve the options, or a file in --out that sweep.py (or sample.py) did not write is one line and
+exit status 2 before anything is reconstructed or sampled (the exports --run reconstructs: before the first point).
+A record names the sha256 of the weights its samples came from: an export replaced in place is never read back
+as the old one. One sweep at a time writes into an --out (a lock; a second is refused at once).
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atomic_files import atomic_output, check_writable, write_json_atomic, write_text_atomic
-from commands import CommandParser, UserError, run_command
+from atomic_files.folder_lock import lock_folder, lock_holder, release_folder
+from atomic_files.ownership import json_object_with, refuse_foreign
+from commands import CommandParser, UserError, check_device, run_command
 from fid.inputs import existing_input
 from fid.reference import resolve_input
 from fid.request import DEFAULT_BATCH_SIZE, METRICS, check_request
@@ -55,6 +60,8 @@ GUIDANCE_KINDS = ("none", "cfg", "autoguidance")
 POINT_FLAGS = ("--ckpt", "--out", "--num-samples", "--cfg-scale", "--guide-ckpt", "--guidance-scale", "--overwrite")
 COLUMN_NAMES = {"fid": "FID", "sfid": "sFID", "is": "IS", "precision": "precision", "recall": "recall"}
 STEM = "sweep"  # <out>/sweep.{json,md,png}
+REPORT_KEYS = ("num_samples", "sample_options", "points")  # what makes <out>/sweep.json sweep.py's
+RECORD_KEYS = ("point", "sampling", "scoring", "metrics")  # what makes <out>/scores/<point>.json sweep.py's
 
 
 class SweepError(UserError):
@@ -147,18 +154,54 @@ class Sweep:
         """Inception, loaded at the first scoring (a rerun that finds every point scored loads none)."""
         return inception(self.scoring.weights, self.scoring.device, "is" in self.scoring.metrics)
 
-    def check(self, points: Sequence[Point]) -> None:
-        """Refuse, before anything is sampled, sample.py options that a point sets itself or that sample.py
-        refuses for a point (the output folder is made first: sample.py checks that it exists)."""
-        from sample_arguments import check_args, parse_args
+    def check(self, points: Sequence[Point], not_made: Sequence[str] = ()) -> None:
+        """Refuse, before anything is sampled, what would stop any point later: sample.py options that a point sets
+        itself or that sample.py refuses for a point (the output folder is made first: sample.py checks that it
+        exists); an export (or guide) that is missing, damaged or holds NaN weights, or that cannot serve the
+        options (another objective's sampler or sampler options, guidance without a null class, a guide of other
+        inputs); a point's files in --out that sweep.py or sample.py did not write, or that another run (other
+        weights, other options) wrote. Of a point whose label is in `not_made` (a reconstruction still to come),
+        only the arguments."""
+        import sample
+        from generation import ExportError, load_export
+        from generation.autoguide import guide_mismatch
+        from generation.official import OfficialCheckpointError
+        from generation.sample_file import SampleFiles
+        from sample_arguments import check_against, check_args, parse_args
 
         for option in self.sample_options:
             flag = option.split("=")[0]
             if flag.startswith("--") and any(owned.startswith(flag) for owned in POINT_FLAGS):  # also abbreviated
                 raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
         (self.out / "samples").mkdir(parents=True, exist_ok=True)
+        descriptions: dict[str, Any] = {}  # --ckpt or --guide-ckpt -> its export's description, each read once
+
+        def description(args: argparse.Namespace, ckpt: str, option: str):
+            if ckpt not in descriptions:
+                official = (args.model, args.image_size) if option == "--ckpt" else (None, None)
+                try:  # the weights are read: NaN or infinity is refused
+                    descriptions[ckpt] = load_export(ckpt, *official).description
+                except (ExportError, OfficialCheckpointError) as error:
+                    raise SweepError(f"{option}: {error}") from None
+            return descriptions[ckpt]
+
         for point in points:
-            check_args(parse_args(self.sample_argv(point)))
+            args = parse_args(self.sample_argv(point))
+            check_args(args)
+            if point.label in not_made:
+                continue
+            model = description(args, point.ckpt, "--ckpt")
+            check_against(model, args)
+            if point.guide is not None:
+                mismatch = guide_mismatch(model, description(args, point.guide, "--guide-ckpt"))
+                if mismatch is not None:
+                    name, ours, theirs = mismatch
+                    raise SweepError(
+                        f"--guide-ckpt {point.guide}: its {name} is {theirs!r}, that of {point.label} ({point.ckpt}) "
+                        f"{ours!r}; a guide needs the model's objective, inputs and classes"
+                    )
+            refuse_foreign(self.record_path(point), is_score_record, "sweep.py", choose="choose another --out")
+            SampleFiles(self.samples_path(point)).claim(sample.run_settings(args))
 
     def score(self, point: Point) -> dict[str, Any]:
         """The record of `point`: read when a previous invocation made it with the same settings, else sampled
@@ -202,7 +245,8 @@ class Sweep:
     def stored(self, point: Point, expected: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The record an earlier invocation made of `point` with the same settings, else None."""
         record_path = self.record_path(point)
-        if not record_path.is_file():
+        refuse_foreign(record_path, is_score_record, "sweep.py", choose="choose another --out")
+        if not record_path.is_file():  # a record of this sweep, made with the same settings (weights included), is kept
             return None
         stored = json.loads(record_path.read_text())
         expected = self.settings_of(point) if expected is None else expected
@@ -235,6 +279,16 @@ class Sweep:
             with np.load(samples) as data:
                 metrics.update(self.extra_scores(data["arr_0"], data["arr_1"]))
         return metrics, evaluation.inception_weights
+
+
+def is_score_record(path: Path) -> bool:
+    """Whether `path` is a point's record that sweep.py wrote (<out>/scores/<point>.json)."""
+    return json_object_with(path, RECORD_KEYS)
+
+
+def is_report(path: Path) -> bool:
+    """Whether `path` is the <out>/sweep.json that sweep.py wrote (it vouches for sweep.md and sweep.png)."""
+    return json_object_with(path, REPORT_KEYS)
 
 
 @cache
@@ -435,18 +489,36 @@ def check_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.out.exists() and not args.out.is_dir():
         raise SweepError(f"--out {args.out} exists and is not a folder")
     if not args.out.parent.is_dir():
+        check_writable(args.out.parent)  # a file where a folder should be is named as such
         raise SweepError(f"--out {args.out}: folder {args.out.parent} does not exist")
     check_writable(args.out if args.out.is_dir() else args.out.parent)
+    report = args.out / f"{STEM}.json"
+    refuse_foreign(report, is_report, "sweep.py", choose="choose another --out")
+    for suffix in (".md", ".png"):  # vouched for by sweep.json
+        refuse_foreign(report.with_suffix(suffix), lambda _: report.exists(), "sweep.py", choose="choose another --out")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SweepError("sweep.py runs as one process (one GPU or the CPU); launch it without accelerate/torchrun")
+    if args.device is not None:
+        check_device(args.device, "--device")
     return metrics
+
+
+def claim_out(out: Path) -> None:
+    """Make --out and hold its lock (atomic_files.folder_lock) until the process ends: a second sweep into the same
+    folder is refused at once, instead of sampling the same points and replacing the report of the first."""
+    out.mkdir(exist_ok=True)
+    if not lock_folder(out):
+        raise SweepError(
+            f"--out {out} is being written by another sweep.py right now ({lock_holder(out)}): wait for it to "
+            f"finish (its points are then kept), or choose another --out"
+        )
 
 
 def check_reference(ref: str, metrics: Sequence[str], num_samples: int) -> None:
     """REF exists and can give every metric asked for (precision/recall needs its images), and the samples are
     enough for them (the Inception Score's splits): fid's own checks, made before the first point is sampled."""
     from fid.class_divergence import IS_SPLIT_SIZE
-    from fid.evaluation import choose_metrics
+    from fid.evaluation import choose_metrics, plan_input
     from fid.inputs import EvaluationInput, open_input
     from fid.statistics import StatisticsFile
 
@@ -455,8 +527,11 @@ def check_reference(ref: str, metrics: Sequence[str], num_samples: int) -> None:
         raise SweepError(
             f"--metrics is: the Inception Score needs --num-samples {IS_SPLIT_SIZE} or more, got {num_samples}"
         )
-    samples = EvaluationInput(Path("the samples"), (), StatisticsFile())  # images, not yet sampled
+    samples = EvaluationInput(Path(str(num_samples)), range(num_samples), StatisticsFile())  # not yet sampled
     choose_metrics(metrics, samples, reference)
+    with warnings.catch_warnings():  # fid's warning of a small set comes with each point's score
+        warnings.simplefilter("ignore")
+        plan_input(samples, "--num-samples", set(metrics), wants_statistics=False)  # enough images for each metric
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -466,21 +541,26 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     exports = named_exports(args.ckpt)
     scoring = Scoring(args.ref, metrics, args.weights, args.inception_batch_size, args.device)
     sweep = Sweep(args.out, args.num_samples, sample_options, scoring)
-    planned = exports | {f"sigma_rel {sigma_rel:g}": str(args.run) for sigma_rel in args.sigma_rel}
-    sweep.check(sweep_points(planned, args.guidance, args.scales, args.guide_ckpt))
-    if args.sigma_rel:  # reconstructed once every argument is known to be good
-        folders = posthoc_exports(args.run, args.sigma_rel, args.step)
-        exports |= {f"sigma_rel {sigma_rel:g}": str(folder) for sigma_rel, folder in folders.items()}
-    points = sweep_points(exports, args.guidance, args.scales, args.guide_ckpt)
-    kept = sum(sweep.stored(point) is not None for point in points)
-    if kept:
-        print(
-            f"sweep: {kept} of {len(points)} points already scored with these settings in {args.out}: read back, "
-            "not sampled again",
-            flush=True,
-        )
-    records = [sweep.score(point) for point in points]
-    write_report(args.out, records, args.num_samples, sample_options)
+    claim_out(args.out)
+    try:
+        posthoc = {f"sigma_rel {sigma_rel:g}": str(args.run) for sigma_rel in args.sigma_rel}
+        sweep.check(sweep_points(exports | posthoc, args.guidance, args.scales, args.guide_ckpt), not_made=posthoc)
+        if args.sigma_rel:  # reconstructed once every argument is known to be good
+            folders = posthoc_exports(args.run, args.sigma_rel, args.step)
+            exports |= {f"sigma_rel {sigma_rel:g}": str(folder) for sigma_rel, folder in folders.items()}
+        points = sweep_points(exports, args.guidance, args.scales, args.guide_ckpt)
+        sweep.check([point for point in points if point.label in posthoc])  # before the first point is sampled
+        kept = sum(sweep.stored(point) is not None for point in points)
+        if kept:
+            print(
+                f"sweep: {kept} of {len(points)} points already scored with these settings in {args.out}: read "
+                "back, not sampled again",
+                flush=True,
+            )
+        records = [sweep.score(point) for point in points]
+        write_report(args.out, records, args.num_samples, sample_options)
+    finally:
+        release_folder(args.out)
     print(render_markdown(records, args.num_samples, sample_options), end="")
     print(f"sweep: wrote {args.out / STEM}.json, .md and .png")
     return records

@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from training.loop import Trainer, TrainerState, say
     from training.power_ema import check_resume as check_posthoc_resume
     from training.repa import check_repa_resume
-    from training.stop_signals import STOPPED_STATUS
+    from training.stop_signals import STOPPED_STATUS, record_stopped_status, stop_with_the_launcher
     from training.summary import startup_summary
     from training.trackers import start_trackers
 
@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.resume is None and not args.overwrite:
         run.check_new()  # and a run directory already in use,
     check_writable(run.root)  # or one where nothing can be written
+    stop_with_the_launcher()  # under torchrun: its death is a stop signal (a worker never trains on as an orphan)
     accelerator = create_accelerator(config, run)
     with run.claimed(accelerator):  # a second train.py into this run.dir stops here, before anything is built
         parts = build_training(config, accelerator)
@@ -129,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         run.unlock()  # the launch's, not the process's: a test or notebook may launch again
     if stopped_by is not None:
+        record_stopped_status()  # for a wrapper of a launcher that does not pass 75 on (docs/slurm/torchrun.sh)
         raise SystemExit(STOPPED_STATUS)
 
 

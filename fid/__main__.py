@@ -3,13 +3,11 @@
 import argparse
 import json
 import warnings
-import zipfile
 from pathlib import Path
 
-import numpy as np
-
 from atomic_files import check_writable, write_json_atomic
-from commands import CommandParser, run_command
+from atomic_files.ownership import json_object_with, npz_holding_only, refuse_foreign
+from commands import CommandParser, check_device, run_command
 
 from .cli import one_line_warnings
 from .errors import InputError
@@ -105,27 +103,14 @@ def check_paths(args: argparse.Namespace) -> None:
     for flag, path in outputs:
         if path.resolve() in inputs:
             raise InputError(f"{flag} {path} is {inputs[path.resolve()]} itself; choose another file")
-        if path.exists() and not _written_by_fid(flag, path):
-            what = "a report of python -m fid" if flag == "--json" else "a statistics file (mu, sigma, mu_s, sigma_s)"
-            raise InputError(f"{flag} {path} exists and is not {what}; choose another file (nothing was written)")
+        refuse_foreign(path, WRITTEN_HERE[flag], "python -m fid", subject=f"{flag} {path}")
         check_writable(path.parent)
 
 
-def _written_by_fid(flag: str, path: Path) -> bool:
-    if path.is_dir():
-        return False
-    if flag == "--json":
-        try:
-            report = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return False
-        return isinstance(report, dict) and all(key in report for key in REPORT_KEYS)
-    statistics_keys = {key for pair in STAT_KEYS.values() for key in pair}
-    try:
-        with np.load(path) as npz:
-            return bool(npz.files) and set(npz.files) <= statistics_keys
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError, TypeError):
-        return False
+WRITTEN_HERE = {  # how python -m fid knows its own outputs: a report by its keys, statistics by their arrays only
+    "--json": lambda path: json_object_with(path, REPORT_KEYS),
+    "--save-stats": lambda path: npz_holding_only(path, [key for pair in STAT_KEYS.values() for key in pair]),
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
     check_request(metrics, args.ref, args.save_stats, args.batch_size, args.center_crop)
     check_paths(args)
+    if args.device is not None:
+        check_device(args.device)
     # Imported once the arguments and paths are known to be good, so that their errors answer without torch
     # (evaluate then checks what the inputs hold, before it loads Inception).
     from .evaluation import evaluate

@@ -124,8 +124,9 @@ class _Plan:
         return bool(self.gaussians) or self.keep_pool or self.keep_logits
 
 
-def _plan(source: EvaluationInput, role: str, metrics: set[str], wants_statistics: bool) -> _Plan:
-    """Decide what to compute for SAMPLES or REF, failing early on anything the input cannot provide."""
+def plan_input(source: EvaluationInput, role: str, metrics: set[str], wants_statistics: bool) -> _Plan:
+    """Decide what to compute for SAMPLES or REF, failing early on anything the input cannot provide (sweep.py asks
+    it of the samples it is about to make, before the first)."""
     stat_names = [STATISTICS_OF[m] for m in ("fid", "sfid") if m in metrics]
     if wants_statistics:
         stat_names = list(STAT_KEYS)
@@ -261,8 +262,8 @@ def evaluate(
     metrics = choose_metrics(metrics, sample_input, ref_input)
     # Without REF or IS, the one input is only summarised for --save-stats (often a reference set): not "SAMPLES"
     sample_role = "SAMPLES" if ref_input is not None or "is" in metrics else "--save-stats input"
-    sample_plan = _plan(sample_input, sample_role, metrics, wants_statistics=save_stats is not None)
-    ref_plan = _plan(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
+    sample_plan = plan_input(sample_input, sample_role, metrics, wants_statistics=save_stats is not None)
+    ref_plan = plan_input(ref_input, "REF", metrics - {"is"}, wants_statistics=False) if ref_input else None
     if center_crop is not None and not any(
         isinstance(x.images, FolderImages) for x in (sample_input, ref_input) if x is not None
     ):

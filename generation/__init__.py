@@ -12,10 +12,12 @@ import the models, the samplers and huggingface_hub first.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ __all__ = [
     "find_export",
     "load_export",
     "read_export",
+    "weights_file",
     "write_export",
 ]
 
@@ -60,18 +63,53 @@ def load_export(source: str | Path, model: str | None = None, image_size: int | 
     Hugging Face Hub id ("owner/name") of an export pushed with `Export.push_to_hub`."""
     # Imported here, not at the top: `python -m generation.official` imports this package first, and runpy warns
     # when the module it is about to run is already imported.
-    from generation.export import Export, ExportError, read_export
-    from generation.official import is_official_reference, official_export
+    from generation.export import Export, read_export
+    from generation.official import official_export
 
     text = str(source)
-    if is_official_reference(text):
+    kind = _source_kind(text, model, image_size)
+    if kind == "official":
         return official_export(text, model, image_size)
+    if kind == "folder":
+        return read_export(text)
+    with _hub_errors(text):
+        return Export.from_pretrained(text)
+
+
+def weights_file(source: str | Path, model: str | None = None, image_size: int | None = None) -> Path:
+    """The local file that `load_export(source, ...)` reads the weights from: an export's `ema.safetensors` (of a
+    run's newest complete checkpoint, for a run folder), an official `.pt` (a released one downloaded first, as
+    `load_export` would), a hub export's `ema.safetensors` in the Hugging Face cache (fetched first). Its sha256
+    (atomic_files.digest) is what identifies the weights in the records of sample.py and sweep.py."""
+    from generation.export import EXPORT_WEIGHTS, find_export
+    from generation.official import official_path
+
+    text = str(source)
+    kind = _source_kind(text, model, image_size)
+    if kind == "official":
+        return official_path(text)
+    if kind == "folder":
+        return find_export(text) / EXPORT_WEIGHTS
+    from huggingface_hub import hf_hub_download
+
+    with _hub_errors(text):
+        return Path(hf_hub_download(repo_id=text, filename=EXPORT_WEIGHTS))
+
+
+def _source_kind(text: str, model: str | None, image_size: int | None) -> str:
+    """ "official" (a .pt file that is not a folder, or a released name), "folder" (anything else that exists) or
+    "hub" (an "owner/name" id); an ExportError for a source that is none of them."""
+    from generation.export import ExportError
+    from generation.official import is_official_reference
+
+    if is_official_reference(text):
+        return "official"
     if model is not None or image_size is not None:
         raise ExportError(
             f"{text}: --model and --image-size are only for official .pt checkpoints; an export names its own model"
         )
     if Path(text).exists():
-        return read_export(text)
+        return "folder"
     if Path(text).is_symlink():  # a link that exists() cannot follow: a loop, or a link to nothing
         try:
             Path(text).stat()
@@ -85,15 +123,23 @@ def load_export(source: str | Path, model: str | None = None, image_size: int | 
                 f"{text}: {problem}; expected an export folder, a run directory or an official .pt"
             ) from None
     if HUB_ID.match(text) and not text.startswith("."):
-        try:
-            return Export.from_pretrained(text)
-        except (OSError, ValueError) as error:  # offline, unknown repository, or not an export
-            raise ExportError(
-                f"{text}: cannot fetch this Hugging Face Hub export ({type(error).__name__}: {error}); "
-                f"offline, copy a folder written by Export.save_pretrained here and pass its "
-                f"path"
-            ) from None
+        return "hub"
     raise ExportError(
         f"{text}: no such file or folder (expected an export folder, a run directory, an official "
         f".pt checkpoint or a Hugging Face Hub id owner/name)"
     )
+
+
+@contextlib.contextmanager
+def _hub_errors(text: str) -> Iterator[None]:
+    """A hub export that cannot be fetched (offline, unknown repository, not an export) as one ExportError."""
+    from generation.export import ExportError
+
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        raise ExportError(
+            f"{text}: cannot fetch this Hugging Face Hub export ({type(error).__name__}: {error}); "
+            f"offline, copy a folder written by Export.save_pretrained here and pass its "
+            f"path"
+        ) from None

@@ -137,6 +137,8 @@ class ExportDescription:
     def from_json(cls, values: dict[str, Any]) -> ExportDescription:
         """Read the current layout, or the first one (a "data" section with "kind"), which earlier code wrote."""
         values = dict(values)
+        if "format" not in values and "data" not in values:  # neither this layout nor the first one
+            raise ValueError(f'no "format" key; expected one with a whole number from 1 to {FORMAT_VERSION}')
         version = values.pop("format", 1)
         whole = isinstance(version, int) and not isinstance(version, bool)  # "3" or 3.0: written by hand
         if whole and version > FORMAT_VERSION:

@@ -78,6 +78,28 @@ def pixel_decoder(description: ExportDescription, vae: nn.Module | None) -> Deco
     return lambda z: decode_latents(vae, z, normalization)
 
 
+def check_vae_fits(autoencoder, description: ExportDescription, name: str, option: str) -> None:
+    """Refuse a VAE whose latents are not the model's: another channel count (a convolution deep in the decoder or
+    encoder would fail naming neither) or another downsampling (images of another size than the export declares,
+    without a word). `name` and `option` (sample.py's "--vae", ...) say which VAE and how to give another."""
+    from generation.vae import latent_downsampling
+
+    channels = autoencoder.config.latent_channels
+    if channels != description.channels:
+        raise ExportError(
+            f"the VAE {name} has {channels} latent channels, but the model generates "
+            f"{description.channels}: use a VAE with {description.channels} latent channels ({option})"
+        )
+    latent_side = description.model["input_size"]
+    decoded = latent_side * latent_downsampling(autoencoder.config)
+    if decoded != description.image_size:
+        raise ExportError(
+            f"the VAE {name} decodes the model's {latent_side}x{latent_side} latents to "
+            f"{decoded} px images, but the export declares {description.image_size} px: use the VAE it "
+            f"was trained with ({option})"
+        )
+
+
 class ImageGenerator:
     """A class-conditional model, its objective and its decoder.
 
@@ -124,27 +146,14 @@ class ImageGenerator:
         description = export.description
         autoencoder = None
         if not description.in_pixel_space:
-            from generation.vae import latent_downsampling, load_vae  # diffusers is slow to import: latents only
+            from generation.vae import load_vae  # diffusers is slow to import: latents only
 
             autoencoder = (  # before the model: fails fast offline
                 load_vae(vae, device, option=vae_option)
                 if vae is not None
                 else load_vae(description.vae, device, hint=description.vae_path, option=vae_option)
             )
-            channels = autoencoder.config.latent_channels
-            if channels != description.channels:  # else a convolution deep in the decoder names neither
-                raise ExportError(
-                    f"the VAE {vae or description.vae} has {channels} latent channels, but the model generates "
-                    f"{description.channels}: use a VAE with {description.channels} latent channels (sample.py --vae)"
-                )
-            latent_side = description.model["input_size"]
-            decoded = latent_side * latent_downsampling(autoencoder.config)
-            if decoded != description.image_size:  # else it would sample images of another size without a word
-                raise ExportError(
-                    f"the VAE {vae or description.vae} decodes the model's {latent_side}x{latent_side} latents to "
-                    f"{decoded} px images, but the export declares {description.image_size} px: use the VAE it "
-                    f"was trained with ({vae_option})"
-                )
+            check_vae_fits(autoencoder, description, vae or description.vae, vae_option)
         return cls(
             load_model(export, device, compile, vca_kernel, precision),
             create_objective(description.objective),

@@ -133,13 +133,30 @@ def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: st
         converted[key] = value
     if config["rope"]:
         for key, table in lightning_rope_tables(config).items():
-            found = converted.pop(key).float()
-            if found.shape != table.shape or not torch.allclose(found, table, atol=ROPE_TOLERANCE, rtol=0):
+            found = converted.pop(key)
+            # a table stored in half precision is rounded to half an ulp at 1 (float16: 4.9e-4, bfloat16: 3.9e-3)
+            tolerance = max(ROPE_TOLERANCE, torch.finfo(found.dtype).eps)
+            found = found.float()
+            if found.shape != table.shape or not torch.allclose(found, table, atol=tolerance, rtol=0):
                 raise OfficialCheckpointError(
                     f"{source}: {key} {tuple(found.shape)} is not the 2-D RoPE of dit_vca.rope for "
                     f"{table.shape[1]}-channel heads on a {int(math.isqrt(table.shape[0]))}-token grid side"
                 )
     return converted
+
+
+def floating_weights(state: dict[str, torch.Tensor], source: str) -> str | None:
+    """Refuse a state dict with a tensor that is not floating point (an integer "weight" would be cast to float32
+    without a word); a note for the command to print when the weights are in another precision than float32 (a
+    float16 or bfloat16 checkpoint, cast to float32 by the export), else None."""
+    integer = next((key for key, value in state.items() if not value.is_floating_point()), None)
+    if integer is not None:
+        raise OfficialCheckpointError(
+            f"{source}: {integer} holds {str(state[integer].dtype).removeprefix('torch.')} values; a LightningDiT "
+            f"checkpoint's weights are floating point"
+        )
+    other = sorted({str(value.dtype).removeprefix("torch.") for value in state.values()} - {"float32"})
+    return f"{source}: {' and '.join(other)} weights, cast to float32 in the export" if other else None
 
 
 def read_latent_stats(path: Path, channels: int) -> tuple[list[float], list[float]]:
@@ -196,6 +213,7 @@ def lightning_export(
         raise OfficialCheckpointError(f"--latent-scale {latent_scale}: expected a value > 0")
     check_latent_stats(latent_stats, latent_norm)
     state = load_state_dict(Path(ckpt))
+    precision = floating_weights(state, source)
     config = lightning_model_config(state, model, source, num_heads)
     weights = backbone_state_dict(state, config, source)
     autoencoder = load_vae(vae, option="--vae")  # fails before anything is written
@@ -221,7 +239,9 @@ def lightning_export(
         source=source,
     )
     check_fits(description, weights, source)
-    return Export(description, weights)
+    if precision is not None:
+        print(precision)
+    return Export(description, {key: value.float() for key, value in weights.items()})
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atomic_files import check_writable, write_json_atomic
-from commands import CommandParser, UserError, run_command
+from atomic_files.ownership import json_object_with, refuse_foreign
+from commands import CommandParser, UserError, check_device, launch_rank, run_command
 from generation.sample_plan import sample_seeds
 from objectives import DEFAULT_ATOL, DEFAULT_RTOL
 
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
 
 DEQUANTIZATIONS = ("uniform", "none")
 PIXEL_BIN = 1 / 127.5  # width of an 8-bit value's bin in the model's [-1, 1]
+REPORT_KEYS = ("bits_per_dim", "per_image", "settings")  # what makes a JSON file a --json report of this command
 
 
 class LikelihoodError(UserError):
@@ -244,7 +248,17 @@ def check_args(args: argparse.Namespace) -> None:
             raise LikelihoodError(f"--{name} must be positive, got {getattr(args, name)}")
     if args.seed < 0:
         raise LikelihoodError(f"--seed must be >= 0, got {args.seed}")
+    if args.device is not None:
+        check_device(args.device)
     if args.json is not None:
+        if args.json.resolve() == args.images.resolve():
+            raise LikelihoodError(f"--json {args.json} is --images itself; choose another file")
+        refuse_foreign(
+            args.json,
+            lambda path: json_object_with(path, REPORT_KEYS),
+            "python -m generation.likelihood",
+            subject=f"--json {args.json}",
+        )
         check_writable(args.json.parent)
 
 
@@ -260,8 +274,8 @@ def read_images(args: argparse.Namespace, description: ExportDescription) -> tup
         )
     try:
         images = FolderImages(args.images) if args.images.is_dir() else NpzImages(args.images)
-    except (InputError, OSError, KeyError) as error:
-        raise LikelihoodError(f"--images {args.images}: {error}") from None
+    except (InputError, OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise LikelihoodError(f"--images {args.images}: {unreadable(error)}") from None
     count = min(len(images), args.num_images or len(images))
     size = next(images.batches(1)).shape[1:3]  # an .npz or a folder: one image read
     if size != (description.image_size, description.image_size):
@@ -274,10 +288,13 @@ def read_images(args: argparse.Namespace, description: ExportDescription) -> tup
         raise LikelihoodError(f"--images {args.images}: colour images, but the model takes one channel (gray)")
     classes = description.num_classes
     if args.label is None:
-        with np.load(args.images) as data:
-            if "arr_1" not in data.files:
-                raise LikelihoodError(f"--images {args.images}: no labels arr_1; give --label K or --label null")
-            labels = data["arr_1"][:count].astype(np.int64)
+        try:
+            with np.load(args.images) as data:
+                labels = data["arr_1"][:count].astype(np.int64) if "arr_1" in data.files else None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            raise LikelihoodError(f"--images {args.images}: labels arr_1 {unreadable(error)}") from None
+        if labels is None:
+            raise LikelihoodError(f"--images {args.images}: no labels arr_1; give --label K or --label null")
     elif args.label == "null":
         if not description.has_null_class:
             raise LikelihoodError("--label null: the model was trained without label dropout (no null class)")
@@ -296,6 +313,14 @@ def read_images(args: argparse.Namespace, description: ExportDescription) -> tup
     return images, count, labels
 
 
+def unreadable(error: BaseException) -> str:
+    """What an .npz that cannot be read is, for the one line: a cut or damaged file (zip's, numpy's errors) or what
+    fid's reader found wrong."""
+    if isinstance(error, (zipfile.BadZipFile, EOFError)) or "pickled" in str(error):
+        return f"cannot be read as an .npz ({type(error).__name__}: {error}); the file is cut or damaged"
+    return str(error)
+
+
 def image_batches(images, count: int, labels: np.ndarray, batch_size: int):
     """(images (B, H, W, 3), labels (B,)) batches of the first `count` images."""
     start = 0
@@ -307,9 +332,14 @@ def image_batches(images, count: int, labels: np.ndarray, batch_size: int):
             return
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     args = build_parser().parse_args(argv)
     check_args(args)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:  # under a launcher: the work is done once, by rank 0, not by every process
+        if launch_rank() != "0":
+            return None
+        print(f"warning: {processes} processes launched; the likelihood runs in one process, rank 0 (the others exit)")
     from generation import ExportError, load_export
     from generation.official import OfficialCheckpointError
 
@@ -329,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     import torch
 
-    from generation.generator import load_model
+    from generation.generator import check_vae_fits, load_model
     from generation.objective import create_objective
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -338,20 +368,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from generation.vae import load_vae
 
         vae = load_vae(args.vae or description.vae, device, None if args.vae else description.vae_path, "--vae")
+        check_vae_fits(vae, description, args.vae or description.vae, "--vae")  # channels and downsampling
     normalization = None if description.in_pixel_space else description.latent_normalization
     space = ModelSpace(description.channels, vae, normalization, args.dequantization)
-    result = bits_per_dim(
-        load_model(export, device),
-        create_objective(description.objective),
-        image_batches(images, count, labels, args.batch_size),
-        space,
-        seed=args.seed,
-        device=device,
-        divergence=args.divergence,
-        atol=args.atol,
-        rtol=args.rtol,
-        progress=True,
-    )
+    model, batches = load_model(export, device), image_batches(images, count, labels, args.batch_size)
+    solver = dict(seed=args.seed, device=device, divergence=args.divergence, atol=args.atol, rtol=args.rtol)
+    try:
+        result = bits_per_dim(model, create_objective(description.objective), batches, space, **solver, progress=True)
+    except AssertionError as error:  # torchdiffeq's adaptive solver: the step size fell to nothing (or NaN)
+        if "underflow in dt" not in str(error):
+            raise
+        raise LikelihoodError(
+            f"--ckpt {args.ckpt}: dopri5 cannot solve this model's probability-flow ODE at --atol {args.atol:g} "
+            f"--rtol {args.rtol:g} (torchdiffeq: {error}): the model's velocity is not finite, or too steep, on "
+            f"these images; an export of an earlier checkpoint, or looser tolerances, may solve"
+        ) from None
     error = "" if result.standard_error is None else f" ± {result.standard_error:.4f}"
     print(f"bits/dim {result.mean:.4f}{error} (mean ± standard error over {count} images, D = {result.dims})")
     print(f"includes: {result.includes}")

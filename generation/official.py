@@ -75,8 +75,14 @@ def cache_path(name: str) -> Path:
 
 
 def is_official_reference(ckpt: str | Path) -> bool:
-    """True for a `.pt` file or the bare name of a released checkpoint (exports are folders)."""
-    return str(ckpt) in RELEASED or Path(ckpt).suffix == ".pt"
+    """True for a `.pt` file or the bare name of a released checkpoint; a folder is never one, whatever its name
+    (an export folder called `run.pt` is an export)."""
+    return str(ckpt) in RELEASED or (Path(ckpt).suffix == ".pt" and not Path(ckpt).is_dir())
+
+
+def official_path(ckpt: str | Path) -> Path:
+    """The file of an official checkpoint: the path itself, or a released name's cached file (downloaded first)."""
+    return resolve_released(str(ckpt)) if str(ckpt) in RELEASED and not Path(ckpt).is_file() else Path(ckpt)
 
 
 def architecture_from_name(path: str | Path, model: str | None, image_size: int | None) -> tuple[str, int]:
@@ -195,7 +201,7 @@ def check_fits(description: ExportDescription, state: dict[str, torch.Tensor], s
 
 def official_export(ckpt: str | Path, model: str | None = None, image_size: int | None = None) -> Export:
     """An official checkpoint (a `.pt` path or the bare name of a released one) as an in-memory export."""
-    path = resolve_released(str(ckpt)) if str(ckpt) in RELEASED and not Path(ckpt).is_file() else Path(ckpt)
+    path = official_path(ckpt)
     model, image_size = architecture_from_name(path, model, image_size)
     state = load_state_dict(path)
     description = official_description(model, image_size, state, source=str(path))

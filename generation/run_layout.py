@@ -110,6 +110,16 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda path: step_of(path.name))
 
 
+def incomplete_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint folders under `root` without their trainer_state.json (a save cut short on a file system that
+    lost it, a copy by hand), oldest first: never resumed from, never replaced without a word."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [path for path in root.iterdir() if STEP_FOLDER.match(path.name) and not (path / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda path: step_of(path.name))
+
+
 def profile_file(sigma_rel: float) -> str:
     """The file of the profile `sigma_rel` in a snapshot folder."""
     return f"{PROFILE_PREFIX}{sigma_rel:g}{PROFILE_SUFFIX}"

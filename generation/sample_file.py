@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from atomic_files import atomic_output, remove_stale_temporaries, save_npz_atomic
+from atomic_files.folder_lock import locked_by_another
+from atomic_files.ownership import json_object_with, refuse_foreign
 from atomic_files.shards import ShardNames, first_difference
 from commands import UserError
 
@@ -28,6 +31,7 @@ LABEL_BYTES = np.dtype(np.int64).itemsize  # a label, or a sample index, in a sa
 NPZ_OVERHEAD_BYTES = 1024  # headers and zip records of an .npz of up to three arrays, at most (a shard: 748)
 RECORD_BYTES = 16 << 10  # the most a run's summary .json or its shard folder's settings.json takes (about 1.1 KiB)
 FOLDER_ENTRY_BYTES = 64  # a shard's entry in the shard folder (ext4: 24 bytes for 8 and its 16-character name)
+WRITER, CHOOSE = "sample.py", "choose another --out"  # for the refusal of a file sample.py did not write
 
 
 @dataclass(frozen=True)
@@ -75,30 +79,33 @@ class SampleFiles:
         return self.samples.with_name(self.samples.name + ".shards")
 
     def claim(self, settings: dict[str, Any], overwrite: bool = False) -> bool:
-        """True when the samples are already complete for these settings. Files of another run (unless
-        `overwrite`: `remove_other_run` deletes them once the model has loaded), or files the summary does not
-        vouch for, raise SampleFilesError; temporary files of a killed run are removed."""
-        ours, key = False, None
+        """True when the samples are already complete for these settings (then a shard folder that a stop between
+        the merge's rename and its clean-up left is removed). Files of another run (unless `overwrite`:
+        `remove_other_run` deletes them once the model has loaded) raise SampleFilesError, files the summary does
+        not vouch for ForeignFileError; temporary files of a killed run are removed."""
+        key = None
+        refuse_foreign(self.summary, self.written_here, WRITER, choose=CHOOSE)
+        for path in (self.samples, self.grid):  # vouched for by the summary, or not sample.py's
+            refuse_foreign(path, lambda _: self.summary.exists(), WRITER, choose=CHOOSE)
         if self.summary.exists():
-            try:
-                stored = json.loads(self.summary.read_text()).get("settings")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                stored = None
-            if stored is None:
-                raise SampleFilesError(f"{self.summary} exists and was not written by sample.py; choose another --out")
+            stored = json.loads(self.summary.read_text())["settings"]
             key = first_difference(stored, settings)
             if key is not None and not overwrite:
                 raise SampleFilesError(
                     f"{self.summary} belongs to a run with {key}={stored.get(key)!r}, not "
                     f"{settings.get(key)!r}: remove it or choose another --out"
                 )
-            ours = True
-        for path in (self.samples, self.grid):
-            if path.exists() and not ours:
-                raise SampleFilesError(f"{path} exists and was not written by sample.py; choose another --out")
         for path in (self.samples, self.summary, self.grid):
             remove_stale_temporaries(path)
-        return self.samples.exists() and key is None
+        complete = self.samples.exists() and key is None
+        if complete and self.shards.is_dir() and not locked_by_another(self.shards):
+            shutil.rmtree(self.shards, ignore_errors=True)  # left by a stop between the merge's rename and clean-up
+        return complete
+
+    @staticmethod
+    def written_here(summary: Path) -> bool:
+        """Whether `summary` is a summary sample.py wrote: a JSON object with its run's "settings"."""
+        return json_object_with(summary, ["settings"]) and isinstance(json.loads(summary.read_text())["settings"], dict)
 
     def bytes_on_disk(self, unit: int = 1) -> int:
         """Bytes that the shard folder and the .npz take now (each file rounded up to the disk's allocation `unit`),

@@ -270,6 +270,12 @@ CASES = [  # (id, command, arguments, text the one line must contain)
         "{tmp}/foreign-json/report.json exists and was not written by sample.py; choose another --out",
     ),
     (
+        "out-below-a-file",  # issue 47: was "folder {tmp}/bad.yaml does not exist"
+        "sample",
+        ["--ckpt", "{tmp}/export", "--out", "{tmp}/bad.yaml/x.npz", "--num-samples", "4"],
+        "cannot write in {tmp}/bad.yaml: {tmp}/bad.yaml is a file, not a folder",
+    ),
+    (
         "foreign-png",
         "sample",
         ["--ckpt", "{tmp}/export", "--out", "{tmp}/foreign-png/report.npz", "--num-samples", "4"],

@@ -324,3 +324,35 @@ def test_demo_md_quotes_the_threads_measurement():
     for figure in quoted:
         assert figure in prose, figure
     assert all(row["demo_would_choose"] == 1 for row in report["runs"])  # at those loads, one thread
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_sampling_still_exits_75(tmp_path):
+    """Issue 47: a second Ctrl-C while the demo sampled (its first one unwinding torch's work) ended it by SIGINT
+    (130 in a shell) instead of the documented 75. Real signals to the process group, 0.3 s apart."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO / "demo.py"), "--out", str(out), "--num-samples", "20000"]
+    command += ["train.max_steps=2", "model.hidden_size=32", "model.depth=1", "model.num_heads=2"]
+    command += ["train.global_batch_size=8", "log.checkpoint_every=2", "log.sample_every=0", "log.trackers=[]"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    demo_process = subprocess.Popen(
+        command,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+    )
+    output = []
+    for line in demo_process.stdout:  # until sampling has begun (training took its 2 steps)
+        output.append(line)
+        if "demo: [2/3] sampling" in line:
+            break
+    time.sleep(2)  # inside the sampler's loop
+    os.killpg(demo_process.pid, signal.SIGINT)
+    time.sleep(0.3)  # the first stop is unwinding
+    os.killpg(demo_process.pid, signal.SIGINT)
+    output.append(demo_process.communicate(timeout=300)[0])
+    text = "".join(output)
+    assert demo_process.returncode == demo.STOPPED_STATUS, text
+    assert text.count("demo: stopped; run it again to continue") == 1 and "Traceback" not in text, text

@@ -258,7 +258,7 @@ def test_fid_replaces_only_files_it_wrote(fid_inputs, tmp_path):
     import numpy as np
 
     import fid.__main__ as fid_command
-    from fid.errors import InputError
+    from atomic_files.ownership import ForeignFileError
 
     samples, ref = fid_inputs
     images, notes = tmp_path / "images.npz", tmp_path / "notes.json"
@@ -266,7 +266,7 @@ def test_fid_replaces_only_files_it_wrote(fid_inputs, tmp_path):
     notes.write_text('{"mine": 1}\n')
     for flag, path in (("--save-stats", images), ("--json", notes)):
         before = path.read_bytes()
-        with pytest.raises(InputError, match=f"{flag} {path} exists and is not"):
+        with pytest.raises(ForeignFileError, match=f"{flag} {path} exists and was not written by python -m fid"):
             fid_command.main([str(samples), str(ref), "--metrics", "fid", flag, str(path)])
         assert path.read_bytes() == before
     report, stats = tmp_path / "report.json", tmp_path / "stats.npz"

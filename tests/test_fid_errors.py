@@ -132,6 +132,13 @@ def missing_weights_file(tmp: Path):
     return ["samples.npz", "--save-stats", "s.npz", "--weights", "inception.pth"], "inception.pth not found"
 
 
+def device_this_machine_lacks(tmp: Path):
+    """Issue 47: --device cuda on a machine without a GPU was torch's traceback, from Inception's loading."""
+    np.savez(tmp / "samples.npz", arr_0=uint8_images(4))
+    device = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: on any machine, one it does not have
+    return ["samples.npz", "--save-stats", "s.npz", "--device", device], f"--device {device}: this machine has"
+
+
 INPUT_ERRORS = [
     empty_set,
     single_image,
@@ -147,6 +154,7 @@ INPUT_ERRORS = [
     unpublished_resolution,
     center_crop_of_npz_only,
     unknown_metric,
+    device_this_machine_lacks,
 ]
 
 

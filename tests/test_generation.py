@@ -355,3 +355,28 @@ def test_a_format_written_as_a_string_is_named_as_such(export, tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, "format": written}))
         with pytest.raises(ExportError, match=re.escape(expected)):
             read_description(folder)
+
+
+def test_an_export_folder_named_like_a_pt_file_is_read_as_an_export(tmp_path):
+    """Issue 47: an export folder whose name ends in .pt was taken for an official checkpoint (and failed as a
+    file torch cannot read); a folder is never an official .pt, whatever its name."""
+    from _tiny_models import tiny_export
+
+    folder = tiny_export(tmp_path / "run.pt")
+    assert load_export(str(folder)).description.model["depth"] == 1
+    from generation import weights_file
+
+    assert weights_file(str(folder)) == folder / "ema.safetensors"
+
+
+def test_a_description_without_its_format_key_says_so(tmp_path):
+    """Issue 47: a config.json without "format" (and without the first layout's "data") was read as the first
+    layout and failed with KeyError: 'data'; the line names the missing key."""
+    from _tiny_models import tiny_export
+
+    folder = tiny_export(tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    del config["format"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match='config.json is not an export description .*no "format" key; expected'):
+        load_export(str(folder))

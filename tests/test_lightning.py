@@ -328,3 +328,29 @@ def test_an_export_written_in_lightnings_format_has_its_layout_and_imports_back(
     write_export(tmp_path / "vca", vca.state_dict(), vca_description)
     error = one_line_error(write_main, [str(tmp_path / "vca"), "--out", str(tmp_path / "x")], capsys)
     assert "attention vca; LightningDiT has MHSA only" in error and not (tmp_path / "x").exists()
+
+
+def test_a_float16_checkpoint_is_imported_in_float32_and_integer_weights_are_refused(tmp_path, f16_vae, capsys):
+    """Issue 47: a float16 LightningDiT checkpoint was refused as "not the 2-D RoPE of dit_vca.rope" (its RoPE
+    tables are rounded to float16), and integer "weights" were cast silently. The first is imported, cast to
+    float32 with a line that says so, and computes what its float32 original computes to float16's rounding; the
+    second is one line naming the tensor."""
+    state = lightning_state(1, 32, 2, 1, 32, 4, 10, False, **OPTIONS)
+    half = {key: value.half() for key, value in state.items()}
+    torch.save({"ema": half}, tmp_path / "half.pt")
+    arguments = ["--model", "SiT-S/1", "--num-heads", "2", "--vae", str(f16_vae), "--no-latent-norm"]
+    run_command(main, [str(tmp_path / "half.pt"), *arguments, "--out", str(tmp_path / "e")])
+    assert f"{tmp_path / 'half.pt'}: float16 weights, cast to float32 in the export" in capsys.readouterr().out
+    weights = load_export(tmp_path / "e").weights
+    assert all(value.dtype == torch.float32 for value in weights.values())
+    key = "blocks.0.attn.qkv.weight"
+    assert torch.equal(weights[key], state[key].half().float())  # the float16 values themselves, widened
+
+    integer = {**state, "blocks.0.attn.proj.bias": torch.zeros(32, dtype=torch.int64)}
+    torch.save({"ema": integer}, tmp_path / "integer.pt")
+    with pytest.raises(SystemExit) as exit_:
+        run_command(main, [str(tmp_path / "integer.pt"), *arguments, "--out", str(tmp_path / "x")])
+    error = capsys.readouterr().err
+    assert exit_.value.code == USER_ERROR_STATUS and error.count("\n") == 1, error
+    assert "integer.pt: blocks.0.attn.proj.bias holds int64 values; a LightningDiT checkpoint's weights are" in error
+    assert not (tmp_path / "x").exists()

@@ -335,3 +335,117 @@ def test_what_the_likelihood_cannot_be_computed_for_is_one_line(tmp_path, capsys
         run_command(main, ["--ckpt", str(export), "--images", str(make(tmp_path)), *arguments])
     error = capsys.readouterr().err
     assert exit_.value.code == USER_ERROR_STATUS and error.count("\n") == 1 and named in error, error
+
+
+def cut_file(path):
+    """An .npz of gray images cut to half its bytes (a copy interrupted, a disk that filled)."""
+    whole = gray_images(path).read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, arguments, named",
+    [
+        (cut_file, [], "cannot be read as an .npz (BadZipFile: File is not a zip file); the file is cut or damaged"),
+        (lambda path: (path.write_bytes(b"not an archive" * 8), path)[1], [], "the file is cut or damaged"),
+        (gray_images, ["--device", "cuda"], "--device cuda: this machine has no cuda device"),
+        (gray_images, ["--device", "cuda:x"], "--device cuda:x: not a torch device"),
+    ],
+)
+def test_a_damaged_images_file_or_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, make, arguments, named):
+    """Issue 47: a cut or garbage --images (BadZipFile) and --device cuda without a GPU were tracebacks."""
+    if arguments[-1:] == ["cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    export = tiny_export(tmp_path / "export", family="SiT")
+    images = make(tmp_path / "i.npz")
+    error = one_line_error(main, ["--ckpt", str(export), "--images", str(images), *arguments], capsys)
+    assert named in error
+
+
+@pytest.mark.parametrize("target", ["images", "weights", "notes"])
+def test_json_never_replaces_a_file_the_likelihood_did_not_write(tmp_path, capsys, target):
+    """Issue 47: --json replaced any existing file: its own --images (the images became a 782-byte report), an
+    export's ema.safetensors, a user's notes. As python -m fid: a report of this command is replaced, anything
+    else is refused in one line before the model is loaded, and stays as it was."""
+    export = tiny_export(tmp_path / "export", family="SiT")
+    images = gray_images(tmp_path / "images.npz")
+    (tmp_path / "notes.json").write_text('{"mine": 1}\n')
+    path = {"images": images, "weights": export / "ema.safetensors", "notes": tmp_path / "notes.json"}[target]
+    before = path.read_bytes()
+    arguments = ["--ckpt", str(export), "--images", str(images), "--batch-size", "3", "--json", str(path)]
+    error = one_line_error(main, arguments, capsys)
+    said = "is --images itself" if target == "images" else "exists and was not written by python -m generation"
+    assert said in error and str(path) in error, error
+    assert path.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_json_replaces_a_report_of_its_own(tmp_path):
+    export = tiny_export(tmp_path / "export", family="SiT")
+    images = gray_images(tmp_path / "images.npz", count=2)
+    report = tmp_path / "bpd.json"
+    arguments = ["--ckpt", str(export), "--images", str(images), "--batch-size", "2", "--json", str(report)]
+    main([*arguments, "--seed", "1"])
+    second = main([*arguments, "--seed", "2"])
+    assert json.loads(report.read_text()) == second and second["settings"]["seed"] == 2
+
+
+def test_a_vae_of_another_channel_count_is_one_line_before_any_image_is_read(tmp_path, capsys):
+    """Issue 47: a --vae whose latents have other channels than the model's was a convolution's traceback."""
+    from diffusers import AutoencoderKL
+
+    from generation import ExportDescription, write_export
+    from sit_vca import create_model
+
+    model = create_model("SiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, in_channels=4, num_classes=4)
+    vae_folder = tmp_path / "vae8"
+    AutoencoderKL(**{**TINY_VAE, "latent_channels": 8}).save_pretrained(vae_folder)  # 8 channels, the model 4
+    description = ExportDescription(
+        model=model.config,
+        objective={"kind": "transport"},
+        space="latents",
+        image_size=8,
+        num_classes=4,
+        vae=str(vae_folder),
+        latent_scale=0.5,
+    )
+    write_export(tmp_path / "export", model.state_dict(), description)
+    images = gray_images(tmp_path / "images.npz")
+    arguments = ["--ckpt", str(tmp_path / "export"), "--images", str(images), "--vae", str(vae_folder)]
+    error = one_line_error(main, arguments, capsys)
+    assert "has 8 latent channels, but the model generates 4" in error and "(--vae)" in error
+
+
+def test_an_ode_that_blows_up_is_one_line_naming_the_model_and_tolerances(tmp_path, capsys):
+    """Issue 47: a model whose probability-flow ODE blows up (finite weights, velocities that overflow) ended in
+    torchdiffeq's AssertionError "underflow in dt nan"; it is one line naming --ckpt and the tolerances."""
+    from generation.export import read_export, write_export
+
+    export = tiny_export(tmp_path / "export", family="SiT")
+    read = read_export(export)
+    huge = {
+        key: value * 1e30 if value.is_floating_point() and value.ndim > 1 else value
+        for key, value in read.weights.items()
+    }
+    write_export(export, huge, read.description)  # finite weights whose products overflow float32
+    images = gray_images(tmp_path / "images.npz", count=2)
+    with pytest.raises(SystemExit) as exit_:
+        run_command(main, ["--ckpt", str(export), "--images", str(images), "--device", "cpu"])
+    error = capsys.readouterr().err  # the solver's progress bar, then the one line
+    assert exit_.value.code == USER_ERROR_STATUS and "Traceback" not in error, error
+    assert error.endswith("\n") and error.count("\n") == 1 and "error: " in error, error
+    line = error[error.index("error: ") :]
+    assert f"--ckpt {export}: dopri5 cannot solve this model's probability-flow ODE at --atol 1e-06" in line
+
+
+def test_under_a_launcher_only_rank_0_computes(tmp_path, capsys, monkeypatch):
+    """Issue 47: under torchrun every process computed every image (and wrote the same report). Rank 0 does the
+    work; any other rank ends at once, having read nothing and written nothing."""
+    export = tiny_export(tmp_path / "export", family="SiT")
+    images = gray_images(tmp_path / "images.npz")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    report = tmp_path / "bpd.json"
+    assert main(["--ckpt", str(export), "--images", str(images), "--json", str(report)]) is None
+    assert not report.exists() and capsys.readouterr().out == ""

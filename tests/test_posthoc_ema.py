@@ -453,3 +453,38 @@ def test_an_incomplete_newest_snapshot_is_left_out_and_named_by_list(tmp_path, c
     assert written.record["step"] == 8
     posthoc_main([str(run_dir), "--list"])
     assert "left out, incomplete (no description.json): step-0000010" in capsys.readouterr().out
+
+
+def test_snapshots_and_the_checkpoints_averages_are_byte_reproducible(tmp_path):
+    """Issue 47: the same averages saved twice gave different bytes (safetensors writes its header's metadata in
+    an order that changes from call to call), so a snapshot or posthoc_ema.safetensors could not be compared or
+    checksummed. Saved four times, each file is the same four times."""
+    from generation.export import read_description
+
+    description = read_description(tiny_export(tmp_path / "export"))
+    model = nn.Linear(3, 2)
+    tracker = PowerEMA(model, PosthocEMAConfig(sigma_rel=[0.05, 0.1], snapshot_every=1), batch=4)
+    tracker.update(model)
+    contents = []
+    for copy in range(4):
+        folder = tracker.save_snapshot(tmp_path / f"run{copy}", 1, description)
+        (tmp_path / f"checkpoint{copy}").mkdir()
+        tracker.write_state(tmp_path / f"checkpoint{copy}")
+        files = [*sorted(folder.iterdir()), tmp_path / f"checkpoint{copy}" / CHECKPOINT_STATE]
+        contents.append([file.read_bytes() for file in files])
+    assert all(copy == contents[0] for copy in contents[1:])
+    with safe_open(tmp_path / "checkpoint0" / CHECKPOINT_STATE, framework="pt") as read:  # still readable as written
+        assert json.loads(read.metadata()["sigma_rel"]) == [0.05, 0.1] and read.metadata()["images"] == "4"
+
+
+def test_an_out_folder_that_is_not_a_reconstruction_is_never_replaced(posthoc_run, tmp_path, capsys):
+    """The rule of every command that writes what a user names (atomic_files.ownership): a folder at the export's
+    place that is not a post-hoc reconstruction (another export, a folder with a damaged config.json) stays."""
+    for name, make in (("export", tiny_export), ("damaged", lambda folder: folder.mkdir(parents=True) or folder)):
+        out = tmp_path / name
+        target = make(out / "sigma_rel-0.07-step-0000064")
+        (target / "config.json").write_text("{not json" if name == "damaged" else (target / "config.json").read_text())
+        before = {path: path.read_bytes() for path in target.iterdir()}
+        error = one_line_error(posthoc_main, [str(posthoc_run), "--sigma-rel", "0.07", "--out", str(out)], capsys)
+        assert f"--out: {target} exists and was not written by python -m training.posthoc_ema" in error
+        assert {path: path.read_bytes() for path in target.iterdir()} == before

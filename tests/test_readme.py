@@ -154,7 +154,8 @@ def check_run_paths(tokens: list[str], where: DocumentedCommand) -> None:
 
 
 def check_command(where: DocumentedCommand, monkeypatch) -> None:
-    text = re.sub(r"\$\(\(.*?\)\)|\$\{?\w+\}?", "1", where.text)  # $RANK, $((N * 8)): a number stands in
+    text = where.text.replace('"$@"', "train.py --help")  # a wrapper's "$@": the script and arguments it runs
+    text = re.sub(r"\$\(\(.*?\)\)|\$\{?\w+\}?", "1", text)  # $RANK, $((N * 8)): a number stands in
     tokens = shlex.split(text)
     check_run_paths(tokens, where)
     while tokens and re.match(r"^\w+=", tokens[0]):  # VAR=value prefixes

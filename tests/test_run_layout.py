@@ -150,3 +150,22 @@ def test_every_reader_of_the_newest_checkpoint_takes_only_a_complete_one(export,
     shutil.rmtree(complete)
     with pytest.raises(ExportError, match=r"step-0000004/export is in a checkpoint without trainer_state.json: pass"):
         find_export(run_dir)  # the way out, for a run whose exports alone were copied
+
+
+def test_resume_latest_where_every_checkpoint_is_incomplete_is_refused_not_started_over(
+    export, tmp_path, train_script, capsys
+):
+    """Issue 47: --resume latest in a run whose checkpoints all lack trainer_state.json (a crash during the first
+    save) started from step 0 without a word and later saved over them. It is one line, exit 2, before anything
+    is built (sample.py --ckpt on the same folder explains the situation too), and the folder stays."""
+    from _tiny_runs import DIGITS, TINY
+    from _user_errors import one_line_error
+
+    run_dir = tmp_path / "run"
+    incomplete = write_checkpoint(run_dir, 4, export, complete=False)
+    before = sorted(path.relative_to(run_dir) for path in run_dir.rglob("*"))
+    arguments = ["--config", str(DIGITS), *TINY, "train.max_steps=2", f"run.dir={run_dir}", "--resume", "latest"]
+    error = one_line_error(train_script.main, arguments, capsys)
+    assert f"--resume latest: {run_dir / 'checkpoints'} holds step-0000004 but no complete checkpoint" in error
+    assert sorted(path.relative_to(run_dir) for path in run_dir.rglob("*")) == before
+    assert not (incomplete / "trainer_state.json").exists()

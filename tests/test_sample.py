@@ -17,11 +17,19 @@ import pytest
 import torch
 
 import sample
-from _launch import NO_GLOO_THREAD_AT_EXIT, TORCHRUN_TWO_PROCESSES, sample_env, with_gloo_probe
+from _launch import (
+    GLOO_THREADS_AT_EXIT,
+    NO_GLOO_THREAD_AT_EXIT,
+    TORCHRUN_TWO_PROCESSES,
+    sample_env,
+    with_gloo_probe,
+)
 from _tiny_models import EXPORT_CLASSES, tiny_export, tiny_sd_vae
 from _user_errors import one_line_error
 from atomic_files import save_npz_atomic
+from atomic_files.ownership import ForeignFileError
 from atomic_files.shards import ShardFolder, ShardFolderError
+from commands import UserError
 from generation import ImageGenerator, load_export
 from generation.images import to_uint8
 from generation.official import official_export
@@ -337,6 +345,39 @@ def test_samples_do_not_depend_on_the_batch_split(export):
     assert np.abs(whole.astype(int) - split).max() <= 1 and np.mean(whole != split) < 0.01
 
 
+# A thread that ends between the probe's listing of /proc/self/task and its read of the thread's name: the listing
+# is made, then the (daemon) thread is ended and its entry waited out, then the stale listing is handed back.
+THREAD_ENDS_AFTER_THE_LISTING = """
+import os, threading, time
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait, daemon=True)  # a daemon: still running when atexit's handlers run
+worker.start()
+listdir = os.listdir
+
+def listdir_then_end_the_worker(path):
+    listed = listdir(path)
+    if path == "/proc/self/task" and str(worker.native_id) in listed:
+        stop.set()
+        worker.join()
+        while str(worker.native_id) in listdir(path):
+            time.sleep(0.01)
+    return listed
+
+os.listdir = listdir_then_end_the_worker
+"""
+
+
+def test_the_gloo_thread_probe_passes_over_a_thread_that_ended_after_its_listing(tmp_path):
+    """Issue 47: test_two_processes_give_the_same_file failed on a loaded CI machine: the probe read the name of a
+    thread that had ended since the listing (FileNotFoundError), and printed no line at all. The race, made
+    certain: the probe still prints its line, and the ended thread is not in it (it no longer runs)."""
+    script = tmp_path / "race.py"
+    script.write_text(f"{GLOO_THREADS_AT_EXIT}{THREAD_ENDS_AFTER_THE_LISTING}")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == f"{NO_GLOO_THREAD_AT_EXIT}\n", done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_two_processes_give_the_same_file(export, reference, tmp_path):
     out = tmp_path / "samples.npz"
     (tmp_path / "probe").mkdir()
@@ -481,7 +522,7 @@ def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypa
     argv = [
         item for key, value in arguments.items() for item in [key, *(value if isinstance(value, list) else [value])]
     ]
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises((SystemExit, UserError), match=message):
         sample.main(argv)
     assert not list(tmp_path.iterdir())
 
@@ -584,7 +625,7 @@ def test_finished_output_is_kept(reference, export, capsys):
 def test_foreign_output_is_kept(export, tmp_path):
     out = tmp_path / "samples.npz"
     np.savez(out, arr_0=np.zeros((1, 8, 8, 3), np.uint8))
-    with pytest.raises(SampleFilesError, match="exists and was not written by sample.py"):
+    with pytest.raises(ForeignFileError, match="exists and was not written by sample.py"):
         sample.main(sample_command(export, out)[2:])
     assert np.load(out)["arr_0"].shape == (1, 8, 8, 3)
 
@@ -641,7 +682,7 @@ def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
 # --protocol: the settings of the official evaluations, explicit flags winning
 # ----------------------------------------------------------------------------------------------
 
-MINIMAL = ["--ckpt", "export", "--out", "samples.npz", "--num-samples", "50000"]
+MINIMAL = ["--out", "samples.npz", "--num-samples", "50000"]  # after --ckpt EXPORT
 # Written from the official evaluation scripts (DiT and SiT sample_ddp.py with the settings of their FID tables),
 # not from generation/protocols.py: uniform labels, guidance on 3 channels at scale 1.5, and the sampler.
 OFFICIAL = {
@@ -692,8 +733,8 @@ OFFICIAL = {
 
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
-def test_protocol_sets_the_official_settings(name):
-    settings = sample.run_settings(sample.parse_args([*MINIMAL, "--protocol", name]))
+def test_protocol_sets_the_official_settings(export, name):
+    settings = sample.run_settings(sample.parse_args(["--ckpt", str(export), *MINIMAL, "--protocol", name]))
     assert settings["protocol"] == name
     assert {key: settings.get(key) for key in OFFICIAL[name]} == OFFICIAL[name]
     unset = set(sample.SAMPLER_OPTIONS) - set(OFFICIAL[name])
@@ -702,9 +743,11 @@ def test_protocol_sets_the_official_settings(name):
         assert settings["guidance_interval"] is None
 
 
-def test_explicit_flags_win_over_the_protocol():
+def test_explicit_flags_win_over_the_protocol(export):
     args = sample.parse_args(
         [
+            "--ckpt",
+            str(export),
             *MINIMAL,
             "--protocol",
             "sit",
@@ -728,8 +771,8 @@ def test_explicit_flags_win_over_the_protocol():
     assert (settings["sampler"], settings["guidance_channels"], settings["last_step_size"]) == ("sde-euler", 3, 0.04)
 
 
-def test_without_a_protocol_the_plain_defaults_apply():
-    settings = sample.run_settings(sample.parse_args(MINIMAL))
+def test_without_a_protocol_the_plain_defaults_apply(export):
+    settings = sample.run_settings(sample.parse_args(["--ckpt", str(export), *MINIMAL]))
     assert "protocol" not in settings  # the settings of runs from before protocols existed still match
     assert (settings["labels"], settings["guidance"], settings["guidance_channels"], settings["sampler"]) == (
         "balanced",
@@ -893,7 +936,7 @@ def test_overwrite_replaces_only_what_an_earlier_sample_run_wrote(export, tmp_pa
     assert (tmp_path / "notes.txt").read_text() == "the user's own file"
     foreign = tmp_path / "foreign.npz"  # a summary sample.py did not write stays, --overwrite or not
     foreign.with_suffix(".json").write_text('{"mine": true}')
-    with pytest.raises(SampleFilesError, match="foreign.json exists and was not written by sample.py"):
+    with pytest.raises(ForeignFileError, match="foreign.json exists and was not written by sample.py"):
         sample.main([*command[:2], "--out", str(foreign), *command[4:], "--overwrite"])
     assert foreign.with_suffix(".json").read_text() == '{"mine": true}'
 
@@ -1032,3 +1075,60 @@ def test_the_space_needed_leaves_out_what_a_resumed_run_wrote_already(tmp_path, 
                 sample.check_disk_space(args, 8, files)
         else:
             sample.check_disk_space(args, 8, files)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which weights a run's samples came from (issue 47)
+# ----------------------------------------------------------------------------------------------
+
+QUICK = ["--num-samples", "4", "--shard-size", "2", "--per-proc-batch-size", "2", "--grid-size", "0", "--sampler"]
+QUICK += ["ddim", "--steps", "2"]
+
+
+def test_an_export_replaced_in_place_is_never_taken_for_the_one_that_made_the_samples(tmp_path, monkeypatch, capsys):
+    """Issue 47: an export replaced in place (same path, other weights) counted as the same run: a finished output
+    was "already complete", and an interrupted one resumed with the old weights' shards, so one .npz held two
+    models' samples. The weights' sha256 is a setting of the run: both are another run's, refused in one line."""
+    export = tiny_export(tmp_path / "export", seed=0)
+    done = tmp_path / "done.npz"
+    sample.main(["--ckpt", str(export), "--out", str(done), *QUICK])
+    settings = json.loads(done.with_suffix(".json").read_text())["settings"]
+    assert len(settings["weights_sha256"]) == 64
+    tiny_export(export, seed=1)  # other weights at the same path
+    with pytest.raises(SampleFilesError, match="weights_sha256='[0-9a-f]{64}', not '[0-9a-f]{64}'"):
+        sample.main(["--ckpt", str(export), "--out", str(done), *QUICK])
+    assert "already complete" not in capsys.readouterr().out
+
+    cut = tmp_path / "cut.npz"  # stopped before the merge: its shards and their settings.json stay
+    with monkeypatch.context() as patch:
+        patch.setattr(sample, "finish", lambda *arguments: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            sample.main(["--ckpt", str(export), "--out", str(cut), *QUICK])
+    assert sorted(path.name for path in (tmp_path / "cut.npz.shards").glob("shard-*")) == [
+        "shard-000000.npz",
+        "shard-000001.npz",
+    ]
+    tiny_export(export, seed=2)
+    with pytest.raises(SystemExit, match="cut.npz.shards belongs to a run with weights_sha256="):
+        sample.main(["--ckpt", str(export), "--out", str(cut), *QUICK])
+    assert not cut.exists()
+
+
+def test_a_stop_between_the_merge_and_its_clean_up_leaves_no_shard_folder(tmp_path, monkeypatch, capsys):
+    """Issue 47: a preemption after the merged .npz took its name but before the shards were removed left
+    <out>.shards/ for good (9.8 GB at 50K 256-px images): the next run found the samples complete and stopped. It
+    removes them."""
+    export = tiny_export(tmp_path / "export")
+    out = tmp_path / "samples.npz"
+
+    def stopped(folder, **options):
+        raise KeyboardInterrupt  # the signal lands just after the rename
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sample, "shutil", types.SimpleNamespace(rmtree=stopped))
+        with pytest.raises(KeyboardInterrupt):
+            sample.main(["--ckpt", str(export), "--out", str(out), *QUICK])
+    assert out.is_file() and (tmp_path / "samples.npz.shards").is_dir()
+    sample.main(["--ckpt", str(export), "--out", str(out), *QUICK])
+    assert "already complete" in capsys.readouterr().out
+    assert not (tmp_path / "samples.npz.shards").exists()

@@ -71,6 +71,51 @@ def test_torchrun_under_srun_survives_a_stop_signal_and_a_scheduler_requeue(slur
 
 
 @pytest.mark.slurm
+def test_a_stop_signal_to_the_steps_of_a_torchrun_job_requeues_it(slurm, preemption_reference, tmp_path):
+    # Issue 47: a stop signal that reaches the job's steps themselves (`scancel --signal=TERM JOB`; SIGUSR1 from
+    # `--signal=USR1@N` without B:), not the batch script: train.py checkpoints and exits 75, but torchrun turned
+    # that into 1 (TERM) or died of SIGUSR1 itself (138), and the job ended FAILED, never requeued. torchrun.sh now
+    # carries the 75 past torchrun (the file train.py writes, STOPPED_STATUS_FILE) and torchrun ignores SIGUSR1.
+    run_dir, log, env = tmp_path / "run", tmp_path / "job.log", slurm
+    job_id = sbatch(env, "train.sbatch", ["--nodes=1", "--gpus-per-node=2"], [*RUN, f"run.dir={run_dir}"], log)
+    wait_for_step(run_dir, 3, log)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=env, check=True, timeout=60)
+    wait_for_requeue(env, job_id, 1, log)
+    [(name, first, _)] = stops(log)
+    assert name == "SIGTERM" and 3 <= first < 60 and "srun exited with 75" in text(log), text(log)[-3000:]
+    wait_for_step(run_dir, first + 3, log)
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True, timeout=60)
+    wait_for_requeue(env, job_id, 2, log)
+    state = wait_for_end(env, job_id, log)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text(log)[-3000:]
+    [_, (name, second, _)] = stops(log)
+    assert name == "SIGUSR1" and first < second < 60, text(log)[-3000:]
+    assert_same_as(run_dir, preemption_reference)
+
+
+@pytest.mark.slurm
+def test_a_stop_signal_to_the_steps_of_an_array_task_requeues_it(slurm, tmp_path):
+    # The same for train_array.sbatch (torchrun.sh too): the task is requeued, then cancelled (resuming is tested
+    # above).
+    runs, lines, log = tmp_path / "runs", tmp_path / "runs.txt", tmp_path / "task-0.log"
+    lines.write_text("train.seed=1\n")
+    array = sbatch(
+        slurm, "train_array.sbatch", ["--array=0", "--gpus-per-node=1"], [str(runs), str(lines), *ARRAY_RUN], log
+    )
+    task = f"{array}_0"
+    wait_for_step(runs / "0", 2, log)
+    subprocess.run(["scancel", "--signal=TERM", task], env=slurm, check=True, timeout=60)
+    wait_until(
+        lambda: (state := job(slurm, task))["JobState"] == "PENDING" and state["Restarts"] == "1",
+        f"{task} requeued",
+        log,
+    )
+    subprocess.run(["scancel", task], env=slurm, check=True, timeout=60)
+    [(name, step, _)] = stops(log)
+    assert name == "SIGTERM" and f"job {task} (restart 0): srun exited with 75" in text(log), text(log)[-3000:]
+
+
+@pytest.mark.slurm
 def test_one_task_per_process_stops_at_the_time_limit_warning_and_requeues_itself(
     slurm, preemption_reference, tmp_path
 ):

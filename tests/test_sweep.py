@@ -188,3 +188,108 @@ def test_a_launch_of_several_processes_is_refused(tmp_path, reference, capsys, m
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun or accelerate launch set it in each process
     arguments = sweep_arguments(tmp_path, tmp_path / "export", reference)
     assert "sweep.py runs as one process" in sweep_one_line_error(arguments, capsys)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 47: every input checked before the first point; one sweep per --out; only its own files replaced; the
+# weights behind each score
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def nan_export(folder: Path) -> Path:
+    from generation.export import read_export, write_export
+
+    export = read_export(tiny_export(folder))
+    weights = {key: value.clone() for key, value in export.weights.items()}
+    next(value for value in weights.values() if value.is_floating_point()).view(-1)[0] = float("nan")
+    write_export(folder, weights, export.description)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "second, options, named",
+    [
+        (lambda folder: folder, [], "--ckpt: {second}: no such file or folder"),  # never written
+        (nan_export, [], "holds NaN or infinite values"),
+        (lambda folder: tiny_export(folder, family="SiT"), [], "--sampler 'ddim': this checkpoint's objective offers"),
+        (tiny_export, ["--num-samples", "1"], "--num-samples 1: 1 image(s); feature statistics"),
+    ],
+)
+def test_every_export_and_option_is_checked_before_the_first_point(tmp_path, reference, capsys, second, options, named):
+    """Issue 47: sweep.py checked its second and later --ckpt (a missing path, NaN weights, another objective's
+    sampler) and --num-samples 1 only when it reached them, after the earlier points had been sampled and scored;
+    its help says such errors come first. Now nothing is sampled."""
+    first = tiny_export(tmp_path / "first")
+    other = second(tmp_path / "second")
+    arguments = sweep_arguments(tmp_path, first, reference, guidance=("none",))
+    arguments = sweeping(arguments, "--ckpt", f"first={first}", f"second={other}", *options)
+    error = sweep_one_line_error(arguments, capsys)
+    assert named.format(second=other) in error, error
+    assert not list((tmp_path / "sweep").rglob("*.npz*")) and not (tmp_path / "sweep" / "scores").exists()
+
+
+def test_a_device_this_machine_lacks_is_one_line(tmp_path, reference, capsys):
+    device = f"cuda:{torch.cuda.device_count()}"
+    arguments = sweeping(sweep_arguments(tmp_path, tiny_export(tmp_path / "export"), reference), "--device", device)
+    assert f"--device {device}: this machine has" in sweep_one_line_error(arguments, capsys)
+
+
+def test_two_sweeps_into_one_out_are_refused(tmp_path, reference, capsys):
+    """Issue 47: two sweeps into one --out sampled the same points side by side and kept only the last one's
+    report. The first holds the folder's lock (atomic_files.folder_lock); the second stops at once."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from atomic_files.folder_lock import lock_folder; "
+            "lock_folder(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+            str(out),
+        ],
+        cwd=Path(sweep.__file__).parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        error = sweep_one_line_error(sweep_arguments(tmp_path, tiny_export(tmp_path / "export"), reference), capsys)
+        assert f"--out {out} is being written by another sweep.py right now (process {holder.pid})" in error
+    finally:
+        holder.kill()
+        holder.wait()
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["sweep.md", "sweep.json", "scores/tiny-none.json"])
+def test_a_sweep_replaces_only_files_it_wrote(tmp_path, reference, capsys, name):
+    """Issue 47: the rule of every command that writes what a user names (atomic_files.ownership): a sweep.md of a
+    user's (no sweep.json vouching for it), a sweep.json or a point's record that sweep.py did not write, stay;
+    refused before anything is sampled."""
+    mine = tmp_path / "sweep" / name
+    mine.parent.mkdir(parents=True)
+    mine.write_text('{"my": "notes"}\n')
+    error = sweep_one_line_error(sweep_arguments(tmp_path, tiny_export(tmp_path / "export"), reference), capsys)
+    assert f"{mine} exists and was not written by sweep.py; choose another --out" in error
+    assert mine.read_text() == '{"my": "notes"}\n' and not list((tmp_path / "sweep").rglob("*.npz*"))
+
+
+def test_a_point_of_an_export_replaced_in_place_is_not_read_back(tmp_path, reference, capsys, monkeypatch):
+    """Issue 47: a rerun read back a point's score when its export's path was the same, though the weights there
+    had been replaced. The record holds the weights' sha256 (the sampling settings of sample.py), so the rerun
+    refuses, naming it, before anything is sampled (the point's samples are the old weights')."""
+    monkeypatch.setattr(sweep.Sweep, "evaluate", lambda self, samples: ({"fid": 1.0}, "stand-in"))  # no Inception
+    export = tiny_export(tmp_path / "export", seed=0)
+    arguments = sweep_arguments(tmp_path, export, reference, guidance=("none",))
+    (first,) = sweep.main(arguments)
+    assert len(first["sampling"]["weights_sha256"]) == 64
+    tiny_export(export, seed=1)
+    record = tmp_path / "sweep" / "scores" / "tiny-none.json"
+    before = record.read_bytes()
+    capsys.readouterr()
+    error = sweep_one_line_error(arguments, capsys)
+    assert "tiny-none.json belongs to a run with weights_sha256=" in error
+    assert record.read_bytes() == before

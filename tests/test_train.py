@@ -403,6 +403,15 @@ def short_run(tmp_path_factory):
 def damage(path: Path, how: str) -> None:
     if how == "truncated":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "list":  # issue 47: a valid torch file of another object: the optimiser's traceback, 29 lines
+        torch.save([torch.zeros(2), 1], path)
+    elif how == "code":  # issue 47: a pickle payload (never run: weights_only), named in one line
+
+        class Payload:
+            def __reduce__(self):
+                return (Path.touch, (path.parent / "ran",))
+
+        torch.save({"state": Payload(), "param_groups": [], "last_epoch": 0}, path)
     else:  # replaced by a file of the right kind with other contents
         torch.save({"something": torch.zeros(2)}, path)
 
@@ -413,6 +422,11 @@ def damage(path: Path, how: str) -> None:
         ("model.safetensors", "truncated"),
         ("optimizer.bin", "truncated"),
         ("scheduler.bin", "truncated"),
+        ("optimizer.bin", "replaced"),
+        ("optimizer.bin", "list"),
+        ("scheduler.bin", "list"),
+        ("optimizer.bin", "code"),
+        ("scheduler.bin", "code"),
         ("random_states_0.pkl", "truncated"),
         ("random_states_0.pkl", "replaced"),
         ("trainer_state.json", "truncated"),
@@ -620,3 +634,48 @@ def test_a_config_yaml_alone_does_not_block_rerunning_the_command(tmp_path):
     run.check_new()
     run.metrics.write_text('{"step": 1}\n')
     assert run.earlier_run() == [run.config, run.metrics]
+
+
+DAMAGED_LINES = [
+    b'{"step": 1, "loss": 0.5}',
+    b'{"step": 2, "loss": \xff\xfe}',  # not UTF-8
+    b'{"step": "three", "loss": 0.4}',  # a step that is not a number
+    b'{"step": 4}',  # no loss
+    b"[4, 0.3]",  # not an object
+    b'{"step": 5, "loss": 0.2',  # cut by a kill
+]
+
+
+def test_logs_with_damaged_lines_are_read_with_each_line_named_and_left_out(tmp_path, capsys):
+    """Issue 47: a non-UTF-8 line, a non-numeric step or a line without loss in metrics.jsonl (or fid.jsonl) was a
+    traceback: UnicodeDecodeError or TypeError in the resume's clean-up, KeyError when the curves were drawn."""
+    from training.curves import draw_curves
+    from training.metrics import JsonLines
+
+    log, fids = tmp_path / "metrics.jsonl", tmp_path / "fid.jsonl"
+    log.write_bytes(b"\n".join(DAMAGED_LINES) + b"\n")
+    fids.write_bytes(b'{"step": 2, "fid": 80.0, "samples": 64}\n{"step": 4, "fid": "n/a"}\n\xff\n')
+    assert draw_curves(log, fids, tmp_path / "curves.png", "a run") == tmp_path / "curves.png"
+    warnings = capsys.readouterr().err.splitlines()
+    for line in (2, 3, 4, 5, 6):
+        assert any(f"warning: {log} line {line}: " in warning for warning in warnings), warnings
+    assert any(f"{fids} line 2: its 'fid' is \"n/a\", not a number; left out" in w for w in warnings), warnings
+    assert f'warning: {log} line 3: its "step" is "three", not a whole number; left out' in warnings
+    JsonLines(log, ["loss"]).drop_after(4)  # a resume from step 4: the lines after it, and the damaged ones, go
+    assert log.read_text() == '{"step": 1, "loss": 0.5}\n'
+    assert len(capsys.readouterr().err.splitlines()) == 5  # each damaged line named again
+
+
+def test_a_resume_and_its_curves_pass_over_damaged_log_lines(short_run, train_script, tmp_path, capsys, monkeypatch):
+    """The same damage in a real run's logs: the resume continues, draws its curves and names the lines."""
+    import training.loop
+
+    monkeypatch.setattr(training.loop, "CURVES_INTERVAL_S", 0.0)  # curves at every checkpoint, not once a minute
+    run_dir = tmp_path / "run"
+    shutil.copytree(short_run, run_dir)
+    with (run_dir / "metrics.jsonl").open("ab") as log:
+        log.write(b"\n".join(DAMAGED_LINES[1:4]) + b"\n")
+    train_script.main([*ONE_PROCESS, "train.max_steps=6", f"run.dir={run_dir}", "--resume", "latest"])
+    assert [line["step"] for line in metrics(run_dir)] == [2, 4, 6]
+    assert (run_dir / "curves.png").is_file()
+    assert "metrics.jsonl line 3: not UTF-8 text; left out" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -219,3 +220,42 @@ def test_a_node_that_cannot_connect_is_one_line_naming_gloo_socket_ifname():
     assert float(seconds) < 15 and "\n" not in message, (stdout, stderr[-2000:])
     assert message.startswith("the processes of this run cannot connect over gloo within 3 s")
     assert "set GLOO_SOCKET_IFNAME to the network interface" in message
+
+
+def test_one_nodes_agent_killed_stops_the_run_with_a_checkpoint_and_it_resumes(preemption_reference, tmp_path):
+    # Issue 47: one node's torchrun killed (SIGKILL, e.g. by the out-of-memory killer) left its worker training on
+    # as an orphan with the other node's to the end, while the other agent waited 300 s at torchrun's exit barrier
+    # and ended with 0. The worker now gets SIGTERM when its agent dies (training.stop_signals.
+    # stop_with_the_launcher): both ranks stop after the same step with a checkpoint, the other agent ends at once
+    # (its worker's 75 is a failure: no exit barrier), and the run resumes to the uninterrupted run's bytes.
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    node0, node1 = two_agents(run_dir, fault="3:1:SIGKILL:parent")  # node 1's worker kills its own agent
+    assert time.monotonic() - started < 240, "the other agent waited at the exit barrier"
+    assert node1.returncode == -9 and node0.returncode == 1, node0.stderr[-2000:]
+    assert f"exitcode  : {STOPPED_STATUS}" in node0.stderr, node0.stderr[-2000:]
+    assert "stopped by a signal to another process after step" in node0.stdout  # rank 0 learnt it from rank 1
+    resumed = two_agents(run_dir, "--resume", "latest")
+    assert all(agent.returncode == 0 for agent in resumed), [agent.stderr[-2000:] for agent in resumed]
+    assert_same_as(run_dir, preemption_reference)
+
+
+def test_a_node_started_alone_waits_at_the_rendezvous_for_its_timeout_then_ends(tmp_path):
+    # docs/training.md: a node's torchrun started without the others (a node restarted alone) waits for them,
+    # silently, for the static rendezvous' timeout: 600 s unless `--rdzv-conf timeout=S` (docs/slurm/torchrun.sh:
+    # RENDEZVOUS_TIMEOUT) bounds it; then torchrun ends with 1, naming the timeout. Here 5 s, either node alone.
+    for node in (0, 1):
+        started = time.monotonic()
+        alone = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
+            + ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+            + ["--rdzv-conf", "timeout=5", "--no-python", "true"],
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        waited = time.monotonic() - started
+        assert alone.returncode == 1 and 5 <= waited < 120, (waited, alone.stderr[-2000:])
+        assert ("timed out" in alone.stderr.lower()) and "worker" not in alone.stdout, alone.stderr[-2000:]

@@ -64,6 +64,8 @@ MODEL_WEIGHTS = "model.safetensors"  # Accelerate's file name for the first prep
 OPTIMIZER_STATE, SCHEDULER_STATE = "optimizer.bin", "scheduler.bin"  # Accelerate's names (one of each)
 RANDOM_STATES = "random_states_{}.pkl"  # Accelerate's name, one per process
 RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+# What Accelerate hands the optimiser's and the scheduler's load_state_dict: their state dicts, with these keys
+STATE_KEYS = {OPTIMIZER_STATE: ("state", "param_groups"), SCHEDULER_STATE: ("last_epoch",)}
 
 
 def keep_plain_model_keys(accelerator: Accelerator) -> None:
@@ -207,8 +209,8 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
         extra_models = sorted(path.glob(MODEL_WEIGHTS.replace(".", "_*.")))  # REPA's projector: model_1.safetensors
         for file in (path / MODEL_WEIGHTS, *extra_models, path / EXPORT_FOLDER / EXPORT_WEIGHTS):
             _check_safetensors(file)
-        for name in (OPTIMIZER_STATE, SCHEDULER_STATE):
-            _check_zip(path / name)
+        for name, keys in STATE_KEYS.items():
+            _check_state(path / name, keys)
         for rank in range(int(state["num_processes"])):
             _check_random_states(path / RANDOM_STATES.format(rank))
     except OSError as error:
@@ -294,6 +296,21 @@ def _check_zip(file: Path) -> None:
             archive.namelist()
     except (zipfile.BadZipFile, OSError) as error:
         raise OSError(f"{file} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def _check_state(file: Path, keys: tuple[str, ...]) -> None:
+    """An optimiser's or scheduler's state as Accelerate will load it (weights_only: code is refused), memory-mapped
+    so that no tensor is read: a cut file fails at its zip directory, and anything but a state dict with `keys` (a
+    list, another object saved under the name) is named here, not by the optimiser's traceback at the resume."""
+    _check_zip(file)
+    try:
+        state = accelerate_load(file, map_location="cpu", mmap=True)
+    except Exception as error:  # torch.load reports refused code and damage with many types
+        first_sentence = str(error).splitlines()[0].split(". ")[0]
+        raise OSError(f"{file} cannot be read ({type(error).__name__}: {first_sentence})") from None
+    if not isinstance(state, dict) or any(key not in state for key in keys):
+        found = f"a dict of {', '.join(map(str, list(state)[:4]))}" if isinstance(state, dict) else type(state).__name__
+        raise OSError(f"{file} does not hold a state dict with {', '.join(keys)} (found {found})")
 
 
 def _check_random_states(file: Path) -> None:

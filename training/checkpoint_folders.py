@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from commands import UserError
-from generation.run_layout import TRAINER_STATE, list_checkpoints, step_name
+from generation.run_layout import TRAINER_STATE, incomplete_checkpoints, list_checkpoints, step_name
 
 RESUME_LATEST = "latest"
 
@@ -22,12 +22,23 @@ class CheckpointError(UserError):
 
 def resolve_resume(spec: str | None, root: str | Path) -> Path | None:
     """The checkpoint to resume from: None (fresh run), "latest" (newest under root; None if there is none
-    yet, so a preempted job can always be relaunched with --resume latest) or a checkpoint folder."""
+    yet, so a preempted job can always be relaunched with --resume latest, but an error when every checkpoint
+    there is incomplete) or a checkpoint folder."""
     if spec is None:
         return None
     if spec == RESUME_LATEST:
         checkpoints = list_checkpoints(root)
-        return checkpoints[-1] if checkpoints else None
+        if checkpoints:
+            return checkpoints[-1]
+        incomplete = incomplete_checkpoints(root)
+        if incomplete:  # a start from step 0 would save over them: they may be all that is left of the run
+            names = ", ".join(folder.name for folder in incomplete)
+            raise CheckpointError(
+                f"--resume latest: {root} holds {names} but no complete checkpoint (none has its {TRAINER_STATE}, "
+                f"written last: a save cut short); nothing to resume, and a start from step 0 would save over them: "
+                f"move them away to start anew, or finish one by hand"
+            )
+        return None
     path = Path(spec)
     if not (path / TRAINER_STATE).is_file():
         reason = "does not exist" if not path.exists() else f"is not a checkpoint folder (no {TRAINER_STATE})"

@@ -9,31 +9,18 @@ resumed run draws its whole history. TensorBoard shows the same figures live; th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from atomic_files import atomic_output
-
-
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of a log (none when it is missing; a line torn by a kill is left out)."""
-    if not path.exists():
-        return []
-    lines = []
-    for text in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:
-            continue
-    return lines
+from training.log_lines import read_log
 
 
 def draw_curves(metrics_file: Path, fid_file: Path, out: Path, title: str) -> Path | None:
     """Write the loss (and FID) curves of a run's logs to `out`, atomically; None when there is nothing to draw."""
     from matplotlib.figure import Figure  # no pyplot: no display backend is chosen or needed
 
-    metrics, fids = read_lines(metrics_file), read_lines(fid_file)
+    metrics, fids = read_log(metrics_file, ["loss"]), read_log(fid_file, ["fid"])  # a damaged line: named, left out
     if not metrics:
         return None
     figure = Figure(figsize=(10 if fids else 5.5, 4), layout="constrained")
@@ -48,7 +35,9 @@ def draw_curves(metrics_file: Path, fid_file: Path, out: Path, title: str) -> Pa
     if fids:
         weights = fids[-1].get("weights", "ema")
         axes[1].plot([line["step"] for line in fids], [line["fid"] for line in fids], marker="o")
-        axes[1].set(xlabel="step", ylabel=f"FID of {fids[-1]['samples']} samples ({weights} weights)", title="FID")
+        axes[1].set(
+            xlabel="step", ylabel=f"FID of {fids[-1].get('samples', '?')} samples ({weights} weights)", title="FID"
+        )
     for axis in axes:
         axis.grid(True, alpha=0.3)
     with atomic_output(out) as temporary:

@@ -105,7 +105,7 @@ class Trainer:
         self.state = state
         self.last_checkpoint = last_checkpoint
         self.saving_step: int | None = None  # the step of a checkpoint being written
-        self.fid_log = JsonLines(run.fid)
+        self.fid_log = JsonLines(run.fid, ["fid"])
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
         self.curves_drawn_at = time.monotonic()  # the launch: see CURVES_INTERVAL_S
         self.curves_behind = False  # a checkpoint or FID logged since curves.png was last drawn

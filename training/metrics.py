@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +19,31 @@ import torch
 from accelerate import Accelerator
 
 from atomic_files import write_text_atomic
+from training.log_lines import parse_log, warn_left_out
 
 NO_BAD_STEP = math.inf
 
 
 class JsonLines:
-    """An append-only log of one JSON object per line, keyed by "step" (written by the main process)."""
+    """An append-only log of one JSON object per line, keyed by "step" (written by the main process); every line
+    holds the figures `numbers` ("loss" in metrics.jsonl, "fid" in fid.jsonl)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, numbers: Sequence[str] = ()) -> None:
         self.path = path
+        self.numbers = numbers
 
     def append(self, line: dict[str, Any]) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps(line) + "\n")
 
     def drop_after(self, step: int) -> None:
-        """On resume, forget lines a killed run wrote after its last checkpoint (they are written again)."""
+        """On resume, forget lines a killed run wrote after its last checkpoint (they are written again), and lines
+        that are not the run's (training.log_lines: named in a warning each, never a stop)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
-        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        lines, left_out = parse_log(self.path, self.numbers)
+        warn_left_out(left_out)
+        write_text_atomic(self.path, "".join(text + "\n" for text, line in lines if line["step"] <= step))
 
 
 class TrainingMetrics:
@@ -56,7 +62,7 @@ class TrainingMetrics:
         `grad_norm`: whether steps come with a gradient norm (False: lines say null)."""
         self.accelerator = accelerator
         self.logs_grad_norm = grad_norm
-        self.log = JsonLines(path)
+        self.log = JsonLines(path, ["loss"])
         self.images_per_step = images_per_step
         device = accelerator.device
         self.loss_sum = torch.zeros((), device=device)
@@ -166,11 +172,3 @@ class TrainingMetrics:
         self.term_sums = {}
         self.clock, self.clock_step = now, step
         return line
-
-
-def _step_of(line: str) -> float:
-    """The step of a metrics line; a line torn by a kill counts as after every step."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf

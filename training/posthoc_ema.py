@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from atomic_files import atomic_folder, check_writable
+from atomic_files.ownership import refuse_foreign
 from commands import CommandParser, UserError, run_command
 from generation.run_layout import (
     POSTHOC_EXPORTS_FOLDER,
@@ -214,13 +215,18 @@ def _read_snapshot_description(folder: Path) -> ExportDescription:
 
 def _check_replaceable(folder: Path) -> None:
     """An output folder may be new or an earlier reconstruction; anything else is not ours to replace."""
-    from generation.export import EXPORT_CONFIG, read_description
+    command = "python -m training.posthoc_ema"
+    refuse_foreign(folder, _is_posthoc_export, command, f"--out: {folder}", "choose another --out")
 
-    if not folder.exists():
-        return
-    ours = (folder / EXPORT_CONFIG).is_file() and read_description(folder).posthoc_ema is not None
-    if not ours:
-        raise PosthocEMAError(f"--out: {folder} exists and is not a post-hoc EMA export; choose another --out")
+
+def _is_posthoc_export(folder: Path) -> bool:
+    """Whether `folder` is an export this command wrote: its description records a post-hoc EMA reconstruction."""
+    from generation.export import EXPORT_CONFIG, ExportError, read_description
+
+    try:
+        return (folder / EXPORT_CONFIG).is_file() and read_description(folder).posthoc_ema is not None
+    except ExportError:  # a damaged or foreign config.json
+        return False
 
 
 def describe_stored(run_root: Path) -> str:

@@ -115,14 +115,12 @@ class PowerEMA:
 
     def save_snapshot(self, run_root: Path, step: int, description: ExportDescription) -> Path:
         """Write every profile's average at `step` to <run>/posthoc_ema/step-XXXXXXX/ (main process, atomic)."""
-        from safetensors.torch import save_file
-
         final = Path(run_root) / SNAPSHOT_FOLDER / step_name(step)
         with atomic_folder(final, needed=self.snapshot_bytes()) as temporary:
             for sigma_rel, gamma, average in zip(self.sigma_rels, self.gammas, self.averages):
                 tensors = {key: value.to(self.dtype).cpu().contiguous() for key, value in zip(self.keys, average)}
                 metadata = {"sigma_rel": repr(sigma_rel), "gamma": repr(gamma), "step": str(step)}
-                save_file(tensors, temporary / profile_file(sigma_rel), {**metadata, "images": str(self.images)})
+                save_sorted(tensors, temporary / profile_file(sigma_rel), {**metadata, "images": str(self.images)})
             write_json_atomic(temporary / SNAPSHOT_DESCRIPTION, replace(description, train_step=step).to_json())
         return final
 
@@ -134,12 +132,10 @@ class PowerEMA:
 
     def write_state(self, checkpoint: Path) -> None:
         """Put the running averages into a checkpoint folder being assembled (main process)."""
-        from safetensors.torch import save_file
-
         tensors = {key: value.cpu().contiguous() for key, value in self.state_tensors().items()}
         metadata = {"sigma_rel": json.dumps(self.sigma_rels), "images": str(self.images)}
         with atomic_output(Path(checkpoint) / POSTHOC_STATE) as temporary:
-            save_file(tensors, temporary, metadata)
+            save_sorted(tensors, temporary, metadata)
 
     def load_state(self, checkpoint: Path) -> None:
         """Continue the averages of a checkpoint (check_resume first: it refuses other profiles in one line)."""
@@ -200,6 +196,24 @@ class SnapshotFolder:
         """Whether its description.json, which `save_snapshot` writes last, is there: only complete snapshots are
         read (a folder without it was copied by hand, or cut short on a file system that lost its files)."""
         return (self.folder / SNAPSHOT_DESCRIPTION).is_file()
+
+
+def save_sorted(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the header's metadata in sorted key order, so that the same state gives the same
+    bytes: safetensors writes the metadata map in an order that changes from call to call (a Rust HashMap;
+    safetensors issue 584, open in 0.8), so two saves of one snapshot differed. The header is written again in
+    place, the same length (only the order of its metadata entries changes)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata)
+    with open(path, "r+b") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # always, by construction; a writer of another spelling keeps its own header
+            file.seek(8)
+            file.write(text.ljust(size))  # the header's padding is spaces
 
 
 def snapshot_folders(run_root: Path) -> list[SnapshotFolder]:

@@ -42,10 +42,13 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from atomic_files import write_text_atomic
 from commands import UserError, is_command_process
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOPPED_STATUS = 75  # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry"
+STATUS_FILE_VARIABLE = "STOPPED_STATUS_FILE"  # names the file a stopped run writes its status into (below)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 REPEAT_WINDOW_S = 2.0  # a repeated SIGINT within this time is a forwarded copy of the first (measured: 20 ms)
 CONNECT_TIMEOUT = timedelta(seconds=60)  # how long the stop-flag group waits for every process to connect
 OPERATION_TIMEOUT = timedelta(minutes=30)  # then, how long one all-reduce may wait (gloo's default)
@@ -146,6 +149,32 @@ class StopSignals:
             for number, previous in self._previous.items():
                 signal.signal(number, previous)
         self._group = None
+
+
+def stop_with_the_launcher() -> None:
+    """Under torchrun (whose workers have TORCHELASTIC_RUN_ID), ask Linux to send this process SIGTERM when its
+    launcher dies (prctl PR_SET_PDEATHSIG), a stop like any other: a node's torchrun killed alone (kill -9, the
+    out-of-memory killer) left its workers training on as orphans with the other nodes' to the end, while the
+    other agents waited 300 s at torchrun's exit barrier for it (its timeout, which torchrun's command line does
+    not set) and ended with 0. Now every rank stops after the next step, with a checkpoint, the other agents end
+    at once (their workers' 75 is a failure: no exit barrier), and the requeue resumes it. Elsewhere: nothing."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # it died before the request: the signal would never come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def record_stopped_status() -> None:
+    """Write STOPPED_STATUS into the file that $STOPPED_STATUS_FILE names, when it is set. A launcher that does not
+    pass its workers' status on (torchrun ends with 1 when they end with 75) is followed by a wrapper that reads it
+    there: docs/slurm/torchrun.sh, whose 75 then requeues the job. Every process of the node writes it alike."""
+    path = os.environ.get(STATUS_FILE_VARIABLE)
+    if path:
+        write_text_atomic(path, f"{STOPPED_STATUS}\n")
 
 
 def stop_flag_group():

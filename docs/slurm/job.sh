@@ -24,7 +24,9 @@ fi
 # every process of the job's steps (scancel --signal: the steps go on until their processes exit): train.py
 # checkpoints and exits 75, and the job goes back to the queue. Not `kill -TERM` of srun: srun answers its own
 # SIGTERM by killing the step with SIGKILL at once. A status of 75 (train.py stopped by a signal that reached
-# the step itself) requeues the job as well.
+# the step itself: `scancel --signal=TERM JOB`, `--signal=USR1@N` without B:) requeues the job as well: train.py's
+# own under train_tasks.sbatch, torchrun.sh's (which carries it past torchrun) under train.sbatch and
+# train_array.sbatch.
 run_requeued() {
     local stopped='' status
     trap 'stopped=1; echo "$(date -u +%FT%T) job $JOB: SIGUSR1, SIGTERM to its steps"

@@ -8,7 +8,6 @@ renamed only once its structure checks out; the file's sha256 is then recorded b
 and every later run of the command compares the file with it.
 """
 
-import hashlib
 import os
 import re
 import zipfile
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atomic_files import atomic_output, remove_stale_temporaries, write_text_atomic
+from atomic_files.digest import file_sha256
 
 from ..errors import InputError
 from ..inception_spec import FEATURE_DIMS
@@ -26,7 +26,6 @@ BASE_URL = "https://openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_ba
 RESOLUTIONS = (64, 128, 256, 512)
 SHORT_NAME = re.compile(r"(?:adm:)?imagenet(\d+)")  # "imagenet256" or "adm:imagenet256"
 CACHE_FOLDER = "adm_reference_batches"
-HASH_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -117,14 +116,6 @@ def check_structure(path: Path, batch: ReferenceBatch) -> None:
             raise InputError(f"{path}: '{mean_key}'/'{cov_key}' {found}; expected ({dim},) and ({dim}, {dim})")
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def download_file(url: str, destination: Path) -> None:
     """Fetch `url` into `destination` (torch.hub's downloader, with a progress bar)."""
     import torch
@@ -141,7 +132,7 @@ def fetch(batch: ReferenceBatch) -> Path:
         with atomic_output(batch.path) as temporary:
             download_file(batch.url, temporary)
             check_structure(temporary, batch)
-            digest = sha256_of(temporary)
+            digest = file_sha256(temporary)
     except OSError as error:  # urllib's URLError is an OSError: offline, DNS, refused, HTTP errors
         raise InputError(
             f"{batch.url} could not be downloaded ({error}); download it by hand, put it at "
@@ -154,7 +145,7 @@ def fetch(batch: ReferenceBatch) -> Path:
 def verify(batch: ReferenceBatch) -> Path:
     """Check a cached (or hand-placed) batch; record its sha256 the first time, compare with it later."""
     check_structure(batch.path, batch)
-    digest = sha256_of(batch.path)
+    digest = file_sha256(batch.path)
     if batch.sha256_path.is_file():
         recorded = batch.sha256_path.read_text().split()[0]
         if recorded != digest:
