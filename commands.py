@@ -9,10 +9,11 @@ atomic_files included) may import it. Every command (train.py, sample.py, demo.p
 
 Run from a command line, `run_command` also sets the CPU allocator for the numerical work (`keep_freed_memory`)
 and marks the process as a command process (`is_command_process`): one that ends with the command.
-A user error is a bad argument, a bad config value, or a missing or damaged file: `SystemExit("message")`
-raised by a command, argparse's own complaints, or any exception derived from `UserError`. Each package
-derives its own (ConfigError, ExportError, fid's InputError, ...), whose message names the file, key or
-value, so a new error type is recognised by deriving from the base, never by a list to keep in step.
+A user error is a bad argument, a bad config value, or a missing or damaged file: an exception derived from
+`UserError` (the one idiom: never `SystemExit("message")`, which tests/test_commands.py refuses anywhere in the
+project). Each package and command derives its own (ConfigError, ExportError, fid's InputError, sample.py's
+SampleError, ...), whose message names the file, key or value, so a new error type is recognised by deriving from
+the base, never by a list to keep in step; CommandParser's complaints are UserErrors too.
 Anything else is a bug and keeps its traceback; `--debug` keeps the traceback of a user error too.
 """
 
@@ -191,10 +192,6 @@ def run_command(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str]
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         main(argv)
-    except SystemExit as exit_:
-        if not isinstance(exit_.code, str):  # exit status (argparse's --help, a plain exit): left alone
-            raise
-        _fail(exit_.code, exit_, debug=DEBUG_FLAG in argv)
     except UserError as error:
         if isinstance(error, LaunchError) and launch_rank() != "0" and DEBUG_FLAG not in argv:
             raise SystemExit(USER_ERROR_STATUS) from None  # rank 0 says it

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from commands import CommandParser, UserError, is_command_process, run_command
+
 REPO = Path(__file__).resolve().parent
 CONFIG = REPO / "configs" / "digits.yaml"
 GUIDANCE_SCALES = (1.0, 2.0)
@@ -57,6 +59,10 @@ STOPPED_STATUS = 75  # train.py's exit status when a signal stopped it (training
 # ----------------------------------------------------------------------------------------------
 
 
+class DemoError(UserError):
+    """A demo that cannot run as asked: a bad --num-samples or OMP_NUM_THREADS (the message names it)."""
+
+
 class DemoStopped(Exception):
     """The demo was stopped (Ctrl-C, or a stop signal to train.py); what it finished is kept."""
 
@@ -76,7 +82,7 @@ def set_threads() -> str:
     if "OMP_NUM_THREADS" in os.environ:
         threads, how = os.environ["OMP_NUM_THREADS"], "as OMP_NUM_THREADS says"
         if not threads.isdigit() or int(threads) < 1:
-            raise SystemExit(f"OMP_NUM_THREADS={threads}: expected a number of threads >= 1 (or leave it unset)")
+            raise DemoError(f"OMP_NUM_THREADS={threads}: expected a number of threads >= 1 (or leave it unset)")
     else:
         threads = str(choose_threads(cpus, load))
         os.environ["OMP_NUM_THREADS"] = threads
@@ -268,8 +274,6 @@ def render_markdown(results: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the demo; a stop (Ctrl-C) is one line and exit status STOPPED_STATUS (75), as train.py's, however many
     Ctrl-C follow while it stops (in a command process: `stop_once`)."""
-    from commands import is_command_process
-
     if is_command_process():
         signal.signal(signal.SIGINT, stop_once)
     try:
@@ -291,15 +295,13 @@ def stop_once(number: int, frame: Any) -> None:
 
 
 def run_demo(argv: Sequence[str] | None) -> dict[str, Any]:
-    from commands import CommandParser
-
     parser = CommandParser(prog="demo.py", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("results/demo"))
     parser.add_argument("--num-samples", type=int, default=1000)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="train.py config overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may also follow the options
     if args.num_samples <= 0:
-        raise SystemExit(f"--num-samples must be positive, got {args.num_samples}")
+        raise DemoError(f"--num-samples must be positive, got {args.num_samples}")
     print(set_threads(), flush=True)  # before torch is imported
     from training.config import load_config
 
@@ -374,6 +376,4 @@ def run_demo(argv: Sequence[str] | None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from commands import run_command
-
     run_command(main)

@@ -57,7 +57,7 @@ from generation.sample_file import (
 )
 from generation.sample_plan import SampleLabels, sample_seeds
 from objectives import SAMPLER_OPTIONS
-from sample_arguments import check_against, check_args, describe_protocol, parse_args
+from sample_arguments import SampleError, check_against, check_args, describe_protocol, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
         raise
     except ValueError as error:  # the backbone names the sizes that do not fit together
-        raise SystemExit(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
+        raise SampleError(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)
     if args.overwrite and accelerator.is_main_process:
         removed = files.remove_other_run(settings)
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         pending = folder.claim(accelerator)  # shard numbers, ascending
     except ShardFolderError as error:
-        raise SystemExit(f"--out {args.out}: {error}") from None
+        raise SampleError(f"--out {args.out}: {error}") from None
     if accelerator.is_main_process and len(pending) < len(shards):
         print(f"sample.py: resuming, {len(shards) - len(pending)} of {len(shards)} shards already in {folder.folder}")
 
@@ -214,7 +214,7 @@ def weights_digest(ckpt: str, option: str, model: str | None = None, image_size:
     try:
         return file_sha256(weights_file(ckpt, model, image_size))
     except (ExportError, OfficialCheckpointError) as error:
-        raise UserError(f"{option}: {error}") from None
+        raise SampleError(f"{option}: {error}") from None
 
 
 def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:
@@ -228,7 +228,7 @@ def resolved_export(ckpt: Path, option: str = "--ckpt") -> Path | None:
     try:
         return find_export(ckpt).resolve()
     except ExportError as error:
-        raise SystemExit(f"{option}: {error}") from None
+        raise SampleError(f"{option}: {error}") from None
 
 
 def load_checkpoint(args: argparse.Namespace):
@@ -239,7 +239,7 @@ def load_checkpoint(args: argparse.Namespace):
     try:
         return load_export(args.ckpt, args.model, args.image_size)
     except (ExportError, OfficialCheckpointError) as error:
-        raise SystemExit(f"--ckpt: {error}") from None
+        raise SampleError(f"--ckpt: {error}") from None
 
 
 def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFiles) -> None:
@@ -254,7 +254,7 @@ def check_disk_space(args: argparse.Namespace, image_size: int, files: SampleFil
     needed = run_bytes(args.num_samples, image_size, args.shard_size, grid, unit) - files.bytes_on_disk(unit)
     free = free_bytes(args.out.parent)
     if needed > free:
-        raise SystemExit(
+        raise SampleError(
             f"--num-samples {args.num_samples}: {image_size}x{image_size} images need {needed:,} bytes on the disk "
             f"of {args.out.parent} (the shards and the merged .npz, both kept until the merge ends), but "
             f"{free:,} are free; free some space, choose another --out, or sample fewer"
@@ -279,11 +279,11 @@ def load_guide(args: argparse.Namespace, description, device, precision: str) ->
     try:
         export = load_export(args.guide_ckpt)
     except (ExportError, OfficialCheckpointError) as error:
-        raise SystemExit(f"--guide-ckpt: {error}") from None
+        raise SampleError(f"--guide-ckpt: {error}") from None
     mismatch = guide_mismatch(description, export.description)
     if mismatch is not None:
         name, ours, theirs = mismatch
-        raise SystemExit(
+        raise SampleError(
             f"--guide-ckpt {args.guide_ckpt}: its {name} is {theirs!r}, the model's is {ours!r}; a guide needs the "
             f"model's objective, inputs and classes"
         )
@@ -300,12 +300,12 @@ def try_sampler(generator, labels: SampleLabels, args: argparse.Namespace) -> No
     try:
         generator.generate(labels[:1], sample_seeds(args.seed, range(1)), **generation_options(args))
     except SamplerOptionError as error:  # the samplers' own check of each option, naming it
-        raise SystemExit(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
+        raise SampleError(f"--sampler {args.sampler or 'default'} with these options: {error}") from None
     except FloatingPointError:  # generation.images.to_uint8: the images hold NaN or infinity
         flag, scale = ("--guidance-scale", args.guidance_scale) if args.guide else ("--cfg-scale", args.cfg_scale)
         if scale == 1:  # unguided: not an option's doing (the export's weights are checked finite)
             raise
-        raise SystemExit(
+        raise SampleError(
             f"{flag} {scale:g}: sample 0 comes out NaN or infinite at this scale; expected a scale at which the "
             f"guided prediction stays finite (DiT and SiT publish 1.5 for FID, 4 for pictures)"
         ) from None

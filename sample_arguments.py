@@ -20,6 +20,12 @@ from generation.protocols import PROTOCOLS
 from generation.sample_plan import LABEL_MODES
 from objectives import DEFAULT_SDE, DEFAULT_TIME_SHIFT, DIFFUSION_FORMS, LAST_STEPS, SAMPLERS
 
+
+class SampleError(UserError):
+    """sample.py's user error: an argument, a checkpoint or an output that cannot work as asked (the message names
+    it). sweep.py's checks of its points raise it too: they are sample.py's."""
+
+
 PLAIN_DEFAULTS = {"labels": "balanced", "cfg_scale": 1.0}  # without a protocol; None in the parser, so that a
 # protocol can tell a value the user gave from a default
 
@@ -160,20 +166,20 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("num_samples", "per_proc_batch_size", "shard_size", "steps", "guidance_channels"):
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise SampleError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("grid_size", "seed"):
         if getattr(args, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+            raise SampleError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not math.isfinite(args.cfg_scale) or args.cfg_scale < 0:
-        raise SystemExit(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
+        raise SampleError(f"--cfg-scale must be a finite number >= 0, got {args.cfg_scale}")
     check_autoguidance_args(args)
     if args.time_shift is not None and not (math.isfinite(args.time_shift) and args.time_shift > 0):
-        raise UserError(f"--time-shift must be a finite number > 0 (1: no shift), got {args.time_shift}")
+        raise SampleError(f"--time-shift must be a finite number > 0 (1: no shift), got {args.time_shift}")
     if args.guidance_interval is not None and not args.guidance_interval[0] < args.guidance_interval[1]:
         low, high = args.guidance_interval
-        raise SystemExit(f"--guidance-interval {low} {high}: expected LO < HI")
+        raise SampleError(f"--guidance-interval {low} {high}: expected LO < HI")
     if args.out.suffix != ".npz":
-        raise SystemExit(f"--out {args.out}: expected a file name ending in .npz")
+        raise SampleError(f"--out {args.out}: expected a file name ending in .npz")
     check_writable(args.out.parent)  # or, where it does not exist yet, its nearest existing parent
 
 
@@ -185,13 +191,13 @@ def check_autoguidance_args(args: argparse.Namespace) -> None:
             if args.guidance_scale is None
             else ("--guidance-scale", "--guide-ckpt")
         )
-        raise SystemExit(f"{given} needs {missing} (autoguidance: guide + W * (model - guide))")
+        raise SampleError(f"{given} needs {missing} (autoguidance: guide + W * (model - guide))")
     if args.guide_ckpt is None:
         return
     if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
-        raise SystemExit(f"--guidance-scale must be a finite number >= 0, got {args.guidance_scale}")
+        raise SampleError(f"--guidance-scale must be a finite number >= 0, got {args.guidance_scale}")
     if args.cfg_scale != 1:
-        raise SystemExit(f"--cfg-scale {args.cfg_scale} with --guide-ckpt: use one guidance, not both")
+        raise SampleError(f"--cfg-scale {args.cfg_scale} with --guide-ckpt: use one guidance, not both")
 
 
 def check_against(description, args: argparse.Namespace) -> None:
@@ -201,21 +207,21 @@ def check_against(description, args: argparse.Namespace) -> None:
     family = model_family(description.model["name"])
     if args.protocol and (made_for := PROTOCOLS[args.protocol].family) != family:
         suited = [name for name, protocol in PROTOCOLS.items() if protocol.family == family]
-        raise SystemExit(
+        raise SampleError(
             f"--protocol {args.protocol}: made for {made_for} models, but {args.ckpt} is a {family} "
             f"model; use {' or '.join(suited)}"
         )
     names = SAMPLERS[description.objective["kind"]].names
     if args.sampler is not None and args.sampler not in names:
-        raise SystemExit(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")
+        raise SampleError(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")
     if args.cfg_scale != 1 and not description.has_null_class:
-        raise SystemExit(
+        raise SampleError(
             f"--cfg-scale {args.cfg_scale}: the model was trained without label dropout, so it has no "
             f"null class for classifier-free guidance"
         )
     if args.guidance_channels is not None and args.guidance_channels > description.channels:
-        raise SystemExit(
+        raise SampleError(
             f"--guidance-channels {args.guidance_channels}: the model predicts only {description.channels} channels"
         )
     if args.vae is not None and description.in_pixel_space:
-        raise SystemExit(f"--vae {args.vae}: the model of {args.ckpt} works in pixel space and uses no VAE")
+        raise SampleError(f"--vae {args.vae}: the model of {args.ckpt} works in pixel space and uses no VAE")

@@ -149,7 +149,7 @@ def run_child(emulation: str, quick: bool, threads: list[int]) -> dict:
     command = [sys.executable, "-m", "bench.demo", "--child", *options]
     done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"bench.demo: the {emulation} child failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"bench.demo: the {emulation} child failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -57,7 +57,7 @@ def run_training(threads: int, steps: int) -> dict:
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
         done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise SystemExit(f"bench.threads: train.py with {threads} threads failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"bench.threads: train.py with {threads} threads failed:\n{done.stderr[-3000:]}")
         rate = steady_rate(Path(folder) / "run" / METRICS_FILE)
     return {
         "threads": threads,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from atomic_files import OutputError
 from commands import CommandParser, UserError, run_command
 from dit_vca.models import all_model_names, build_model_from_config, model_family
 from generation.export import Export, ExportDescription, write_export
@@ -249,7 +250,7 @@ def write_converted(out: Path, convert: Callable[[], Export]) -> None:
     """A converter command's last steps: refuse an existing `out` (before converting), convert, write the export
     and say what was written."""
     if out.exists():
-        raise SystemExit(f"--out {out} exists; choose a new folder")
+        raise OutputError(f"--out {out} exists; choose a new folder")
     export = convert()
     write_export(out, export.weights, export.description)
     print(f"wrote {out} ({export.description.model['name']}, {export.description.image_size} px)")

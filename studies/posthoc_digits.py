@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from commands import run_command
 from studies.report import format_spread, spread, wall_time
 from studies.runner import FULL as STUDY_FULL
 from studies.runner import QUICK as STUDY_QUICK
@@ -482,4 +483,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -47,6 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from commands import run_command
 from studies.report import format_spread, plot, reading, score_tables, summarise, wall_time
 from studies.runner import (
     FULL,
@@ -167,4 +168,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

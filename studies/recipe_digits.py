@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from commands import run_command
 from studies.report import format_spread, reading, summarise, wall_time
 from studies.runner import (
     FULL,
@@ -57,6 +57,7 @@ from studies.runner import (
     REPO,
     Arm,
     Budget,
+    StudyError,
     parse_study_arguments,
     run_name,
     study_parser,
@@ -150,12 +151,9 @@ def run_study(budget: Budget, design: Design, out: Path, report_dir: Path, finis
     planned = design.runs(budget.seeds)
     runs = [(arm, seed) for arm, seed in planned if trained(arm, seed, budget, out)] if finished_only else planned
     if not runs:
-        print(
-            f"error: --finished-only: no run of the study is trained under {out}; run the study without "
-            "--finished-only first",
-            file=sys.stderr,
+        raise StudyError(
+            f"--finished-only: no run of the study is trained under {out}; run the study without --finished-only first"
         )
-        raise SystemExit(2)
     scores, seconds = train_and_score(runs, budget, out, DigitsScorer(budget.real_images), CONFIG)
     results = summarise("recipe", runs, scores, budget, seconds, CONFIG)
     for arm in (*design.recipes, *design.alone):
@@ -342,4 +340,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

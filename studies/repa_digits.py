@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from commands import run_command
 from studies.report import format_spread, plot, reading, score_tables, spread, summarise, wall_time
 from studies.runner import FULL, QUICK, REPO, Arm, Budget, parse_study_arguments, study_parser, train_and_score
 from studies.scorers import DigitsScorer
@@ -141,4 +142,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

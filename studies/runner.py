@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from commands import UserError
 from studies.scorers import Scorer, batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,11 @@ SAMPLE_BATCH = 250
 # learning rate is constant after warm-up, so resuming a finished run with a larger train.max_steps is the same
 # as training it for the larger budget from the start, and its checkpoints must not rotate away the curve's.
 KEPT_CHECKPOINTS = 2 * len(CHECKPOINT_FRACTIONS)
+
+
+class StudyError(UserError):
+    """A study that cannot go on: a run that would not train, a report with nothing to report (the message says
+    what is kept and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> P
     spent = json.loads(record.read_text())["seconds"] if record.is_file() else 0.0  # earlier, interrupted parts
     started = time.perf_counter()
     if subprocess.run(command, cwd=REPO).returncode != 0:
-        raise SystemExit(
+        raise StudyError(
             f"quality: training {run_name(arm, seed)} failed (its message is above); the finished "
             f"runs and scores are kept, and a rerun resumes this one from {run_dir}"
         )

@@ -22,6 +22,7 @@ from generation import ExportDescription, ImageGenerator, load_export
 from generation.autoguide import guide_mismatch
 from generation.images import to_uint8
 from generation.objective import create_objective
+from sample_arguments import SampleError
 from samplers import PerSampleNoise
 from samplers.guidance import autoguidance
 
@@ -224,7 +225,7 @@ def test_a_guide_that_cannot_guide_is_refused_in_one_line_before_anything_is_wri
     sit = tiny_export(tmp_path / "sit", family="SiT")
     paths = {"guide": exports[1], "sit": sit, "missing": tmp_path / "missing"}
     argv = ["--ckpt", str(exports[0]), "--out", str(tmp_path / "s.npz"), "--num-samples", "4"]
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SampleError, match=message):
         sample.main(argv + [item.format(**paths) for item in arguments])
     assert not list(tmp_path.glob("s.*"))
 

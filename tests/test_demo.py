@@ -231,7 +231,7 @@ def test_the_demo_says_its_threads_in_one_line_and_keeps_a_given_setting(monkeyp
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         assert demo.set_threads() == "demo: 2 thread(s) on 2 CPU(s) at load 3.2 (as OMP_NUM_THREADS says)"
         monkeypatch.setenv("OMP_NUM_THREADS", "two")
-        with pytest.raises(SystemExit, match="OMP_NUM_THREADS=two: expected a number of threads >= 1"):
+        with pytest.raises(demo.DemoError, match="OMP_NUM_THREADS=two: expected a number of threads >= 1"):
             demo.set_threads()
     finally:
         torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ from _launch import TORCHRUN_TWO_PROCESSES, launch, subprocess_env
 from _tiny_data import extraction_config, latent_shards, make_images
 from _tiny_runs import TINY, TWO_PROCESSES_8_STEPS, assert_same_checkpoint, latent_run, logged, run_train
 from atomic_files import OutputError
+from sample_arguments import SampleError
 from training.stop_signals import STOPPED_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -460,7 +461,7 @@ def test_a_sampler_option_out_of_range_fails_before_the_folder_is_claimed(
     sample_script, export, tmp_path, options, message
 ):
     out = tmp_path / "samples.npz"
-    with pytest.raises(SystemExit, match=f"--sampler ddim with these options: .*{message}"):
+    with pytest.raises(SampleError, match=f"--sampler ddim with these options: .*{message}"):
         sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN, *options)
     assert list(tmp_path.iterdir()) == []
     sample_script("--ckpt", str(export), "--out", str(out), *SAMPLE_RUN)  # the corrected rerun
@@ -489,7 +490,7 @@ def test_an_export_with_non_finite_weights_is_refused_when_it_loads(sample_scrip
     save_file(weights, broken / "ema.safetensors")
     out = tmp_path / "out" / "samples.npz"
     out.parent.mkdir()
-    with pytest.raises(SystemExit, match=f"--ckpt: .*ema.safetensors: weight '{key}' holds NaN or infinite values"):
+    with pytest.raises(SampleError, match=f"--ckpt: .*ema.safetensors: weight '{key}' holds NaN or infinite values"):
         sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
     assert list(out.parent.iterdir()) == []
 
@@ -567,7 +568,7 @@ def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, 
     (broken / "config.json").write_text(json.dumps(description))
     out = tmp_path / "out" / "samples.npz"
     out.parent.mkdir()
-    with pytest.raises(SystemExit, match="its description builds no model .*not divisible by num_heads=3"):
+    with pytest.raises(SampleError, match="its description builds no model .*not divisible by num_heads=3"):
         sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
     assert list(out.parent.iterdir()) == []
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _study import run_quick
+from _user_errors import one_line_error
 from bench._harness import STAMP_KEY, stamped_table
 from dit_vca.model_options import RECIPES
 from generation import read_export
@@ -66,11 +67,8 @@ def test_one_channel_cosine_loss_moves_no_weight_except_from_a_zero_prediction()
 
 
 def test_finished_only_with_nothing_trained_is_one_line_and_exit_2(tmp_path, capsys):
-    with pytest.raises(SystemExit) as stop:
-        main(["--finished-only", "--out", str(tmp_path / "empty")])
-    assert stop.value.code == 2
-    message = capsys.readouterr().err.strip()
-    assert "\n" not in message and str(tmp_path / "empty") in message and not (tmp_path / "empty").exists()
+    message = one_line_error(main, ["--finished-only", "--out", str(tmp_path / "empty")], capsys)
+    assert str(tmp_path / "empty") in message and not (tmp_path / "empty").exists()
     assert message.startswith("error: --finished-only: no run of the study is trained")
 
 

@@ -43,6 +43,7 @@ from generation.sample_file import (
     shard_reader,
 )
 from generation.sample_plan import assign_labels, sample_seeds
+from sample_arguments import SampleError
 
 # ----------------------------------------------------------------------------------------------
 # Pixels
@@ -522,7 +523,7 @@ def test_bad_arguments_fail_clearly_and_write_nothing(export, tmp_path, monkeypa
     argv = [
         item for key, value in arguments.items() for item in [key, *(value if isinstance(value, list) else [value])]
     ]
-    with pytest.raises((SystemExit, UserError), match=message):
+    with pytest.raises(UserError, match=message):
         sample.main(argv)
     assert not list(tmp_path.iterdir())
 
@@ -552,7 +553,7 @@ def test_the_sampler_is_checked_against_the_objectives_table_without_building_an
     )
     args = parse_args(["--ckpt", "x", "--out", str(tmp_path / "s.npz"), "--num-samples", "1", "--sampler", "ddpm"])
     offered = ", ".join(SAMPLERS["transport"].names)
-    with pytest.raises(SystemExit, match=f"^--sampler 'ddpm': this checkpoint's objective offers {offered}$"):
+    with pytest.raises(SampleError, match=f"^--sampler 'ddpm': this checkpoint's objective offers {offered}$"):
         check_against(sit, args)
     args.sampler = "sde-heun"
     check_against(sit, args)  # one of the table's
@@ -565,7 +566,7 @@ def test_only_a_sampler_option_error_of_the_trial_sample_is_one_line(export, tmp
 
     argv = ["--ckpt", str(export), "--out", str(tmp_path / "s.npz"), "--num-samples", "4", "--sampler", "ddim"]
     for error, expected in (
-        (SamplerOptionError("DDIM eta must be >= 0"), SystemExit),
+        (SamplerOptionError("DDIM eta must be >= 0"), SampleError),
         (ValueError("a bug"), ValueError),
     ):
 
@@ -594,7 +595,7 @@ def test_a_guidance_scale_that_overflows_is_one_line(export, tmp_path, capsys, o
 def test_guidance_needs_a_null_class(tmp_path):
     export = tmp_path / "export"
     tiny_export(export, class_dropout_prob=0.0)
-    with pytest.raises(SystemExit, match="--cfg-scale 2.0: the model was trained without label dropout"):
+    with pytest.raises(SampleError, match="--cfg-scale 2.0: the model was trained without label dropout"):
         sample.main(["--ckpt", str(export), "--out", str(tmp_path / "s.npz"), "--num-samples", "4", "--cfg-scale", "2"])
     assert written(tmp_path / "s.npz") == []
 
@@ -603,11 +604,11 @@ def test_official_checkpoint_needs_a_valid_model_name(tmp_path):
     checkpoint = tmp_path / "my-model.pt"  # a name that does not say the architecture
     torch.save({}, checkpoint)
     out = tmp_path / "s.npz"
-    with pytest.raises(SystemExit, match="my-model.pt: name its architecture with --model"):
+    with pytest.raises(SampleError, match="my-model.pt: name its architecture with --model"):
         sample.main(["--ckpt", str(checkpoint), "--out", str(out), "--num-samples", "4"])
-    with pytest.raises(SystemExit, match="--model 'DiT-XXL/2': expected one of DiT-S/1, DiT-S/2, "):
+    with pytest.raises(SampleError, match="--model 'DiT-XXL/2': expected one of DiT-S/1, DiT-S/2, "):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-XXL/2", "--out", str(out), "--num-samples", "4"])
-    with pytest.raises(SystemExit, match="my-model.pt has no final_layer.linear.weight"):
+    with pytest.raises(SampleError, match="my-model.pt has no final_layer.linear.weight"):
         sample.main(["--ckpt", str(checkpoint), "--model", "DiT-S/2", "--out", str(out), "--num-samples", "4"])
     assert written(out) == []
 
@@ -1071,7 +1072,7 @@ def test_the_space_needed_leaves_out_what_a_resumed_run_wrote_already(tmp_path, 
     for free, refused in ((needed - kept, False), (needed - kept - 1, True)):
         monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: types.SimpleNamespace(free=free))
         if refused:
-            with pytest.raises(SystemExit, match=f"need {needed - kept:,} bytes"):
+            with pytest.raises(SampleError, match=f"need {needed - kept:,} bytes"):
                 sample.check_disk_space(args, 8, files)
         else:
             sample.check_disk_space(args, 8, files)
@@ -1109,7 +1110,7 @@ def test_an_export_replaced_in_place_is_never_taken_for_the_one_that_made_the_sa
         "shard-000001.npz",
     ]
     tiny_export(export, seed=2)
-    with pytest.raises(SystemExit, match="cut.npz.shards belongs to a run with weights_sha256="):
+    with pytest.raises(SampleError, match="cut.npz.shards belongs to a run with weights_sha256="):
         sample.main(["--ckpt", str(export), "--out", str(cut), *QUICK])
     assert not cut.exists()
 
