@@ -357,6 +357,23 @@ def test_a_format_written_as_a_string_is_named_as_such(export, tmp_path):
             read_description(folder)
 
 
+def test_the_package_face_hands_on_what_reads_a_ckpt_and_holds_no_logic():
+    """Issue 49: `load_export` (what a --ckpt names, as an export) was 43 lines of dispatch in generation/__init__.py;
+    it lives in generation/export_sources.py, beside the export format, and the package hands it on lazily (PEP 562):
+    its face defines no function but `__getattr__`."""
+    import ast
+    import inspect
+
+    import generation
+    import generation.export_sources
+
+    assert generation.load_export is generation.export_sources.load_export
+    assert generation.weights_file is generation.export_sources.weights_file
+    face = ast.parse(inspect.getsource(generation))
+    defined = [node.name for node in face.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert defined == ["__getattr__"]
+
+
 def test_an_export_folder_named_like_a_pt_file_is_read_as_an_export(tmp_path):
     """Issue 47: an export folder whose name ends in .pt was taken for an official checkpoint (and failed as a
     file torch cannot read); a folder is never an official .pt, whatever its name."""
