@@ -15,7 +15,8 @@ those of separate sample.py and `python -m fid` runs with the same options. What
 start-up of two per point (importing torch and the model packages) and Inception's loading, once per sweep.
 
 Resumable: each point's score is one JSON in <out>/scores/, written atomically with the settings it was made
-with; a rerun skips the points scored with the same settings (and says how many), and a point killed while sampling
+with (scored_points: the points, samples and records that sweep.py shares with the studies); a rerun skips the
+points scored with the same settings (and says how many), and a point killed while sampling
 continues from its finished shards (sample.py). fid's warning of sets too small for an unbiased FID comes once per
 sweep. The sweep ends with <out>/sweep.json (every point's record), <out>/sweep.md (the table) and <out>/sweep.png
 (FID against the guidance scale, one line per export and guidance, the samples per point in its title). One process (one
@@ -30,19 +31,12 @@ as the old one. One sweep at a time writes into an --out (a lock; a second is re
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import re
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from functools import cache
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from atomic_files import atomic_output, check_writable, write_json_atomic, write_text_atomic
 from atomic_files.folder_lock import lock_folder, lock_holder, release_folder
@@ -51,6 +45,7 @@ from commands import CommandParser, UserError, check_device, run_command
 from fid.inputs import existing_input
 from fid.reference import resolve_input
 from fid.request import DEFAULT_BATCH_SIZE, METRICS, check_request
+from scored_points import COLUMN_NAMES, FidScorer, Point, ScoredPoints, describe
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -58,254 +53,67 @@ if TYPE_CHECKING:
 GUIDANCE_KINDS = ("none", "cfg", "autoguidance")
 # Flags each point sets itself, which the sample.py options after `--` may not give.
 POINT_FLAGS = ("--ckpt", "--out", "--num-samples", "--cfg-scale", "--guide-ckpt", "--guidance-scale", "--overwrite")
-COLUMN_NAMES = {"fid": "FID", "sfid": "sFID", "is": "IS", "precision": "precision", "recall": "recall"}
 STEM = "sweep"  # <out>/sweep.{json,md,png}
 REPORT_KEYS = ("num_samples", "sample_options", "points")  # what makes <out>/sweep.json sweep.py's
-RECORD_KEYS = ("point", "sampling", "scoring", "metrics")  # what makes <out>/scores/<point>.json sweep.py's
 
 
 class SweepError(UserError):
     """A sweep that cannot run as asked (the message names the argument)."""
 
 
-@dataclass(frozen=True)
-class Point:
-    """One point of a sweep: the export to sample (as sample.py --ckpt takes it), its name in the table, the
-    guidance ("cfg" at `scale`, or "autoguidance" at `scale` by the export `guide`; cfg at scale 1 is none)."""
+def check_points(sweep: ScoredPoints, points: Sequence[Point], not_made: Sequence[str] = ()) -> None:
+    """Refuse, before anything is sampled, what would stop any point later: sample.py options that a point sets
+    itself or that sample.py refuses for a point (the output folder is made first: sample.py checks that it
+    exists); an export (or guide) that is missing, damaged or holds NaN weights, or that cannot serve the
+    options (another objective's sampler or sampler options, guidance without a null class, a guide of other
+    inputs); a point's files in --out that sweep.py or sample.py did not write, or that another run (other
+    weights, other options) wrote. Of a point whose label is in `not_made` (a reconstruction still to come),
+    only the arguments."""
+    import sample
+    from generation import ExportError, load_export
+    from generation.autoguide import guide_mismatch
+    from generation.official import OfficialCheckpointError
+    from generation.sample_file import SampleFiles
+    from sample_arguments import check_against, check_args, parse_args
 
-    ckpt: str
-    label: str
-    guidance: str
-    scale: float
-    guide: str | None = None
+    for option in sweep.sample_options:
+        flag = option.split("=")[0]
+        if flag.startswith("--") and any(owned.startswith(flag) for owned in POINT_FLAGS):  # also abbreviated
+            raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
+    (sweep.folder / "samples").mkdir(parents=True, exist_ok=True)
+    descriptions: dict[str, Any] = {}  # --ckpt or --guide-ckpt -> its export's description, each read once
 
-    @property
-    def name(self) -> str:
-        """The file stem of its samples and score: the label made file-safe, the guidance and the scale."""
-        guidance = "none" if self.unguided else f"{self.guidance}{self.scale:g}"
-        return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', self.label).strip('_')}-{guidance}"
+    def description(args: argparse.Namespace, ckpt: str, option: str):
+        if ckpt not in descriptions:
+            official = (args.model, args.image_size) if option == "--ckpt" else (None, None)
+            try:  # the weights are read: NaN or infinity is refused
+                descriptions[ckpt] = load_export(ckpt, *official).description
+            except (ExportError, OfficialCheckpointError) as error:
+                raise SweepError(f"{option}: {error}") from None
+        return descriptions[ckpt]
 
-    @property
-    def unguided(self) -> bool:
-        return self.guidance == "cfg" and self.scale == 1
-
-    def sample_arguments(self) -> list[str]:
-        """sample.py's flags for this export and guidance."""
-        if self.guidance == "autoguidance":
-            guidance = ["--guide-ckpt", str(self.guide), "--guidance-scale", repr(self.scale)]
-        else:
-            guidance = ["--cfg-scale", repr(self.scale)]
-        return ["--ckpt", self.ckpt, *guidance]
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """How every point is scored: `python -m fid SAMPLES ref --metrics ... --weights ... --batch-size ...`."""
-
-    ref: str
-    metrics: tuple[str, ...] = ("fid",)
-    weights: str | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    device: str | None = None  # Inception's (default: cuda when available); not part of a score's settings
-
-    def settings(self) -> dict[str, Any]:
-        """What a score depends on besides the samples: a stored score with other settings is made again."""
-        ref = Path(self.ref)
-        return {
-            "ref": str(ref.resolve()) if ref.exists() else self.ref,
-            "metrics": sorted(self.metrics),
-            "weights": self.weights,
-            "batch_size": self.batch_size,
-        }
-
-
-ExtraScores = Callable[[np.ndarray, np.ndarray], dict[str, float]]  # (images (N, H, W, 3), labels (N,)) -> scores
-
-
-@dataclass
-class Sweep:
-    """Samples and scores points into `out`, one record each (<out>/scores/<point>.json).
-
-    `sample_options`: sample.py options shared by every point (not those a point sets: POINT_FLAGS).
-    `extra_scores` adds scores of the images to each record (a study's classifier accuracy, say); its
-    `extra_settings` join the scoring settings, so that records made without them are not reused."""
-
-    out: Path
-    num_samples: int
-    sample_options: Sequence[str]
-    scoring: Scoring
-    extra_scores: ExtraScores | None = None
-    extra_settings: dict[str, Any] = field(default_factory=dict)
-    small_sets_said: bool = field(default=False, init=False)  # fid's small-set warning, said once per sweep
-
-    def samples_path(self, point: Point) -> Path:
-        return self.out / "samples" / f"{point.name}.npz"
-
-    def sample_argv(self, point: Point) -> list[str]:
-        """sample.py's command line for `point`."""
-        samples = ["--num-samples", str(self.num_samples), "--out", str(self.samples_path(point))]
-        return [*point.sample_arguments(), *samples, *self.sample_options]
-
-    def record_path(self, point: Point) -> Path:
-        return self.out / "scores" / f"{point.name}.json"
-
-    @property
-    def extractor(self):
-        """Inception, loaded at the first scoring (a rerun that finds every point scored loads none)."""
-        return inception(self.scoring.weights, self.scoring.device, "is" in self.scoring.metrics)
-
-    def check(self, points: Sequence[Point], not_made: Sequence[str] = ()) -> None:
-        """Refuse, before anything is sampled, what would stop any point later: sample.py options that a point sets
-        itself or that sample.py refuses for a point (the output folder is made first: sample.py checks that it
-        exists); an export (or guide) that is missing, damaged or holds NaN weights, or that cannot serve the
-        options (another objective's sampler or sampler options, guidance without a null class, a guide of other
-        inputs); a point's files in --out that sweep.py or sample.py did not write, or that another run (other
-        weights, other options) wrote. Of a point whose label is in `not_made` (a reconstruction still to come),
-        only the arguments."""
-        import sample
-        from generation import ExportError, load_export
-        from generation.autoguide import guide_mismatch
-        from generation.official import OfficialCheckpointError
-        from generation.sample_file import SampleFiles
-        from sample_arguments import check_against, check_args, parse_args
-
-        for option in self.sample_options:
-            flag = option.split("=")[0]
-            if flag.startswith("--") and any(owned.startswith(flag) for owned in POINT_FLAGS):  # also abbreviated
-                raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
-        (self.out / "samples").mkdir(parents=True, exist_ok=True)
-        descriptions: dict[str, Any] = {}  # --ckpt or --guide-ckpt -> its export's description, each read once
-
-        def description(args: argparse.Namespace, ckpt: str, option: str):
-            if ckpt not in descriptions:
-                official = (args.model, args.image_size) if option == "--ckpt" else (None, None)
-                try:  # the weights are read: NaN or infinity is refused
-                    descriptions[ckpt] = load_export(ckpt, *official).description
-                except (ExportError, OfficialCheckpointError) as error:
-                    raise SweepError(f"{option}: {error}") from None
-            return descriptions[ckpt]
-
-        for point in points:
-            args = parse_args(self.sample_argv(point))
-            check_args(args)
-            if point.label in not_made:
-                continue
-            model = description(args, point.ckpt, "--ckpt")
-            check_against(model, args)
-            if point.guide is not None:
-                mismatch = guide_mismatch(model, description(args, point.guide, "--guide-ckpt"))
-                if mismatch is not None:
-                    name, ours, theirs = mismatch
-                    raise SweepError(
-                        f"--guide-ckpt {point.guide}: its {name} is {theirs!r}, that of {point.label} ({point.ckpt}) "
-                        f"{ours!r}; a guide needs the model's objective, inputs and classes"
-                    )
-            refuse_foreign(self.record_path(point), is_score_record, "sweep.py", choose="choose another --out")
-            SampleFiles(self.samples_path(point)).claim(sample.run_settings(args))
-
-    def score(self, point: Point) -> dict[str, Any]:
-        """The record of `point`: read when a previous invocation made it with the same settings, else sampled
-        (sample.py resumes its shards) and scored, then written atomically."""
-        import sample
-
-        argv = self.sample_argv(point)
-        expected = self.settings_of(point)
-        stored = self.stored(point, expected)
-        if stored is not None:
-            return stored
-        record_path = self.record_path(point)
-        print(f"sweep: {describe(point)}", flush=True)
-        started = time.perf_counter()
-        self.samples_path(point).parent.mkdir(parents=True, exist_ok=True)
-        sample.main(argv)
-        sampled = time.perf_counter()
-        samples = self.samples_path(point)
-        metrics, weights = self.evaluate(samples)
-        summary = json.loads(samples.with_suffix(".json").read_text())
-        record = {
-            **expected,
-            "samples": str(samples),
-            "train_step": summary["train_step"],
-            "metrics": metrics,
-            "inception_weights": weights,
-            "seconds": {"sample": round(sampled - started, 1), "score": round(time.perf_counter() - sampled, 1)},
-        }
-        write_json_atomic(record_path, record)
-        print(f"sweep: {describe(point)}: {format_metrics(metrics)}", flush=True)
-        return record
-
-    def settings_of(self, point: Point) -> dict[str, Any]:
-        """What a record of `point` is made with: the point, sample.py's settings, the scoring's."""
-        import sample
-        from sample_arguments import parse_args
-
-        sampling = sample.run_settings(parse_args(self.sample_argv(point)))
-        return {"point": asdict(point), "sampling": sampling, "scoring": self.scoring_settings}
-
-    def stored(self, point: Point, expected: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """The record an earlier invocation made of `point` with the same settings, else None."""
-        record_path = self.record_path(point)
-        refuse_foreign(record_path, is_score_record, "sweep.py", choose="choose another --out")
-        if not record_path.is_file():  # a record of this sweep, made with the same settings (weights included), is kept
-            return None
-        stored = json.loads(record_path.read_text())
-        expected = self.settings_of(point) if expected is None else expected
-        return stored if all(stored.get(key) == value for key, value in expected.items()) else None
-
-    @property
-    def scoring_settings(self) -> dict[str, Any]:
-        return {**self.scoring.settings(), **self.extra_settings}
-
-    def evaluate(self, samples: Path) -> tuple[dict[str, float], str | None]:
-        """fid's metrics of the samples against the reference (as `python -m fid` scores them), and the extra
-        scores; with the Inception weights' description."""
-        from fid import evaluate
-        from fid.cli import one_line_warnings
-        from fid.evaluation import SmallSetWarning
-
-        with one_line_warnings():
-            if self.small_sets_said:  # every point has as many samples: said at the first
-                warnings.simplefilter("ignore", SmallSetWarning)
-            self.small_sets_said = True
-            evaluation = evaluate(
-                samples,
-                self.scoring.ref,
-                self.scoring.metrics,
-                batch_size=self.scoring.batch_size,
-                extractor=self.extractor,
-            )
-        metrics = dict(evaluation.metrics)
-        if self.extra_scores is not None:
-            with np.load(samples) as data:
-                metrics.update(self.extra_scores(data["arr_0"], data["arr_1"]))
-        return metrics, evaluation.inception_weights
-
-
-def is_score_record(path: Path) -> bool:
-    """Whether `path` is a point's record that sweep.py wrote (<out>/scores/<point>.json)."""
-    return json_object_with(path, RECORD_KEYS)
+    for point in points:
+        args = parse_args(sweep.sample_argv(point))
+        check_args(args)
+        if point.label in not_made:
+            continue
+        model = description(args, point.ckpt, "--ckpt")
+        check_against(model, args)
+        if point.guide is not None:
+            mismatch = guide_mismatch(model, description(args, point.guide, "--guide-ckpt"))
+            if mismatch is not None:
+                name, ours, theirs = mismatch
+                raise SweepError(
+                    f"--guide-ckpt {point.guide}: its {name} is {theirs!r}, that of {point.label} ({point.ckpt}) "
+                    f"{ours!r}; a guide needs the model's objective, inputs and classes"
+                )
+        sweep.refuse_foreign(point)
+        SampleFiles(sweep.samples_path(point)).claim(sample.run_settings(args))
 
 
 def is_report(path: Path) -> bool:
     """Whether `path` is the <out>/sweep.json that sweep.py wrote (it vouches for sweep.md and sweep.png)."""
     return json_object_with(path, REPORT_KEYS)
-
-
-@cache
-def inception(weights: str | None, device: str | None, require_classifier: bool):
-    """Inception with these weights on this device, loaded once per process (a study's sweeps share it)."""
-    from fid import load_inception
-
-    return load_inception(weights, device, require_classifier=require_classifier)
-
-
-def describe(point: Point) -> str:
-    guidance = "no guidance" if point.unguided else f"{point.guidance} {point.scale:g}"
-    return f"{point.label}, {guidance}"
-
-
-def format_metrics(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{COLUMN_NAMES.get(name, name)} {value:.4f}" for name, value in metrics.items())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -539,17 +347,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args, sample_options = parse_args(argv or [])
     metrics = check_args(args)
     exports = named_exports(args.ckpt)
-    scoring = Scoring(args.ref, metrics, args.weights, args.inception_batch_size, args.device)
-    sweep = Sweep(args.out, args.num_samples, sample_options, scoring)
+    scorer = FidScorer(args.ref, metrics, args.weights, args.inception_batch_size, args.device)
+    sweep = ScoredPoints(args.out, args.num_samples, sample_options, scorer)
     claim_out(args.out)
     try:
         posthoc = {f"sigma_rel {sigma_rel:g}": str(args.run) for sigma_rel in args.sigma_rel}
-        sweep.check(sweep_points(exports | posthoc, args.guidance, args.scales, args.guide_ckpt), not_made=posthoc)
+        all_points = sweep_points(exports | posthoc, args.guidance, args.scales, args.guide_ckpt)
+        check_points(sweep, all_points, not_made=posthoc)
         if args.sigma_rel:  # reconstructed once every argument is known to be good
             folders = posthoc_exports(args.run, args.sigma_rel, args.step)
             exports |= {f"sigma_rel {sigma_rel:g}": str(folder) for sigma_rel, folder in folders.items()}
         points = sweep_points(exports, args.guidance, args.scales, args.guide_ckpt)
-        sweep.check([point for point in points if point.label in posthoc])  # before the first point is sampled
+        check_points(sweep, [point for point in points if point.label in posthoc])  # before the first is sampled
         kept = sum(sweep.stored(point) is not None for point in points)
         if kept:
             print(

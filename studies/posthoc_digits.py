@@ -15,8 +15,7 @@ autoguided by the same run's classic-EMA export at 25 % of training (step 500: a
 of itself) and guided by CFG at one more scale, so that autoguidance can be compared with CFG at the same
 classifier accuracy (per seed, CFG's FID interpolated along its accuracy curve). Scores are the demo's
 (judges.digits, through studies.scorers.DigitsScorer): FID against the 1797 real digits and its SVC's accuracy.
-Every setting is a point of sweep.py (sampled by sample.py's code, scored by fid's against the real digits'
-statistics, written once to <out>/real-digits-<N>-statistics.npz), with the SVC's accuracy as its extra score.
+Every setting is a scored point (scored_points, as sweep.py's: sampled by sample.py's code, recorded, read back).
 
 Cost: Inception sets it (about 17 images/s on the 2-core CPU this was run on, so about a minute per scoring of
 1000 samples): per run 2 classic + 2 x 5 sigma_rels + 3 autoguidance + 1 more CFG scale = 16 scorings, 96 for
@@ -39,25 +38,23 @@ from typing import Any
 import numpy as np
 
 from commands import run_command
+from scored_points import Point, ScoredPoints
 from studies.report import format_spread, spread, wall_time
 from studies.runner import FULL as STUDY_FULL
 from studies.runner import QUICK as STUDY_QUICK
 from studies.runner import (
     REPO,
-    SAMPLE_BATCH,
-    SAMPLE_SEED,
-    SAMPLERS,
     Arm,
     Budget,
     checkpoint_export,
     parse_study_arguments,
-    run_name,
+    run_points,
     study_parser,
     train_record,
     train_run,
 )
-from studies.scorers import INCEPTION_BATCH, DigitsScorer
-from sweep import Point, Scoring, Sweep, posthoc_exports
+from studies.scorers import DigitsScorer
+from sweep import posthoc_exports
 
 CONFIG = REPO / "configs" / "digits.yaml"
 STEM = "posthoc-digits"
@@ -95,35 +92,14 @@ def arms(budget: Budget) -> tuple[Arm, ...]:
     )
 
 
-def sample_options(budget: Budget, kind: str, num_classes: int) -> list[str]:
-    """sample.py's options for every point: the studies' deterministic sampler of the objective `kind` with the
-    budget's steps, class-balanced labels of seed SAMPLE_SEED in batches of SAMPLE_BATCH on the CPU (the batches
-    of studies.runner.score_export, which scored this study before sweep.py did), a grid of 12 rows of classes."""
-    return [
-        *("--sampler", SAMPLERS[kind], "--steps", str(budget.sampler_steps[kind])),
-        *("--seed", str(SAMPLE_SEED), "--labels", "balanced", "--per-proc-batch-size", str(SAMPLE_BATCH)),
-        *("--shard-size", str(4 * SAMPLE_BATCH), "--grid-size", str(12 * num_classes), "--cpu", "--precision", "fp32"),
-    ]
-
-
-def real_statistics(scorer: DigitsScorer, out: Path) -> Path:
-    """The pool_3 statistics of the real digits the study compares with, as a REF file for sweep.py (once)."""
-    from fid import StatisticsFile, save_statistics
-
-    path = out / f"real-digits-{scorer.real_images}-statistics.npz"
-    if not path.is_file():
-        save_statistics(path, StatisticsFile(pool=scorer.real))
-    return path
-
-
 def run_sweep(
-    sweeper: Sweep, arm: Arm, seed: int, export: Path, scale: float, guide: Path | None = None, **what: Any
+    points: ScoredPoints, arm: Arm, seed: int, export: Path, scale: float, guide: Path | None = None, **what: Any
 ) -> dict[str, Any]:
-    """One setting of one run as a point of its sweep, and the study's row of it (the arm, seed and setting, FID,
-    accuracy and what they were measured with)."""
+    """One setting of one run as a scored point of the run, and the study's row of it (the arm, seed and setting,
+    FID, accuracy and what they were measured with)."""
     label = "classic EMA" if what["ema"] == "classic" else f"sigma_rel {what['sigma_rel']:g}"
     method = "autoguidance" if guide is not None else "cfg"
-    record = sweeper.score(Point(str(export), label, method, scale, None if guide is None else str(guide)))
+    record = points.score(Point(str(export), label, method, scale, None if guide is None else str(guide)))
     scores = record["metrics"]
     return {
         "arm": arm.name,
@@ -142,26 +118,14 @@ def run_sweep(
 
 def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[str, Any]:
     from bench._harness import save_results
-    from generation import read_export
 
-    scorer = DigitsScorer(budget.real_images)
+    scorer = DigitsScorer(budget.real_images, budget.curve_samples)
     runs = [(arm, seed) for arm in arms(budget) for seed in budget.seeds]
     run_dirs = {(arm.name, seed): train_run(arm, seed, budget, out, CONFIG) for arm, seed in runs}
     final, guide_step = budget.max_steps, round(GUIDE_FRACTION * budget.max_steps)
-    description = read_export(checkpoint_export(next(iter(run_dirs.values())), final)).description
-    scoring = Scoring(str(real_statistics(scorer, out)), ("fid",), "bundled", INCEPTION_BATCH)
-    options = sample_options(budget, description.objective["kind"], description.num_classes)
-
-    def extra_scores(images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-        classifier = scorer.classifier
-        return {
-            "accuracy": classifier.accuracy(images, labels),
-            "classifier_held_out_accuracy": classifier.held_out_accuracy,
-        }
-
     sweeps = {
-        (arm.name, seed): Sweep(
-            out / "sweeps" / run_name(arm, seed), budget.final_samples, options, scoring, extra_scores, scorer.settings
+        (arm.name, seed): run_points(
+            out, arm, seed, budget.final_samples, budget, scorer, checkpoint_export(run_dirs[(arm.name, seed)], final)
         )
         for arm, seed in runs
     }

@@ -19,10 +19,10 @@ once and cached) and the accuracy of an independent classifier (judges/shapes.py
 FID-vs-step curve uses 250 samples at every point (the first 250 of the final set at 100 %), so its points are
 comparable with each other; the headline FID uses 1000.
 
-Resumable: runs live in <out>/runs/<arm>-seed<k> (train.py --resume latest), and each scored checkpoint is one
-JSON in <out>/scores/<arm>-seed<k>/ (written atomically, with the settings it was made with); a rerun skips
-finished runs and scores and continues the rest. The report goes to studies/results/quality-<stage>.{json,md,png}
-(--quick: into --out).
+Resumable: runs live in <out>/runs/<arm>-seed<k> (train.py --resume latest), and each scored checkpoint is a
+scored point in <out>/sweeps/<arm>-seed<k>/ (scored_points: its samples, and one JSON written atomically with the
+settings it was made with); a rerun skips finished runs and scores and continues the rest. The report goes to
+studies/results/quality-<stage>.{json,md,png} (--quick: into --out).
 
 Budget, as measured on the project's CPU (an AMD EPYC with AVX2, 2 cores, otherwise idle; 2026-11-30):
 
@@ -132,7 +132,9 @@ def run_stage(stage: str, budget: Budget, out: Path, report_dir: Path) -> dict[s
     from bench._harness import save_results
 
     runs = stage_runs(stage, budget)
-    scores, seconds = train_and_score(runs, budget, out, ShapesScorer(out, budget.real_images), CONFIG)
+    scores, seconds = train_and_score(
+        runs, budget, out, ShapesScorer(out, budget.real_images, budget.curve_samples), CONFIG
+    )
     results = summarise(stage, runs, scores, budget, seconds, CONFIG)
     markdown = render_markdown(results)
     title = f"studies.quality, stage {stage}: FID against training step"

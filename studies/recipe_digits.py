@@ -34,8 +34,8 @@ The digits have one channel, where the cosine loss has no gradient: the directio
 sign, so 1 - cos(v, u) is 0 or 2 at every pixel and moves no weight. The study keeps the option in the modern
 recipe, as LightningDiT has it, and its one-option arm shows what it does here.
 
-Resumable like every study: runs in <out>/runs/<arm>-seed<k>, one score JSON per run in <out>/scores/; a rerun
-skips what is done. Report: studies/results/recipe-digits.{json,md,png} (--quick: into --out).
+Resumable like every study: runs in <out>/runs/<arm>-seed<k>, each run's scored points in <out>/sweeps/<arm>-seed<k>/;
+a rerun skips what is done. Report: studies/results/recipe-digits.{json,md,png} (--quick: into --out).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def run_study(budget: Budget, design: Design, out: Path, report_dir: Path, finis
         raise StudyError(
             f"--finished-only: no run of the study is trained under {out}; run the study without --finished-only first"
         )
-    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(budget.real_images), CONFIG)
+    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(budget.real_images, budget.curve_samples), CONFIG)
     results = summarise("recipe", runs, scores, budget, seconds, CONFIG)
     for arm in (*design.recipes, *design.alone):
         entry = results["arms"].get(arm.name)

@@ -20,8 +20,9 @@ at 25-75 %, 1000 for the final model. Scores are the demo's (judges.digits): FID
 judge) and the accuracy of its independent SVC on the samples. studies.runner, studies.scorers and studies.report do the
 training, sampling, scoring, resumption and report pieces; this module names the arms and the reading.
 
-Resumable like every study: runs in <out>/runs/<arm>-seed<k>, one score JSON per checkpoint in <out>/scores/; a
-rerun skips what is done. Report: studies/results/repa-digits.{json,md,png} (--quick: into --out).
+Resumable like every study: runs in <out>/runs/<arm>-seed<k>, each checkpoint a scored point in
+<out>/sweeps/<arm>-seed<k>/; a rerun skips what is done. Report: studies/results/repa-digits.{json,md,png}
+(--quick: into --out).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def run_study(budget: Budget, projector_dim: int, out: Path, report_dir: Path) -
 
     design = arms(projector_dim)
     runs = [(arm, seed) for arm in design for seed in budget.seeds]
-    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(budget.real_images), CONFIG)
+    scores, seconds = train_and_score(runs, budget, out, DigitsScorer(budget.real_images, budget.curve_samples), CONFIG)
     results = summarise("repa", runs, scores, budget, seconds, CONFIG)
     for entry in results["arms"].values():  # the encoder as a path in the repository, not on this machine
         entry["overrides"] = [item.replace(str(REPO) + "/", "") for item in entry["overrides"]]

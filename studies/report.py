@@ -32,7 +32,7 @@ def summarise(
     config: Path,
 ) -> dict[str, Any]:
     """The stage's results: per arm the final FID and accuracy over seeds, and every run's FID and accuracy
-    curves."""
+    curves; `scores` holds each run's records (scored_points), one per checkpoint, the final one last."""
     import torch
 
     from bench._harness import describe_device
@@ -53,17 +53,18 @@ def summarise(
             },
         )
         entry["seeds"].append(seed)
-        entry["fid"].append(final["fid"])
-        entry["accuracy"].append(final["accuracy"])
-        entry["curves"][str(seed)] = [[row["step"], row["fid_curve"]] for row in scores[(arm.name, seed)]]
-        entry["accuracy_curves"][str(seed)] = [[row["step"], row["accuracy"]] for row in scores[(arm.name, seed)]]
+        entry["fid"].append(final["metrics"]["fid"])
+        entry["accuracy"].append(final["metrics"]["accuracy"])
+        rows = [(row["train_step"], row["metrics"]) for row in scores[(arm.name, seed)]]
+        entry["curves"][str(seed)] = [[step, metrics["fid_curve"]] for step, metrics in rows]
+        entry["accuracy_curves"][str(seed)] = [[step, metrics["accuracy"]] for step, metrics in rows]
     for entry in arms.values():
         entry["fid"], entry["accuracy"] = spread(entry["fid"]), spread(entry["accuracy"])
     some = scores[(runs[0][0].name, runs[0][1])][-1]
     scoring = {
-        "real_images": some["settings"]["real_images"],
+        "real_images": some["scoring"]["real_images"],
         "inception": some["inception_weights"],
-        "classifier_held_out_accuracy": some["classifier_held_out_accuracy"],
+        "classifier_held_out_accuracy": some["metrics"]["classifier_held_out_accuracy"],
     }
     return {
         "stage": stage,

@@ -1,6 +1,7 @@
 """The studies' shared machinery: train every run of a study with train.py (or resume it, or skip it when
-finished), sample and score each of its checkpoints or exports with a scorer (studies.scorers), one record per
-scoring, and the command line every study shares. A rerun skips finished runs and scores and continues the rest.
+finished), sample and score each of its checkpoints or exports as a scored point (scored_points: sampled by
+sample.py's code, recorded and read back as sweep.py's points are) with a scorer of studies.scorers, and the command
+line every study shares. A rerun skips finished runs and scores and continues the rest.
 
 The studies name their arms, budgets and readings (studies.quality, studies.repa_digits, studies.posthoc_digits);
 the pieces of their reports are studies.report's.
@@ -18,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from commands import UserError
-from studies.scorers import Scorer, batches
+from scored_points import Point, ScoredPoints
+from studies.scorers import Scorer
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "studies" / "results"  # the committed reports of the full studies
 CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 SAMPLE_SEED = 0  # the noise of sample i is sample_seeds(SAMPLE_SEED, [i]) for every model: paired samples
 SAMPLE_BATCH = 250
+POINTS_FOLDER = "sweeps"  # <out>/sweeps/<run>/: each run's scored points (scored_points.ScoredPoints)
 # The curve's checkpoints, with room for those of an earlier, shorter budget that a run was extended from: the
 # learning rate is constant after warm-up, so resuming a finished run with a larger train.max_steps is the same
 # as training it for the larger budget from the start, and its checkpoints must not rotate away the curve's.
@@ -160,111 +161,53 @@ def checkpoint_export(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS_FOLDER / step_name(step) / EXPORT_FOLDER
 
 
+def sample_options(budget: Budget, kind: str, num_classes: int) -> list[str]:
+    """sample.py's options for every point of a study: the studies' deterministic sampler of the objective `kind`
+    with the budget's steps, class-balanced labels of seed SAMPLE_SEED (paired samples across models) in batches of
+    SAMPLE_BATCH on the CPU in float32, a grid of 12 rows of classes."""
+    return [
+        *("--sampler", SAMPLERS[kind], "--steps", str(budget.sampler_steps[kind])),
+        *("--seed", str(SAMPLE_SEED), "--labels", "balanced", "--per-proc-batch-size", str(SAMPLE_BATCH)),
+        *("--shard-size", str(4 * SAMPLE_BATCH), "--grid-size", str(12 * num_classes), "--cpu", "--precision", "fp32"),
+    ]
+
+
+def run_points(
+    out: Path, arm: Arm, seed: int, count: int, budget: Budget, scorer: Scorer, export: Path
+) -> ScoredPoints:
+    """The scored points of one run (its checkpoints, its post-hoc EMA exports): `count` samples each with the
+    study's sample.py options for the objective and classes of `export` (one of the run's), in
+    <out>/sweeps/<run>/, scored by `scorer`."""
+    from generation.export import read_description
+
+    description = read_description(export)
+    options = sample_options(budget, description.objective["kind"], description.num_classes)
+    folder = out / POINTS_FOLDER / run_name(arm, seed)
+    return ScoredPoints(folder, count, options, scorer, command="a study", progress="quality")
+
+
 def score_checkpoint(
     run_dir: Path, step: int, final: bool, budget: Budget, scorer: Scorer, out: Path, arm: Arm, seed: int
 ) -> dict[str, Any]:
-    """Sample one checkpoint and score it, or read the score a previous invocation wrote with the same settings."""
-    from generation.run_layout import step_name
-
-    name = f"{run_name(arm, seed)}/{step_name(step)}"
-    identity = {"arm": arm.name, "seed": seed, "step": step, "final": final}
+    """Sample one checkpoint (final_samples of the final one, curve_samples of the others) and score it, or read
+    the record a previous invocation wrote with the same settings (scored_points)."""
+    export = checkpoint_export(run_dir, step)
     count = budget.final_samples if final else budget.curve_samples
-    title = f"{run_name(arm, seed)} at step {step}"
-    export_dir = checkpoint_export(run_dir, step)
-    return score_export(export_dir, name, identity, count, final, budget, scorer, out, title=title)
+    points = run_points(out, arm, seed, count, budget, scorer, export)
+    return points.score(Point(str(export), f"{run_name(arm, seed)} step {step}", "cfg", 1.0))
 
 
-def reusable_record(record: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
-    """The score record at `record` when a previous invocation wrote it for the same work: every field of
-    `expected` (what is scored, the export, the sampling and scoring settings) as stored; else None (score again)."""
-    if not record.is_file():
-        return None
-    stored = json.loads(record.read_text())
-    return stored if all(stored.get(key) == value for key, value in expected.items()) else None
-
-
-def score_export(
-    export_dir: Path,
-    name: str,
-    identity: dict[str, Any],
-    count: int,
-    final: bool,
-    budget: Budget,
-    scorer: Scorer,
-    out: Path,
-    guidance: float = 1.0,
-    guide_dir: Path | None = None,
-    title: str | None = None,
-) -> dict[str, Any]:
-    """Sample `count` class-balanced images of an export (classifier-free guidance at `guidance`, or autoguidance
-    by the export at `guide_dir`) and score them, recorded as <out>/scores/<name>.json with `identity`; or read
-    that record when a previous invocation wrote it with the same settings. `final`: FID of all the samples too
-    (else of the first curve_samples only) and a grid. `title` names the work in the progress line (default
-    `name`)."""
-    from atomic_files import save_npz_atomic, write_json_atomic
-    from generation import ImageGenerator, read_export
-    from generation.generator import load_model
-    from generation.images import class_grid_indices, save_class_grid
-    from generation.sample_plan import assign_labels, sample_seeds
-
-    export = read_export(export_dir)
-    kind = export.description.objective["kind"]
-    settings = {
-        "num_samples": count,
-        "curve_samples": budget.curve_samples,
-        "sampler": SAMPLERS[kind],
-        "sampler_steps": budget.sampler_steps[kind],
-        "guidance": guidance,
-        **({"guide": str(guide_dir.relative_to(out))} if guide_dir is not None else {}),
-        "sample_seed": SAMPLE_SEED,
-        **scorer.settings,
-    }
-    record = out / "scores" / f"{name}.json"
-    stored = reusable_record(record, {**identity, "export": str(export_dir.relative_to(out)), "settings": settings})
-    if stored is not None:
-        return stored
-    print(f"quality: sampling and scoring {title or name} ({count} samples)", flush=True)
-    started = time.perf_counter()
-    generator = ImageGenerator.from_export(export)
-    guide = {"guide": load_model(read_export(guide_dir))} if guide_dir is not None else {}
-    labels = assign_labels(count, export.description.num_classes, "balanced", SAMPLE_SEED)  # (N,)
-    images = np.concatenate(
-        [
-            generator.generate(
-                labels[part.start : part.stop],
-                sample_seeds(SAMPLE_SEED, part),
-                sampler=SAMPLERS[kind],
-                steps=budget.sampler_steps[kind],
-                guidance=guidance,
-                **guide,
-            )
-            for part in batches(range(count), SAMPLE_BATCH)
-        ]
-    )  # (N, H, W, 3)
-    sampled = time.perf_counter()
-    samples = out / "samples" / f"{name}.npz"
-    save_npz_atomic(samples, arr_0=images, arr_1=labels)
-    if final:
-        rows = [
-            (label, images[indices])
-            for label, indices in class_grid_indices(labels, 12 * export.description.num_classes)
-        ]
-        save_class_grid(rows, samples.with_suffix(".png"), f"{name}, guidance {guidance:g}")
-    features = scorer.features(images)  # (N, 2048)
-    fid_curve = scorer.fid(features[: budget.curve_samples])
-    result = {
-        **identity,
-        "export": str(export_dir.relative_to(out)),
-        "fid_curve": fid_curve,
-        "fid": (fid_curve if count <= budget.curve_samples else scorer.fid(features)) if final else None,
-        "accuracy": scorer.classifier.accuracy(images, labels),
-        "inception_weights": scorer.extractor.weights.description,
-        "classifier_held_out_accuracy": scorer.classifier.held_out_accuracy,
-        "seconds": {"sample": round(sampled - started, 1), "score": round(time.perf_counter() - sampled, 1)},
-        "settings": settings,
-    }
-    write_json_atomic(record, result)
-    return result
+def say_earlier_records(out: Path) -> None:
+    """Say that score records of the format before scored_points (<out>/scores/<run>/step-XXXXXXX.json, which name
+    no weights' sha256) are not read back: their checkpoints are sampled and scored again (the files stay)."""
+    earlier = sorted((out / "scores").glob("*/step-*.json"))
+    if earlier:
+        print(
+            f"quality: {len(earlier)} score records of an earlier format in {out / 'scores'} are not read back (they "
+            f"do not name the weights' sha256): their checkpoints are sampled and scored again into "
+            f"{out / POINTS_FOLDER}",
+            flush=True,
+        )
 
 
 def train_and_score(
@@ -274,6 +217,7 @@ def train_and_score(
     a study stopped early has its first runs scored); returns the scores per (arm, seed) and the wall time spent
     on training, sampling and scoring."""
     steps = checkpoint_steps(budget)
+    say_earlier_records(out)
     scores = {}
     for arm, seed in runs:
         run_dir = train_run(arm, seed, budget, out, config)

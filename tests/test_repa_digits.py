@@ -59,7 +59,8 @@ def test_quick_study_trains_the_four_arms_reports_and_resumes(tmp_path):
     assert str(REPO) not in (out / "repa-digits.json").read_text()  # paths in the repository, not on this machine
 
     # A rerun finds everything done: it trains and scores nothing and writes the same report.
-    stamps = {path: path.stat().st_mtime_ns for path in (out / "scores").glob("*/step-*.json")}
+    stamps = {path: path.stat().st_mtime_ns for path in (out / "sweeps").glob("*/scores/*.json")}
+    assert len(stamps) == len(names) * len(checkpoint_steps(QUICK))
     second = run_quick(out)
     assert "quality: training" not in second and "sampling and scoring" not in second
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps

@@ -15,6 +15,7 @@ import sweep
 from _tiny_models import tiny_export
 from commands import USER_ERROR_STATUS, run_command
 from fid.__main__ import main as fid_main
+from scored_points import FidScorer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAMPLE_OPTIONS = ["--sampler", "ddim", "--steps", "2", "--per-proc-batch-size", "3", "--cpu", "--grid-size", "0"]
@@ -78,7 +79,7 @@ def test_a_sweep_scores_each_point_as_sample_py_and_python_m_fid_do_and_resumes(
     capsys.readouterr()
     assert sweep.main(sweep_arguments(tmp_path, export, reference, guidance=("cfg",))) == [first]
     printed = capsys.readouterr().out
-    assert "sweep: tiny" not in printed and record.stat().st_mtime_ns == stamp
+    assert "sampling and scoring" not in printed and record.stat().st_mtime_ns == stamp
     # and says so (issue 48: a resumed sweep did not say how many points it skipped)
     assert f"sweep: 1 of 1 points already scored with these settings in {out}: read back, not sampled again" in printed
 
@@ -101,7 +102,7 @@ def test_a_sweep_warns_of_small_sets_once_and_its_plot_names_the_sample_count(tm
     assert sweep.plot(records).axes[0].get_title() == "FID of 3 samples per point against the guidance scale"
     sweep.main(sweeping(sweep_arguments(tmp_path, export, reference), "--scales", "2", "3"))  # the later --scales
     printed = capsys.readouterr().out
-    assert "sweep: 2 of 3 points already scored" in printed and "sweep: tiny, cfg 3" in printed
+    assert "sweep: 2 of 3 points already scored" in printed and "sweep: sampling and scoring tiny, cfg 3 (3" in printed
 
 
 def posthoc_run(run_dir: Path, export: Path) -> None:
@@ -281,7 +282,7 @@ def test_a_point_of_an_export_replaced_in_place_is_not_read_back(tmp_path, refer
     """Issue 47: a rerun read back a point's score when its export's path was the same, though the weights there
     had been replaced. The record holds the weights' sha256 (the sampling settings of sample.py), so the rerun
     refuses, naming it, before anything is sampled (the point's samples are the old weights')."""
-    monkeypatch.setattr(sweep.Sweep, "evaluate", lambda self, samples: ({"fid": 1.0}, "stand-in"))  # no Inception
+    monkeypatch.setattr(FidScorer, "score", lambda self, samples: ({"fid": 1.0}, "stand-in"))  # no Inception
     export = tiny_export(tmp_path / "export", seed=0)
     arguments = sweep_arguments(tmp_path, export, reference, guidance=("none",))
     (first,) = sweep.main(arguments)
