@@ -1,6 +1,9 @@
-"""sample.py: labels, noise seeds, pixel rounding, the shard plan (lazy, for any --num-samples), shard merging,
-argument checks, the disk space needed, and end-to-end runs (1 vs 2 processes, kill -9 and resume) on a tiny
-exported model."""
+"""sample.py, the command: its output files, 1 vs 2 processes, kill -9 and resume, argument checks, --protocol,
+outputs of a killed run, a run folder as --ckpt, --overwrite, the disk space needed and the weights behind the
+samples, on a tiny exported model. The modules it stands on have their own specifications: the labels and seeds
+(tests/test_sample_plan.py), the shard plan and merge (tests/test_sample_file.py), the shard folder
+(tests/test_shards.py), the pixels (tests/test_images.py), the generator and official checkpoints
+(tests/test_generation.py)."""
 
 import json
 import re
@@ -24,108 +27,18 @@ from _launch import (
     sample_env,
     with_gloo_probe,
 )
-from _tiny_models import EXPORT_CLASSES, tiny_export, tiny_sd_vae
+from _tiny_models import EXPORT_CLASSES, tiny_export
 from _user_errors import one_line_error
-from atomic_files import save_npz_atomic
 from atomic_files.ownership import ForeignFileError
-from atomic_files.shards import ShardFolder, ShardFolderError
 from commands import UserError
-from generation import ImageGenerator, load_export
-from generation.images import to_uint8
-from generation.official import official_export
-from generation.sample_file import (
-    DamagedShardError,
-    SampleFiles,
-    SampleFilesError,
-    images_at,
-    merge_shards,
-    plan_shards,
-    shard_reader,
-)
-from generation.sample_plan import assign_labels, sample_seeds
+from generation import ImageGenerator
+from generation.sample_file import SampleFiles, SampleFilesError, plan_shards
+from generation.sample_plan import assign_labels
 from sample_arguments import SampleError
 
 # ----------------------------------------------------------------------------------------------
-# Pixels
+# A huge --num-samples: its labels and shards planned lazily
 # ----------------------------------------------------------------------------------------------
-
-
-def test_to_uint8_maps_stored_pixels_back_to_themselves():
-    # A uint8 value k read as x = k / 127.5 - 1 must come back as k: float32 puts 127.5 x + 128 within
-    # ~1e-5 of k + 0.5, far from the integers where truncation would change the result.
-    k = torch.arange(256, dtype=torch.float32)
-    x = (k / 127.5 - 1).view(1, 1, 16, 16)  # (1, 1, 16, 16)
-    pixels = to_uint8(x)
-    assert pixels.dtype == np.uint8 and pixels.shape == (1, 16, 16, 3)
-    np.testing.assert_array_equal(pixels[0, :, :, 0].reshape(-1), np.arange(256))
-
-
-def test_to_uint8_rounds_half_up_and_clamps():
-    # Hand-computed with DiT's floor(127.5 x + 128): x = 0 is 127.5 away from both ends and rounds up
-    # to 128 (ADM's truncation would give 127); values outside [-1, 1] clamp to 0 and 255.
-    x = torch.tensor([-3.0, -1.0, -0.999, 0.0, 0.5, 0.999, 1.0, 7.0]).view(1, 1, 1, 8)
-    expected = [0, 0, 0, 128, 191, 255, 255, 255]  # 0.5 -> 191.75 -> 191; 0.999 -> 255.37 -> 255
-    np.testing.assert_array_equal(to_uint8(x)[0, 0, :, 0], expected)
-
-
-def test_to_uint8_repeats_one_channel_and_keeps_rgb_order():
-    gray = torch.linspace(-1, 1, 12).view(1, 1, 3, 4)
-    rgb = torch.stack([torch.full((3, 4), -1.0), torch.zeros(3, 4), torch.ones(3, 4)])[None]  # (1, 3, 3, 4)
-    gray_pixels, rgb_pixels = to_uint8(gray), to_uint8(rgb)
-    assert gray_pixels.shape == (1, 3, 4, 3)
-    np.testing.assert_array_equal(gray_pixels[..., 0], gray_pixels[..., 1])
-    np.testing.assert_array_equal(gray_pixels[..., 0], gray_pixels[..., 2])
-    np.testing.assert_array_equal(rgb_pixels[0, 0, 0], [0, 128, 255])
-
-
-def test_to_uint8_rejects_non_finite_and_odd_channels():
-    with pytest.raises(FloatingPointError, match="NaN"):
-        to_uint8(torch.tensor([0.0, float("nan")]).view(1, 1, 1, 2))
-    with pytest.raises(ValueError, match="1 or 3 channels"):
-        to_uint8(torch.zeros(1, 4, 2, 2))
-
-
-# ----------------------------------------------------------------------------------------------
-# Labels and seeds
-# ----------------------------------------------------------------------------------------------
-
-
-def test_balanced_labels_are_balanced_in_every_prefix():
-    labels = assign_labels(1003, 10, "balanced", seed=0)
-    assert labels.dtype == np.int64 and labels.shape == (1003,)
-    counts = np.bincount(labels, minlength=10)
-    assert counts.max() - counts.min() <= 1 and counts.sum() == 1003
-    for prefix in (10, 500, 1000):
-        assert np.all(np.bincount(labels[:prefix], minlength=10) == prefix // 10)
-
-
-def test_uniform_labels_follow_the_seed():
-    first = assign_labels(5000, 7, "uniform", seed=3)
-    assert first.dtype == np.int64 and first.min() == 0 and first.max() == 6
-    np.testing.assert_array_equal(first, assign_labels(5000, 7, "uniform", seed=3))
-    assert not np.array_equal(first, assign_labels(5000, 7, "uniform", seed=4))
-    with pytest.raises(ValueError, match="balanced"):
-        assign_labels(10, 7, "sorted", seed=3)
-
-
-def test_sample_seeds_depend_on_seed_and_index_only():
-    seeds = sample_seeds(0, range(20_000))
-    assert len(set(seeds)) == 20_000 and all(0 <= s < 2**63 for s in seeds)
-    assert sample_seeds(0, [17, 5]) == [seeds[17], seeds[5]]  # any order or subset of indices
-    assert set(sample_seeds(1, range(20_000))).isdisjoint(seeds)  # seed + index does not alias
-
-
-# ----------------------------------------------------------------------------------------------
-# Shards
-# ----------------------------------------------------------------------------------------------
-
-
-def test_plan_shards_covers_every_index_once():
-    shards = plan_shards(1001, 256)
-    assert [(s.start, s.stop) for s in shards] == [(0, 256), (256, 512), (512, 768), (768, 1001)]
-    covered = np.concatenate([np.arange(s.start, s.stop) for s in shards])
-    np.testing.assert_array_equal(covered, np.arange(1001))
-    assert len({s.file_name for s in shards}) == len(shards)
 
 
 def test_a_huge_num_samples_plans_its_labels_and_shards_lazily(tmp_path, monkeypatch):
@@ -160,118 +73,6 @@ def test_a_huge_num_samples_plans_its_labels_and_shards_lazily(tmp_path, monkeyp
         tracemalloc.stop()
     assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB allocated before the first sample"
     assert (out.parent / "s.npz.shards" / "settings.json").is_file()  # the shard folder was claimed
-
-
-def test_the_lazy_shard_plan_is_the_eager_list_of_shards():
-    from generation.sample_file import plan_shards
-
-    for num_samples, shard_size in ((1, 1), (5, 7), (1001, 256), (1024, 256)):
-        plan = plan_shards(num_samples, shard_size)
-        eager = [
-            (number, start, min(start + shard_size, num_samples))
-            for number, start in enumerate(range(0, num_samples, shard_size))
-        ]  # the plan as a list, before
-        assert [(shard.number, shard.start, shard.stop) for shard in plan] == eager and len(plan) == len(eager)
-        assert [plan.names[number] for number in range(len(plan))] == [shard.file_name for shard in plan]
-        assert [plan.names.index(shard.file_name) for shard in plan] == list(range(len(plan)))
-        for numbers in (range(len(plan)), range(0, len(plan), 2), range(1, len(plan), 3), range(0)):
-            assert plan.samples_in(numbers) == sum(len(plan[number].indices) for number in numbers)
-    names = plan_shards(10**9, 256).names  # 3,906,250 shards
-    assert names[-1] == "shard-3906249.npz" and names.index("shard-3906249.npz") == 3_906_249
-    for other in ("settings.json", "shard-3906250.npz", "shard-0000001.npz", "shard-\uff11.npz", "shard-.npz"):
-        with pytest.raises(ValueError):
-            names.index(other)
-
-
-@pytest.mark.parametrize("count, finished", [(0, []), (1, [0]), (7, []), (7, [0, 3, 6]), (10, [1, 2, 3, 8]), (4, [3])])
-def test_pending_shards_split_over_processes_as_the_list_of_unfinished_shards_did(count, finished):
-    from atomic_files.shards import PendingShards
-
-    eager = [number for number in range(count) if number not in finished]
-    pending = PendingShards(count, finished)
-    assert pending == eager and len(pending) == len(eager) and list(reversed(pending)) == eager[::-1]
-    for processes in (1, 2, 3, 8):
-        for rank in range(processes):
-            assert pending[rank::processes] == eager[rank::processes]  # each process's shards, as before
-
-
-def test_sample_labels_are_the_eager_ones_in_every_part():
-    from generation.sample_plan import SampleLabels
-
-    for mode in ("balanced", "uniform"):
-        labels = SampleLabels(1003, 7, mode, seed=3)
-        whole = labels[:]
-        assert whole.shape == (1003,) and whole.dtype.name == "int64"
-        for start, stop in ((0, 1), (5, 260), (1000, 1003), (0, 1003)):
-            assert (labels[start:stop] == whole[start:stop]).all()
-    assert (SampleLabels(10, 4, "balanced", 0)[:] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]).all()
-
-
-def test_a_folder_of_millions_of_shards_is_claimed_from_one_listing(tmp_path):
-    from atomic_files.shards import ShardFolder, ShardNames
-
-    names = ShardNames(10**7, "shard-{:06d}.npz")
-    folder = ShardFolder(tmp_path / "out.shards", names, {"seed": 0})
-    assert len(folder.claim()) == 10**7
-    folder.release()
-    for number in (0, 2):
-        (tmp_path / "out.shards" / names[number]).write_bytes(b"finished")
-    stale, foreign = tmp_path / "out.shards" / f".{names[5]}.tmp-999999999", tmp_path / "out.shards" / "notes.txt"
-    stale.write_bytes(b"half a shard")  # left by a killed writer
-    foreign.write_text("kept")
-    pending = folder.claim()
-    assert folder.kept == 2 and len(pending) == 10**7 - 2 and pending[:4] == [1, 3, 4, 5] and pending[-1] == 10**7 - 1
-    assert not stale.exists() and foreign.exists()
-    folder.release()
-
-
-def write_shards(folder, images, labels, shards):
-    for shard in shards:
-        save_npz_atomic(
-            folder / shard.file_name,
-            arr_0=images[shard.start : shard.stop],
-            arr_1=labels[shard.start : shard.stop],
-            index=np.arange(shard.start, shard.stop),
-        )
-
-
-def test_merge_shards_writes_a_standard_npz(tmp_path):
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (23, 5, 6, 3), dtype=np.uint8)
-    labels = assign_labels(23, 4, "balanced", seed=0)
-    shards = plan_shards(23, 5)
-    write_shards(tmp_path, images, labels, shards)
-    images_of = shard_reader(tmp_path, labels, repair=None)
-    merge_shards(shards, images_of, labels, tmp_path / "out.npz")
-    with np.load(tmp_path / "out.npz") as merged:
-        assert sorted(merged.files) == ["arr_0", "arr_1"]
-        assert merged["arr_0"].dtype == np.uint8 and merged["arr_1"].dtype == np.int64
-        np.testing.assert_array_equal(merged["arr_0"], images)
-        np.testing.assert_array_equal(merged["arr_1"], labels)
-    np.testing.assert_array_equal(images_at(shards, images_of, [0, 7, 22, 3]), images[[0, 7, 22, 3]])
-    assert not list(tmp_path.glob(".*tmp*"))
-
-
-def test_merge_shards_hands_a_shard_of_other_samples_to_repair(tmp_path):
-    images = np.arange(8 * 12, dtype=np.uint8).reshape(8, 2, 2, 3)
-    labels = assign_labels(8, 4, "balanced", seed=0)
-    shards = plan_shards(8, 4)
-    write_shards(tmp_path, images, labels, shards)
-    wrong = shards[1]
-    save_npz_atomic(tmp_path / wrong.file_name, arr_0=images[:4], arr_1=labels[:4], index=np.arange(4))
-    (tmp_path / shards[0].file_name).write_bytes(b"PK\x03\x04 cut")  # a damaged file
-    repaired = []
-
-    def repair(shard, error):
-        assert shard.file_name in str(error)
-        repaired.append(shard.number)
-        return images[shard.start : shard.stop]
-
-    merge_shards(shards, shard_reader(tmp_path, labels, repair), labels, tmp_path / "out.npz")
-    assert repaired == [0, 1]
-    np.testing.assert_array_equal(np.load(tmp_path / "out.npz")["arr_0"], images)
-    with pytest.raises(DamagedShardError, match=wrong.file_name):
-        shard_reader(tmp_path, labels, repair=lambda shard, error: (_ for _ in ()).throw(error))(wrong)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,17 +134,6 @@ def test_output_layout(reference, export):
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["new_images"] == 16 and summary["images_per_process"] == [16]
     assert summary["settings"]["guidance"] == 2.0 and summary["precision"] == "fp32"  # the CPU default
-
-
-def test_samples_do_not_depend_on_the_batch_split(export):
-    generator = ImageGenerator.from_export(load_export(export))
-    options = dict(sampler="ddpm", steps=12, guidance=2.0)
-    labels, seeds = assign_labels(8, EXPORT_CLASSES, "balanced", 0), sample_seeds(7, range(8))
-    whole = generator.generate(labels, seeds, **options)
-    split = np.concatenate([generator.generate(labels[i : i + 3], seeds[i : i + 3], **options) for i in range(0, 8, 3)])
-    # Per-sample noise makes the two identical in exact arithmetic; kernels may round differently for
-    # other batch sizes, which can move a pixel across a uint8 boundary (bit-identical on this CPU).
-    assert np.abs(whole.astype(int) - split).max() <= 1 and np.mean(whole != split) < 0.01
 
 
 # A thread that ends between the probe's listing of /proc/self/task and its read of the thread's name: the listing
@@ -629,54 +419,6 @@ def test_foreign_output_is_kept(export, tmp_path):
     with pytest.raises(ForeignFileError, match="exists and was not written by sample.py"):
         sample.main(sample_command(export, out)[2:])
     assert np.load(out)["arr_0"].shape == (1, 8, 8, 3)
-
-
-@pytest.fixture
-def main_process():
-    """A stand-in for the Accelerator of a single process (broadcasting is then a no-op)."""
-    from accelerate.state import PartialState
-
-    yield types.SimpleNamespace(is_main_process=True, num_processes=1)
-    PartialState._reset_state()
-
-
-def test_shards_of_another_run_are_not_mixed_in(main_process, tmp_path):
-    folder_path = tmp_path / "samples.npz.shards"
-    shards = plan_shards(8, 4)
-    names = [shard.file_name for shard in shards]
-    record = {"seed": 0, "num_samples": 8}
-    assert ShardFolder(folder_path, names, record).claim(main_process) == [0, 1]
-    write_shards(folder_path, np.zeros((8, 2, 2, 3), np.uint8), np.zeros(8, np.int64), shards[:1])
-    (folder_path / f".{names[1]}.tmp-999999999").write_bytes(b"half a shard")  # left by a killed writer
-    assert ShardFolder(folder_path, names, record).claim(main_process) == [1]
-    assert not list(folder_path.glob(".*tmp*"))
-    with pytest.raises(ShardFolderError, match="run with seed=0, not 1"):
-        ShardFolder(folder_path, names, {**record, "seed": 1}).claim(main_process)
-    assert (folder_path / names[0]).exists()
-
-
-# ----------------------------------------------------------------------------------------------
-# Official checkpoints: a DiT state dict in the MHSA baseline, decoded by a (tiny, local) VAE
-# ----------------------------------------------------------------------------------------------
-
-
-def test_official_checkpoint_loads_into_the_mhsa_baseline(tmp_path):
-    from dit_vca import create_model
-
-    vae_folder = tmp_path / "vae"
-    tiny_sd_vae().save_pretrained(vae_folder)
-    official = create_model("DiT-S/8", attention="mhsa", input_size=32)
-    torch.save({"ema": official.state_dict()}, tmp_path / "DiT-S-8-256x256.pt")  # architecture read from the name
-
-    export = load_export(tmp_path / "DiT-S-8-256x256.pt")
-    generator = ImageGenerator.from_export(export, vae=str(vae_folder))
-    for key, value in official.state_dict().items():
-        assert torch.equal(generator.model.state_dict()[key], value), key
-    images = generator.generate(np.array([0, 999]), [1, 2], sampler="ddim", steps=2, guidance=1.5)
-    assert images.shape == (2, 256, 256, 3) and images.dtype == np.uint8 and generator.model_evaluations == 2
-
-    with pytest.raises(ValueError, match="does not fit --model DiT-S/4"):
-        official_export(tmp_path / "DiT-S-8-256x256.pt", model="DiT-S/4")  # other patch size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -990,7 +732,7 @@ def test_help_lists_the_sde_and_shift_options_choices_and_defaults(capsys):
 
 @pytest.mark.parametrize("value", ["0", "-0.3", "nan"])
 def test_a_time_shift_that_is_not_positive_is_one_line(value, capsys):
-    error = one_line_error(sample.main, [*MINIMAL, "--time-shift", value], capsys)
+    error = one_line_error(sample.main, ["--ckpt", "x", *MINIMAL, "--time-shift", value], capsys)
     assert f"--time-shift must be a finite number > 0 (1: no shift), got {float(value)}" in error
 
 
