@@ -732,7 +732,7 @@ def test_help_lists_the_sde_and_shift_options_choices_and_defaults(capsys):
 
 @pytest.mark.parametrize("value", ["0", "-0.3", "nan"])
 def test_a_time_shift_that_is_not_positive_is_one_line(value, capsys):
-    error = one_line_error(sample.main, ["--ckpt", "x", *MINIMAL, "--time-shift", value], capsys)
+    error = one_line_error(sample.main, ["--ckpt", "export", *MINIMAL, "--time-shift", value], capsys)
     assert f"--time-shift must be a finite number > 0 (1: no shift), got {float(value)}" in error
 
 

@@ -13,11 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import load as accelerate_load
+from PIL import Image
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -204,9 +206,11 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(two_process_ru
         return [{k: v for k, v in line.items() if k not in timing} for line in lines]
 
     assert strip(metrics(run_dir)) == strip(metrics(reference))  # lines of the killed run were replaced
-    assert (run_dir / "samples" / "step-0000020.png").read_bytes() == (
-        reference / "samples" / "step-0000020.png"
-    ).read_bytes()
+    ours_grid, theirs_grid = (Image.open(run / "samples" / "step-0000020.png") for run in (run_dir, reference))
+    assert np.array_equal(np.asarray(ours_grid), np.asarray(theirs_grid))  # the same images, pixel for pixel
+    settings = [json.loads(grid.text["Settings"]) for grid in (ours_grid, theirs_grid)]
+    assert settings[0].pop("run") == str(run_dir) and settings[1].pop("run") == str(reference)  # where each lives
+    assert settings[0] == settings[1] and ours_grid.text["Title"] == theirs_grid.text["Title"]
 
 
 def assert_same_tree(a, b):
