@@ -148,8 +148,12 @@ class ScoredPoints:
     command: str = "sweep.py"
     progress: str = "sweep"
 
+    @property
+    def samples_folder(self) -> Path:
+        return self.folder / "samples"  # the points' own, not a run's
+
     def samples_path(self, point: Point) -> Path:
-        return self.folder / "samples" / f"{point.name}.npz"
+        return self.samples_folder / f"{point.name}.npz"
 
     def record_path(self, point: Point) -> Path:
         return self.folder / "scores" / f"{point.name}.json"

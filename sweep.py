@@ -80,7 +80,7 @@ def check_points(sweep: ScoredPoints, points: Sequence[Point], not_made: Sequenc
         flag = option.split("=")[0]
         if flag.startswith("--") and any(owned.startswith(flag) for owned in POINT_FLAGS):  # also abbreviated
             raise SweepError(f"the sample.py options after -- give {flag}, which each point sets itself")
-    (sweep.folder / "samples").mkdir(parents=True, exist_ok=True)
+    sweep.samples_folder.mkdir(parents=True, exist_ok=True)
     descriptions: dict[str, Any] = {}  # --ckpt or --guide-ckpt -> its export's description, each read once
 
     def description(args: argparse.Namespace, ckpt: str, option: str):

@@ -200,7 +200,9 @@ def score_checkpoint(
 def say_earlier_records(out: Path) -> None:
     """Say that score records of the format before scored_points (<out>/scores/<run>/step-XXXXXXX.json, which name
     no weights' sha256) are not read back: their checkpoints are sampled and scored again (the files stay)."""
-    earlier = sorted((out / "scores").glob("*/step-*.json"))
+    from generation.run_layout import STEP_PREFIX
+
+    earlier = sorted((out / "scores").glob(f"*/{STEP_PREFIX}*.json"))
     if earlier:
         print(
             f"quality: {len(earlier)} score records of an earlier format in {out / 'scores'} are not read back (they "

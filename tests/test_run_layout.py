@@ -33,8 +33,7 @@ WORDS = {"export", "exports", "samples", "tensorboard", "wandb"}
 EXCEPTIONS = {
     ("fid/weights.py", "checkpoints"): "torch.hub's own folder of downloaded weights (TORCH_HOME/hub/checkpoints)",
     ("generation/official.py", "checkpoints"): "torch.hub's own folder of downloaded weights, as fid/weights.py",
-    ("sweep.py", "samples"): "the sweep's own output folder (OUT/samples/<point>.npz), not a run's",
-    ("studies/runner.py", "samples"): "a study's own output folder (OUT/samples/<name>.npz), not a run's",
+    ("scored_points.py", "samples"): "the scored points' own folder (sweep.py's OUT/samples/<point>.npz), not a run's",
 }
 
 
