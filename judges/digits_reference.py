@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from commands import UserError
+
 DIGEST = Path(__file__).resolve().parent / "digits_inception_pool3_digest.npz"
 CACHE_NAME = "digits_inception_pool3.npz"
 SPOT_EVERY = 43  # the digest's spot rows: every 43rd digit, 42 rows, every class among them
@@ -49,8 +51,9 @@ ROW_TOLERANCE = 1e-5
 KERNEL_ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-class ReferenceMismatchError(RuntimeError):
-    """Features computed here that are not the reference: FIDs against them would not compare with the published."""
+class ReferenceMismatchError(UserError):
+    """Features computed here that are not the reference: FIDs against them would not compare with the published.
+    A command that scores digits (demo.py, the studies) stops with this one line, before it scores anything."""
 
 
 @dataclass(frozen=True)
