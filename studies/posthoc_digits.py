@@ -149,7 +149,7 @@ def run_study(budget: Budget, grid: Grid, out: Path, report_dir: Path) -> dict[s
     final, guide_step = budget.max_steps, round(GUIDE_FRACTION * budget.max_steps)
     description = read_export(checkpoint_export(next(iter(run_dirs.values())), final)).description
     scoring = Scoring(str(real_statistics(scorer, out)), ("fid",), "bundled", INCEPTION_BATCH)
-    options = sample_options(budget, description.objective["kind"], description.num_classes)
+    options = sample_options(budget, description.objective.kind, description.num_classes)
 
     def extra_scores(images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
         classifier = scorer.classifier

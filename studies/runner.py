@@ -74,11 +74,12 @@ SAMPLERS = {"diffusion": "ddim", "transport": "heun"}  # deterministic ODE sampl
 
 @dataclass(frozen=True)
 class Arm:
-    """One model variant of the study: train.py overrides on top of the shared recipe."""
+    """One model variant of the study: train.py overrides on top of the shared recipe, or of its own config."""
 
     name: str
     label: str
     overrides: tuple[str, ...]
+    config: Path | None = None  # None: the study's config
 
 
 def run_name(arm: Arm, seed: int) -> str:
@@ -102,7 +103,8 @@ def trained(arm: Arm, seed: int, budget: Budget, out: Path) -> bool:
 
 
 def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> Path:
-    """Train (or resume, or skip when finished) one run of `config` with train.py; returns its run directory."""
+    """Train (or resume, or skip when finished) one run of the arm's config (else `config`) with train.py; returns
+    its run directory."""
     run_dir = out / "runs" / run_name(arm, seed)
     if trained(arm, seed, budget, out):
         return run_dir
@@ -111,7 +113,7 @@ def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> P
         sys.executable,
         str(REPO / "train.py"),
         "--config",
-        str(config),
+        str(arm.config or config),
         "--resume",
         "latest",
         f"run.dir={run_dir}",
@@ -202,7 +204,7 @@ def score_export(
     from generation.sample_plan import assign_labels, sample_seeds
 
     export = read_export(export_dir)
-    kind = export.description.objective["kind"]
+    kind = export.description.objective.kind
     settings = {
         "num_samples": count,
         "curve_samples": budget.curve_samples,

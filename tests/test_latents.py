@@ -428,7 +428,7 @@ def test_a_32_channel_f16_autoencoder_trains_with_its_latent_statistics_saved_in
         GradientState._reset_state()
     export = load_export(run)
     description = export.description
-    assert (description.channels, description.image_size, description.model["rope"]) == (32, 64, True)
+    assert (description.channels, description.image_size, description.model.rope) == (32, 64, True)
     assert (description.latent_mean, description.latent_std) == (manifest["latent_mean"], manifest["latent_std"])
     other = dataclasses.replace(description, latent_mean=[0.0] * 32)
     assert guide_mismatch(description, other)[0] == "latent_mean"  # a guide must share the latent space
