@@ -60,7 +60,11 @@ def name_size(name: str) -> tuple[tuple[int, int, int], int]:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches."""
+    """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches.
+
+    The config's model section, the export's model record and DiT's one argument (the module's docstring). Its
+    fields' comments are `train.py --help`'s lines, their `settings` metadata the config's checks.
+    """
 
     name: str  # "DiT-S/2" ... "SiT-XL/8"
     attention: str = choice("vca", *ATTENTION_KINDS)  # token mixer: Visual-Contrast Attention or the MHSA baseline
@@ -126,6 +130,7 @@ class ModelSpec:
 
     @property
     def patch_size(self) -> int:
+        """The side of a patch in input cells, the name's ("SiT-XL/2": 2)."""
         return name_size(self.name)[1]
 
     @classmethod
