@@ -414,7 +414,7 @@ def test_a_32_channel_f16_autoencoder_trains_with_its_latent_statistics_saved_in
 
     run = tmp_path / "run"
     arguments = ["--config", str(config), "data.source=latents", "model.name=SiT-S/2", "model.attention=mhsa"]
-    arguments += ["model.recipe=lightning", "model.depth=1", "model.hidden_size=32", "model.num_heads=2"]
+    arguments += ["model.blocks=lightning", "model.depth=1", "model.hidden_size=32", "model.num_heads=2"]
     arguments += ["vae.scale=1.0", "vae.normalize=channels", "transport.time_distribution=logit-normal"]
     arguments += ["transport.cosine_loss_weight=1.0", "train.max_steps=2", "log.trackers=[]", f"run.dir={run}"]
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
