@@ -336,11 +336,11 @@ def run_demo(argv: Sequence[str] | None) -> dict[str, Any]:
     save_npz_atomic(real_file, arr_0=real_images, arr_1=real_labels)
     scores = score(sets, real_images, real_labels)
     scored = time.perf_counter()
-    description = read_description(export).model
+    spec = read_description(export).model
     results = {
         "train": training,
-        "model": f"{description['name']} ({description['attention']}, hidden {description['hidden_size']}, "
-        f"depth {description['depth']}, {description['num_heads']} heads)",
+        "model": f"{spec.name} ({spec.attention}, hidden {spec.hidden_size}, depth {spec.depth}, "
+        f"{spec.num_heads} heads)",
         "export": str(export.relative_to(out)),
         "num_samples": args.num_samples,
         "num_real": len(real_labels),

@@ -2,17 +2,24 @@
 chooses for it (their choices, and the official DiT's and SiT's values as defaults), and the samplers it offers
 (their options, their default step counts, and the defaults of the SDE and adaptive solvers' options).
 
+Each objective's settings are written once, as its spec (`DiffusionSpec`, `TransportSpec`): the spec is the
+config's section (diffusion.*, transport.*), the export's objective record (`objective_record`) and the one
+argument the objective is built from (dit_vca.diffusion.GaussianDiffusion, sit_vca.transport.Transport).
+
 Every module that names an objective, one of its settings or a sampler reads it here: the objectives
 (dit_vca.diffusion, sit_vca.transport) and the samplers (samplers.ode, samplers.multistep) dispatch on these names,
 dit_vca.models takes a family's output default, training's config schema and `train.py --help` offer the choices,
 and sample.py checks --sampler against a checkpoint's objective and lists every sampler in `--help`. Nothing here
-imports torch (nor any project module), so that the commands' help and argument checks answer at once.
+imports torch (nor any project module but `settings`), so that the commands' help and argument checks answer at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from settings import choice, value_range
 
 # --------------------------------------------------------------------------------------------------
 #                                  The objectives and their settings
@@ -21,7 +28,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ObjectiveKind:
-    """One objective: its name in an export's description (`objective["kind"]`), the model family that trains with
+    """One objective: its name in an export's description (`objective.kind`), the model family that trains with
     it (the prefix of the model names, "DiT-XL/2"), and whether that family's network also predicts a variance by
     default (its output channels)."""
 
@@ -51,6 +58,63 @@ PATH = Setting("linear", ("linear", "gvp", "vp"))  # the interpolant from noise 
 PREDICTION = Setting("velocity", ("velocity", "score", "noise"))  # what the network predicts
 LOSS_WEIGHT = Setting(None, (None, "velocity", "likelihood"))  # of a score or noise model's loss; None: unweighted
 TIME_DISTRIBUTION = Setting("uniform", ("uniform", "logit-normal"))  # of the training times, on the training interval
+
+
+def _setting(setting: Setting) -> Any:
+    """A spec's field of an objective's setting: its default and choices, from the table above."""
+    return choice(setting.default, *setting.choices)
+
+
+# --------------------------------------------------------------------------------------------------
+#                          The objectives' specs: config sections and export records
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DiffusionSpec:
+    """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
+
+    kind: ClassVar[str] = DIFFUSION.kind
+
+    learn_sigma: bool = DIFFUSION.learn_sigma  # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
+    decoder_cdf: str = _setting(DECODER_CDF)  # normal CDF of the t = 0 decoder NLL: official tanh form
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
+
+    kind: ClassVar[str] = TRANSPORT.kind
+
+    path: str = _setting(PATH)  # the interpolant from noise to data
+    prediction: str = _setting(PREDICTION)  # what the network predicts
+    loss_weight: str | None = _setting(LOSS_WEIGHT)  # score/noise prediction only
+    train_eps: float | None = value_range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
+    sample_eps: float | None = value_range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
+    time_distribution: str = _setting(TIME_DISTRIBUTION)  # of training times: uniform or logit-normal
+    logit_normal_location: float = value_range(0.0, -math.inf)  # m of t = sigmoid(m + s·N(0, 1)); t = 1 is data
+    logit_normal_scale: float = value_range(1.0, 0.0, above=True)  # s of the same
+    cosine_loss_weight: float = value_range(0.0, 0.0)  # weight of the direction loss 1 - cos(v, u) (LightningDiT: 1);
+    # 0: off
+
+
+ObjectiveSpec = DiffusionSpec | TransportSpec
+OBJECTIVE_SPECS: dict[str, type[ObjectiveSpec]] = {spec.kind: spec for spec in (DiffusionSpec, TransportSpec)}
+
+
+def objective_record(spec: ObjectiveSpec) -> dict[str, Any]:
+    """The spec as an export records it (JSON): {"kind": "diffusion" | "transport", **its settings}."""
+    return {"kind": spec.kind, **asdict(spec)}
+
+
+def objective_from_record(record: dict[str, Any]) -> ObjectiveSpec:
+    """The spec an export's record holds; a setting the record lacks (written before the setting existed, or an
+    official checkpoint's, which names its kind alone) has the spec's default, which is what that model used."""
+    settings = dict(record)
+    kind = settings.pop("kind", None)
+    if kind not in OBJECTIVE_SPECS:
+        raise ValueError(f"objective kind must be one of {sorted(OBJECTIVE_SPECS)}, got {kind!r}")
+    return OBJECTIVE_SPECS[kind](**settings)
 
 
 # --------------------------------------------------------------------------------------------------

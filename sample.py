@@ -35,6 +35,7 @@ import argparse
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )  # model and VAE load before the folder is claimed
     except UserError:  # a VAE that cannot be loaded: its line names the VAE and --vae
         raise
-    except ValueError as error:  # the backbone names the sizes that do not fit together
+    except ValueError as error:  # the backbone names what does not fit (a contrast grid that does not tile)
         raise SampleError(f"--ckpt {args.ckpt}: its description builds no model ({error})") from None
     try_sampler(generator, labels, args)
     if args.overwrite and accelerator.is_main_process:
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "seconds": round(seconds, 3) if new_images else None,  # no sampling, no speed to report
             "images_per_second": round(new_images / seconds, 3) if new_images else None,
             "main_process_model_evaluations": generator.model_evaluations,
-            "model": export.description.model,
+            "model": asdict(export.description.model),
             "source": export.description.source,
             "train_step": export.description.train_step,
             **({"guide": args.guide_description} if args.guide_ckpt is not None else {}),

@@ -202,16 +202,16 @@ def check_autoguidance_args(args: argparse.Namespace) -> None:
 
 def check_against(description, args: argparse.Namespace) -> None:
     """Reject sampler and guidance settings that the checkpoint cannot serve (before any file is written)."""
-    from dit_vca.models import model_family  # the model names' table: where a protocol's family is told
+    from dit_vca.model_spec import model_family  # the model names' table: where a protocol's family is told
 
-    family = model_family(description.model["name"])
+    family = model_family(description.model.name)
     if args.protocol and (made_for := PROTOCOLS[args.protocol].family) != family:
         suited = [name for name, protocol in PROTOCOLS.items() if protocol.family == family]
         raise SampleError(
             f"--protocol {args.protocol}: made for {made_for} models, but {args.ckpt} is a {family} "
             f"model; use {' or '.join(suited)}"
         )
-    names = SAMPLERS[description.objective["kind"]].names
+    names = SAMPLERS[description.objective.kind].names
     if args.sampler is not None and args.sampler not in names:
         raise SampleError(f"--sampler {args.sampler!r}: this checkpoint's objective offers {', '.join(names)}")
     if args.cfg_scale != 1 and not description.has_null_class:

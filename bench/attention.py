@@ -12,7 +12,7 @@ layer reaches (FLOPs counted by torch's FlopCounterMode). Forward+backward rows 
 each layer saves for backward (saved-tensor hooks: a count, independent of the machine).
 
 With --options it times LightningDiT's block options that enter the attention instead: MHSA on SDPA and VCA
-(n = 64) plain, with QK-norm, with 2-D RoPE and with both (the attention of the recipe lightning-qknorm; VCA
+(n = 64) plain, with QK-norm, with 2-D RoPE and with both (the attention of the preset lightning-qknorm; VCA
 applies them inside its fused core), and VCA's readable path with both (the options as autograd operations around
 the attention); per option set VCA's ratio to MHSA, each option's cost over the plain layer, and the activations
 saved for backward.
@@ -313,7 +313,7 @@ def option_markdown(results: dict, table: list[dict]) -> str:
         f"({' '.join(results['cpu_flags']) or 'no AVX'}; torch {results['torch']}, {results['tokens_per_batch']} "
         f"tokens per batch, allocator env {results['allocator']}).",
         f"Times in ms ({results['clock']}, median of interleaved rounds) of MHSA on SDPA and VCA with n = 64, each "
-        "plain / with QK-norm / with RoPE / with both (both: the attention of model.recipe=lightning-qknorm; VCA "
+        "plain / with QK-norm / with RoPE / with both (both: the attention of model.blocks=lightning-qknorm; VCA "
         "applies them inside its fused core); readable = VCA's readable path with both (the options as autograd "
         "operations); ratio = VCA / MHSA with the same options; cost = time with both / the plain layer's; saved "
         "= MiB of activations saved for backward with both (MHSA / VCA / VCA readable; plain VCA in brackets).",

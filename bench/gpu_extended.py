@@ -11,7 +11,7 @@ each part in its own process under its budget, the slowest last:
    Stage II as SDPA calls and as GEMMs against MHSA (goal at the largest N: ≤ 1/3 of flash MHSA);
 2. part `samplers`: DDIM-50 (DiT-S/2) and Euler-50 (SiT-S/2), VCA and MHSA, bf16, batch 32;
 3. part `train`: the DiT-S/2 training step at 256 and 512 px (and a fixed 8×8 contrast grid at 512), batch 32,
-   fp32 and bf16 (the goals of bench.gpu_training.TIME_GOALS), at 256 px in bf16 with model.recipe=lightning-qknorm
+   fp32 and bf16 (the goals of bench.gpu_training.TIME_GOALS), at 256 px in bf16 with model.blocks=lightning-qknorm
    (RMSNorm, SwiGLU, QK-norm, RoPE; VCA applies the last two inside its core), then compiled at 256 px in bf16.
 """
 

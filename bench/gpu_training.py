@@ -19,9 +19,9 @@ import torch
 
 from bench._harness import synchronize
 from dit_vca.attention import VCAOptions, VisualContrastAttention, set_vca_kernel
-from dit_vca.model_options import recipe_options
-from dit_vca.models import create_backbone, model_family
-from generation.objective import create_objective, default_objective_spec
+from dit_vca.model_spec import ModelSpec, model_family
+from dit_vca.models import create_backbone
+from generation.objective import create_objective, default_objective
 
 LATENT_CHANNELS, DOWNSAMPLING = 4, 8  # the SD VAE's latents (generation.vae.SD_VAE_ARCHITECTURE)
 FIXED_GRID = 8
@@ -39,7 +39,8 @@ class TrainingCase:
     precision: str  # "fp32" or "bf16"
     compiled: bool = False
     contrast_grid: int | None = None  # VCA's p; None: H/2
-    recipe: str = "dit"  # the block options' preset (dit_vca.model_options.RECIPES)
+    recipe: str = "dit"  # the block options' preset, model.blocks (dit_vca.model_options.BLOCK_PRESETS); "recipe" in
+    # the results, as they were first written
 
     @property
     def label(self) -> str:
@@ -77,15 +78,15 @@ def measure_training(
     family = model_family(case.model)
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it trains: DiT-XL/2's 675 M parameters take seconds on a CPU
-        model = create_backbone(
-            family,
+        spec = ModelSpec(
             case.model,
             attention=case.attention,
             input_size=latent,
             vca=VCAOptions(contrast_grid=case.contrast_grid),
-            **recipe_options(case.recipe),
+            blocks=case.recipe,
             **(sizes or {}),
         )
+        model = create_backbone(family, spec)
     from timm.utils import ModelEmaV3  # imported here: seconds (torchvision) that the layer parts do not need
 
     set_vca_kernel(model, "auto", device, "bench", dtype)  # the Triton core's first-use check, before compiling
@@ -95,7 +96,7 @@ def measure_training(
     # in bf16). Without that argument, which timm before 1.0.31 lacks (the GPU machine's timm, 2026-12-04).
     ema = ModelEmaV3(model, decay=0.9999)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None)
-    objective = create_objective(default_objective_spec(family))
+    objective = create_objective(default_objective(family))
     if case.compiled:
         model.compile(fullgraph=True, backend=backend)
     x = torch.randn(batch, LATENT_CHANNELS, latent, latent, device=device)

@@ -83,7 +83,8 @@ def time_sampler(
         torch.autocast(device.type, dtype=PRECISIONS[precision]) if PRECISIONS[precision] is not None else nullcontext()
     )
     generator = torch.Generator(device).manual_seed(0)
-    x_T = torch.randn(batch, model.in_channels, model.input_size, model.input_size, generator=generator, device=device)
+    side = model.spec.input_size
+    x_T = torch.randn(batch, model.spec.in_channels, side, side, generator=generator, device=device)
     labels = torch.randint(0, NUM_CLASSES, (batch,), generator=generator, device=device)
     with torch.no_grad(), autocast:
         objective.sample(model, x_T, labels, sampler="euler" if steps is None else sampler, steps=2)

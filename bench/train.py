@@ -15,7 +15,7 @@ matrix would take hours on two cores). --quick runs one case per code path with 
 models at batch 2 for 2 timed steps: it checks that the benchmark works; its numbers are not meaningful.
 --goal-rows runs only the cases of the issue's goals (DiT-S/2, fp32, from latents: 256 px, 512 px with the
 default and the 8x8 grid); --options runs DiT-S/2 at 256 px from latents, MHSA and VCA, plain and with each of
-LightningDiT's block options that enter the attention and its recipes: RoPE, QK-norm, model.recipe=lightning
+LightningDiT's block options that enter the attention and its presets: RoPE, QK-norm, model.blocks=lightning
 (RMSNorm, SwiGLU, RoPE) and lightning-qknorm (all four), each VCA case against MHSA with the same options (VCA
 applies QK-norm and RoPE inside its fused core). --rounds R measures every case R times in turn (interleaved,
 so a machine shared with other jobs slows all cases alike) and keeps the median. Each case also reports the
@@ -68,8 +68,8 @@ QUICK_DEPTH = 2
 BLOCK_OPTIONS = {
     "rope": ["model.rope=true"],
     "qk-norm": ["model.qk_norm=true"],
-    "lightning": ["model.recipe=lightning"],
-    "lightning-qknorm": ["model.recipe=lightning-qknorm"],
+    "lightning": ["model.blocks=lightning"],
+    "lightning-qknorm": ["model.blocks=lightning-qknorm"],
 }
 
 

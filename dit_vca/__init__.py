@@ -1,7 +1,7 @@
 """DiT with Visual-Contrast Attention: backbone, attention and DDPM objective. The method: docs/VCA.md.
 
 The names below are imported from their modules on first use (PEP 562, as in `generation`), so that importing a
-light module of the package (`dit_vca.model_options`, which training's config schema and `train.py --help` read)
+light module of the package (`dit_vca.model_spec`, which training's config schema and `train.py --help` read)
 does not import torch first. A submodule is reached as an attribute too (`dit_vca.models`), as when the package
 imported it eagerly.
 """
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dit_vca.attention import MultiHeadSelfAttention, VisualContrastAttention
     from dit_vca.diffusion import GaussianDiffusion, create_diffusion
-    from dit_vca.models import DiT, build_model_from_config, create_model
+    from dit_vca.model_spec import ModelSpec
+    from dit_vca.models import DiT, create_model
 
 _HOMES = {
     "MultiHeadSelfAttention": "dit_vca.attention",
@@ -22,7 +23,7 @@ _HOMES = {
     "GaussianDiffusion": "dit_vca.diffusion",
     "create_diffusion": "dit_vca.diffusion",
     "DiT": "dit_vca.models",
-    "build_model_from_config": "dit_vca.models",
+    "ModelSpec": "dit_vca.model_spec",
     "create_model": "dit_vca.models",
 }
 
@@ -30,8 +31,8 @@ __all__ = [
     "DiT",
     "GaussianDiffusion",
     "MultiHeadSelfAttention",
+    "ModelSpec",
     "VisualContrastAttention",
-    "build_model_from_config",
     "create_diffusion",
     "create_model",
 ]

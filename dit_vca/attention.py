@@ -15,11 +15,10 @@ from torch import Tensor, nn
 
 from commands import UserError
 from dit_vca.kernel_layout import KernelLayout
-from dit_vca.model_options import VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
+from dit_vca.model_options import ATTENTION_KINDS, VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
 from dit_vca.vca_core import autocast_exists, stage2_uses_sdpa, vca_core
 
-ATTENTION_KINDS = ("mhsa", "vca")
 KERNEL_ATTRIBUTE = "VisualContrastAttention.kernel"  # how a refusal names the choice when no option made it
 TRITON_DEVICE_TYPES = ("cuda",)  # where the automatic choice (kernel None) runs the core on the Triton kernels
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up, not imported

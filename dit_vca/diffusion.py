@@ -3,13 +3,14 @@ variance, the hybrid loss of improved DDPM, respacing to fewer steps, and dispat
 DDPM, DDIM, and the DPM-Solver++(2M) / UniPC multistep solvers)."""
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from dit_vca.losses import mean_flat
-from objectives import DECODER_CDF, DIFFUSION, DIFFUSION_SAMPLERS, MULTISTEP_SOLVERS
+from objectives import DECODER_CDF, DIFFUSION_SAMPLERS, MULTISTEP_SOLVERS, DiffusionSpec
 from samplers import PerSampleNoise, SampleResult
 from samplers import ddpm as ddpm_samplers
 from samplers.ddpm import ReverseStep
@@ -118,29 +119,28 @@ def discretized_gaussian_log_likelihood(
 
 
 class GaussianDiffusion:
-    """A (possibly respaced) DDPM process with epsilon prediction and, when learn_sigma, a learned-range variance.
+    """A (possibly respaced) DDPM process with epsilon prediction and, when its spec's learn_sigma, a learned-range
+    variance.
 
     Step k of the process corresponds to timestep_map[k] of the original training process; the model is always
     called with those original indices, so one trained model serves every respacing.
 
-    decoder_cdf chooses the normal CDF of the decoder NLL at step 0 (see discretized_gaussian_log_likelihood):
-    "tanh", the official ADM/DiT form (default), or "exact".
+    The spec's decoder_cdf chooses the normal CDF of the decoder NLL at step 0 (see
+    discretized_gaussian_log_likelihood): "tanh", the official ADM/DiT form (default), or "exact".
     """
 
     def __init__(
         self,
         betas: np.ndarray,
-        learn_sigma: bool = DIFFUSION.learn_sigma,
+        spec: DiffusionSpec = DiffusionSpec(),
         timestep_map: list[int] | None = None,
-        decoder_cdf: str = DECODER_CDF.default,
     ):
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array with values in (0, 1]")
-        if decoder_cdf not in DECODER_CDF.choices:
-            raise ValueError(f"decoder_cdf={decoder_cdf!r}; expected one of {DECODER_CDF.choices}")
-        self.learn_sigma = learn_sigma
-        self.decoder_cdf = decoder_cdf
+        if spec.decoder_cdf not in DECODER_CDF.choices:
+            raise ValueError(f"decoder_cdf={spec.decoder_cdf!r}; expected one of {DECODER_CDF.choices}")
+        self.spec = spec
         self.num_timesteps = len(betas)
         timestep_map = list(range(len(betas))) if timestep_map is None else list(timestep_map)
         if len(timestep_map) != len(betas):
@@ -185,7 +185,7 @@ class GaussianDiffusion:
         kept = space_timesteps(self.num_timesteps, spec)
         alphas_cumprod = self.alphas_cumprod.numpy()[kept]
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        process = GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[kept].tolist(), self.decoder_cdf)
+        process = GaussianDiffusion(betas, self.spec, self.timestep_map[kept].tolist())
         self._respacings[spec] = process
         return process
 
@@ -227,14 +227,14 @@ class GaussianDiffusion:
         posterior variance beta~_t (v = -1) and beta_t (v = +1) ("learned range", improved DDPM).
         """
         channels = x_t.shape[1]
-        expected = 2 * channels if self.learn_sigma else channels
+        expected = 2 * channels if self.spec.learn_sigma else channels
         if model_output.shape[1] != expected:
             raise ValueError(
                 f"model output has {model_output.shape[1]} channels; expected {expected} for "
-                f"{channels}-channel inputs with learn_sigma={self.learn_sigma}"
+                f"{channels}-channel inputs with learn_sigma={self.spec.learn_sigma}"
             )
         model_output = model_output.to(x_t.dtype)
-        if self.learn_sigma:
+        if self.spec.learn_sigma:
             eps, v = model_output.split(channels, dim=1)  # (B, C, H, W) each
             frac = (v + 1) / 2
             log_variance = frac * self._at("log_betas", t, x_t) + (1 - frac) * self._at(
@@ -260,7 +260,7 @@ class GaussianDiffusion:
         for t > 0, the discretised decoder NLL -log p(x_0|x_1) at t = 0."""
         true_mean, _, true_log_variance = self.q_posterior_mean_variance(x_start, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, step.mean, step.log_variance)) / math.log(2.0)
-        nll = -discretized_gaussian_log_likelihood(x_start, step.mean, 0.5 * step.log_variance, self.decoder_cdf)
+        nll = -discretized_gaussian_log_likelihood(x_start, step.mean, 0.5 * step.log_variance, self.spec.decoder_cdf)
         return torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)  # (B,)
 
     def training_losses(
@@ -277,7 +277,7 @@ class GaussianDiffusion:
         output = model(x_t, self.model_timesteps(t), y).to(x.dtype)  # (B, C or 2C, H, W)
         eps = output[:, : x.shape[1]]
         terms = {"mse": mean_flat((noise - eps) ** 2)}
-        if self.learn_sigma:
+        if self.spec.learn_sigma:
             frozen_mean = torch.cat([eps.detach(), output[:, x.shape[1] :]], dim=1)
             terms["vb"] = self.vb_terms_bits(x, x_t, t, self.p_mean_variance(frozen_mean, x_t, t))
             terms["loss"] = terms["mse"] + terms["vb"]
@@ -319,15 +319,12 @@ class GaussianDiffusion:
 
 
 def create_diffusion(
-    timestep_respacing: str = "",
-    learn_sigma: bool = DIFFUSION.learn_sigma,
-    diffusion_steps: int = NUM_TIMESTEPS,
-    decoder_cdf: str = DECODER_CDF.default,
+    timestep_respacing: str = "", diffusion_steps: int = NUM_TIMESTEPS, **settings: Any
 ) -> GaussianDiffusion:
-    """DiT's diffusion: `diffusion_steps` linear-beta steps, respaced by `timestep_respacing` ("" = all steps).
+    """DiT's diffusion: `diffusion_steps` linear-beta steps, respaced by `timestep_respacing` ("" = all steps), with
+    the `DiffusionSpec` of `settings` (learn_sigma; decoder_cdf: "tanh", the official decoder NLL at step 0, or
+    "exact", the exact normal CDF), e.g. `create_diffusion(learn_sigma=False)`.
 
     As in DiT, even the full process is built through respacing, so its betas are recomputed from alphas_cumprod.
-    decoder_cdf: "tanh" (the official decoder NLL at step 0, default) or "exact" (the exact normal CDF).
     """
-    base = GaussianDiffusion(linear_betas(diffusion_steps), learn_sigma=learn_sigma, decoder_cdf=decoder_cdf)
-    return base.respaced(timestep_respacing)
+    return GaussianDiffusion(linear_betas(diffusion_steps), DiffusionSpec(**settings)).respaced(timestep_respacing)

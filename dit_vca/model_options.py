@@ -1,6 +1,7 @@
-"""What a user chooses about the network, as plain data: the block options and their presets (`RECIPES`, the
-config's model.recipe, norm, mlp, qk_norm, rope), Visual-Contrast Attention's switches (`VCAOptions`, the config's
-`model.vca`) and the kernel that runs its core (train.vca_kernel, sample.py --vca-kernel).
+"""What a user chooses about the network, as plain data: the attention (`ATTENTION_KINDS`), the block options
+and their presets (`BLOCK_PRESETS`, the config's model.blocks, norm, mlp, qk_norm, rope), Visual-Contrast
+Attention's switches (`VCAOptions`, the config's `model.vca`) and the kernel that runs its core (train.vca_kernel,
+sample.py --vca-kernel). The model's spec, which holds them all, is `dit_vca.model_spec.ModelSpec`.
 
 No torch here: training's config schema and the commands' `--help` read these without importing the network
 code (dit_vca.models and dit_vca.attention, which use them)."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ATTENTION_KINDS = ("vca", "mhsa")  # the token mixer: Visual-Contrast Attention or the MHSA baseline
 VCA_KERNELS = ("aten", "triton")  # VisualContrastAttention.kernel
 VCA_KERNEL_SETTINGS = ("auto", *VCA_KERNELS)  # the user's spelling (train.vca_kernel, --vca-kernel); auto: None
 NORMS = ("layernorm", "rmsnorm")  # the blocks' norms (dit_vca.models.block_norm)
@@ -27,22 +29,13 @@ class VCAOptions:
     pooled_content: bool = True  # False: the streams are the embeddings E± alone
 
 
-# Architecture presets: the block options (create_backbone's norm, mlp, qk_norm, rope) that a recipe switches on.
-# "dit" is the 2022 DiT/SiT (the official layout); "lightning" LightningDiT's released model (RMSNorm, SwiGLU,
-# 2-D RoPE; its configs leave QK-norm off); "lightning-qknorm" the same with QK-norm, the whole set.
-RECIPES = {
+# The block options' presets (the spec's `blocks`): the values of norm, mlp, qk_norm and rope that a preset
+# switches on, each replaced by the spec's own where that is set. "dit" is the 2022 DiT/SiT (the official layout);
+# "lightning" LightningDiT's released model (RMSNorm, SwiGLU, 2-D RoPE; its configs leave QK-norm off);
+# "lightning-qknorm" the same with QK-norm, the whole set. A preset is the blocks alone: the modern recipe's
+# objective, training times, loss and AdamW betas are a config's (configs/modern.yaml).
+BLOCK_PRESETS = {
     "dit": dict(norm="layernorm", mlp="gelu", qk_norm=False, rope=False),
     "lightning": dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True),
     "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True),
 }
-
-
-def recipe_options(recipe: str, **overrides: object) -> dict[str, object]:
-    """The block options of `recipe`, each replaced by an override that is not None: e.g.
-    `create_model(name, attention="mhsa", **recipe_options("lightning", rope=False))`."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; expected one of {tuple(RECIPES)}")
-    unknown = overrides.keys() - RECIPES[recipe].keys()
-    if unknown:
-        raise ValueError(f"{sorted(unknown)} are not block options; expected {tuple(RECIPES[recipe])}")
-    return {key: default if overrides.get(key) is None else overrides[key] for key, default in RECIPES[recipe].items()}

@@ -3,21 +3,20 @@
 With attention="mhsa" the parameter layout is the official one (key for key, shape for shape), so official
 DiT checkpoints load with `load_state_dict`, and official SiT checkpoints into a SiT built with learn_sigma=True
 (they carry the unused variance half). The method and the conventions: docs/VCA.md. LightningDiT's block options
-(RMSNorm, SwiGLU, QK-norm, 2-D RoPE; their presets: `dit_vca.model_options.RECIPES`) are off by default; with them
-the layout is LightningDiT's, up to the names of the SwiGLU matrices (generation.lightning).
+(RMSNorm, SwiGLU, QK-norm, 2-D RoPE; their presets: `dit_vca.model_options.BLOCK_PRESETS`) are off by default; with
+them the layout is LightningDiT's, up to the names of the SwiGLU matrices (generation.lightning). Every setting of
+the network is one `ModelSpec` (dit_vca.model_spec), the backbone's one argument.
 """
 
 import math
-from dataclasses import asdict, fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from objectives import MODEL_FAMILIES
-
-from .attention import ATTENTION_KINDS, build_attention, resolve_contrast_grid
-from .model_options import MLPS, NORMS, VCAOptions
+from .attention import build_attention, resolve_contrast_grid
+from .model_spec import ModelSpec, model_family, model_names
 
 TIMESTEP_FREQUENCY_DIM = 256  # width of the sinusoidal timestep features
 MAX_PERIOD = 10_000  # longest period of the timestep and position sinusoids
@@ -167,75 +166,46 @@ class DiT(nn.Module):
 
     `model(x, t, y)`: x (B, in_channels, H, W); t (B,) DDPM step index (DiT) or time in [0, 1] (SiT);
     y (B,) labels, `num_classes` being the null label. Returns (B, out_channels, H, W).
-    Models built by `create_model` also carry `config`, the dict that rebuilds them.
+    `spec` is the `ModelSpec` it was built from with every setting decided (`ModelSpec.resolved`): what an export
+    records, and what rebuilds it.
     """
 
-    def __init__(
-        self,
-        input_size: int = 32,
-        patch_size: int = 2,
-        in_channels: int = 4,
-        hidden_size: int = 1152,
-        depth: int = 28,
-        num_heads: int = 16,
-        mlp_ratio: float = 4.0,
-        class_dropout_prob: float = 0.1,
-        num_classes: int = 1000,
-        learn_sigma: bool = True,
-        attention: str = "vca",
-        vca_options: VCAOptions = VCAOptions(),
-        gradient_checkpointing: bool = False,
-        norm: str = "layernorm",
-        mlp: str = "gelu",
-        qk_norm: bool = False,
-        rope: bool = False,
-    ):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
-        if norm not in NORMS or mlp not in MLPS:
-            raise ValueError(f"norm={norm!r}, mlp={mlp!r}: expected norm one of {NORMS} and mlp one of {MLPS}")
-        if attention == "mhsa" and vca_options != VCAOptions():
-            raise ValueError(f"VCA options {vca_options} have no effect with attention='mhsa'")
-        if input_size % patch_size:
-            raise ValueError(f"input_size={input_size} is not divisible by the patch size {patch_size}")
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
-        grid_size = input_size // patch_size
-        if attention == "vca":
-            resolve_contrast_grid(grid_size, vca_options.contrast_grid)  # fail before building anything
-        if rope and (hidden_size // num_heads) % 4:
-            raise ValueError(f"rope needs a head dimension divisible by 4, got {hidden_size // num_heads}")
-
-        self.input_size = input_size
-        self.patch_size = patch_size
-        self.in_channels = in_channels
-        self.learn_sigma = learn_sigma
-        self.out_channels = 2 * in_channels if learn_sigma else in_channels
-        self.num_classes = num_classes
-        self.num_heads = num_heads
-        self.gradient_checkpointing = gradient_checkpointing
+        spec = spec.resolved()  # ValueError names a setting that builds no network
+        grid_size = spec.input_size // spec.patch_size
+        if spec.attention == "vca":
+            resolve_contrast_grid(grid_size, spec.vca.contrast_grid)  # fail before building anything
+        self.spec = spec
+        self.patch_size = spec.patch_size
+        self.out_channels = 2 * spec.in_channels if spec.learn_sigma else spec.in_channels
 
         from timm.layers import PatchEmbed  # imported where used, as in DiTBlock
 
-        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
-        self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.x_embedder = PatchEmbed(spec.input_size, spec.patch_size, spec.in_channels, spec.hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(spec.hidden_size)
+        self.y_embedder = LabelEmbedder(spec.num_classes, spec.hidden_size, spec.class_dropout_prob)
         # A frozen parameter, not a buffer, to keep the official state-dict key and parameter count.
-        self.pos_embed = nn.Parameter(torch.zeros(1, grid_size**2, hidden_size), requires_grad=False)
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid_size**2, spec.hidden_size), requires_grad=False)
+        width, heads = spec.hidden_size, spec.num_heads
         self.blocks = nn.ModuleList(
             DiTBlock(
-                hidden_size,
-                num_heads,
-                mlp_ratio,
-                build_attention(attention, hidden_size, num_heads, grid_size, index, vca_options, qk_norm, rope),
-                norm,
-                mlp,
+                width,
+                heads,
+                spec.mlp_ratio,
+                build_attention(spec.attention, width, heads, grid_size, index, spec.vca, spec.qk_norm, spec.rope),
+                spec.norm,
+                spec.mlp,
             )
-            for index in range(depth)
+            for index in range(spec.depth)
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm)
+        self.final_layer = FinalLayer(spec.hidden_size, spec.patch_size, self.out_channels, spec.norm)
         self.initialize_weights()
+
+    @property
+    def in_channels(self) -> int:
+        """The channels of the input and of the prediction: what guidance combines (samplers.guidance)."""
+        return self.spec.in_channels
 
     def initialize_weights(self) -> None:
         """Official DiT initialisation: xavier linears, N(0, 0.02) embeddings, zero adaLN and output (adaLN-Zero).
@@ -251,7 +221,7 @@ class DiT(nn.Module):
 
         self.apply(init_linear)
         with torch.no_grad():
-            grid_size = self.input_size // self.patch_size
+            grid_size = self.spec.input_size // self.patch_size
             self.pos_embed.copy_(sincos_pos_embed_2d(self.pos_embed.shape[-1], grid_size, self.pos_embed.device))
         patch_weight = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(patch_weight.view(patch_weight.shape[0], -1))
@@ -267,7 +237,7 @@ class DiT(nn.Module):
 
     def unpatchify(self, x: Tensor) -> Tensor:
         """(B, N, p·p·out) tokens -> (B, out, H, W) image, in the official channel order."""
-        p, c, grid = self.patch_size, self.out_channels, self.input_size // self.patch_size
+        p, c, grid = self.patch_size, self.out_channels, self.spec.input_size // self.patch_size
         x = x.reshape(x.shape[0], grid, grid, p, p, c)  # (B, h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, grid * p, grid * p)  # (B, c, H, W)
 
@@ -280,7 +250,7 @@ class DiT(nn.Module):
         c = self.t_embedder(t) + self.y_embedder(y)  # (B, C)
         hidden = None
         for index, block in enumerate(self.blocks, start=1):
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+            if self.spec.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, c, use_reentrant=False)  # (B, N, C)
             else:
                 x = block(x, c)  # (B, N, C)
@@ -294,129 +264,17 @@ class DiT(nn.Module):
 #                                 Model factory                                 #
 #################################################################################
 
-MODEL_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}  # depth, width, heads
-PATCH_SIZES = (1, 2, 4, 8)  # 1: LightningDiT's XL/1 on 16x16 latents of an f16 autoencoder
 
-# Model configs written before VCAOptions became one section held its fields at the top level.
-LEGACY_VCA_KEYS = tuple(field.name for field in fields(VCAOptions))
-
-
-def model_names(family: str) -> tuple[str, ...]:
-    """The sixteen names of a family, e.g. "DiT-S/1" … "DiT-XL/8"."""
-    return tuple(f"{family}-{size}/{patch}" for size in MODEL_SIZES for patch in PATCH_SIZES)
+def create_model(name: str, **settings: Any) -> DiT:
+    """A DiT: `DiT(ModelSpec(name, **settings))` for a "DiT-{S,B,L,XL}/{1,2,4,8}" name (learn_sigma defaults to
+    True), e.g. `create_model("DiT-S/2", attention="mhsa", blocks="lightning")`."""
+    return create_backbone("DiT", ModelSpec(name, **settings))
 
 
-def all_model_names() -> tuple[str, ...]:
-    """Every valid model name, DiT first."""
-    return tuple(name for family in MODEL_FAMILIES for name in model_names(family))
-
-
-def model_family(name: str) -> str:
-    """ "DiT" or "SiT" for a valid model name such as "SiT-XL/2"; ValueError naming the valid names otherwise."""
-    family = name.split("-", 1)[0] if isinstance(name, str) else None
-    if family not in MODEL_FAMILIES or name not in model_names(family):
-        raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(all_model_names())}")
-    return family
-
-
-def name_size(name: str) -> tuple[tuple[int, int, int], int]:
-    """((depth, width, heads), patch size) that a valid model name such as "SiT-XL/2" stands for."""
-    size, patch = name.split("-", 1)[1].split("/")
-    return MODEL_SIZES[size], int(patch)
-
-
-def create_backbone(
-    family: str,
-    name: str,
-    attention: str = "vca",
-    input_size: int = 32,
-    in_channels: int = 4,
-    num_classes: int = 1000,
-    learn_sigma: bool | None = None,
-    class_dropout_prob: float = 0.1,
-    vca: VCAOptions | dict | None = None,
-    *,
-    gradient_checkpointing: bool = False,
-    depth: int | None = None,
-    hidden_size: int | None = None,
-    num_heads: int | None = None,
-    mlp_ratio: float = 4.0,
-    norm: str = "layernorm",
-    mlp: str = "gelu",
-    qk_norm: bool = False,
-    rope: bool = False,
-) -> DiT:
-    """Build the model `name` of `family` ("DiT" or "SiT"); the result's `config` rebuilds it.
-
-    attention: "vca" or "mhsa" (the official baseline). input_size: latent side. learn_sigma: None means the
-    family's default (DiT True, SiT False). vca: the `VCAOptions` (contrast grid and ablation switches, see
-    `dit_vca.attention`), or a dict of them; None means the defaults. depth, hidden_size, num_heads and
-    mlp_ratio override the size given by the name (for tiny test and demo models). norm ("layernorm" |
-    "rmsnorm"), mlp ("gelu" | "swiglu"), qk_norm and rope (in MHSA and in VCA's core) are the block options, DiT's by
-    default; `dit_vca.model_options.recipe_options` gives a recipe's set (RECIPES).
-    """
-    if model_family(name) != family:
-        raise ValueError(f"model name {name!r} is not a {family} name; valid names: {', '.join(model_names(family))}")
-    (default_depth, default_width, default_heads), patch = name_size(name)
-    vca_options = VCAOptions(**vca) if isinstance(vca, dict) else vca or VCAOptions()
-    config = dict(
-        name=name,
-        attention=attention,
-        input_size=input_size,
-        in_channels=in_channels,
-        num_classes=num_classes,
-        learn_sigma=MODEL_FAMILIES[family].learn_sigma if learn_sigma is None else learn_sigma,
-        class_dropout_prob=class_dropout_prob,
-        vca=asdict(vca_options) if attention == "vca" else None,
-        gradient_checkpointing=gradient_checkpointing,
-        depth=default_depth if depth is None else depth,
-        hidden_size=default_width if hidden_size is None else hidden_size,
-        num_heads=default_heads if num_heads is None else num_heads,
-        mlp_ratio=mlp_ratio,
-        norm=norm,
-        mlp=mlp,
-        qk_norm=qk_norm,
-        rope=rope,
-    )
-    model = DiT(
-        input_size=input_size,
-        patch_size=patch,
-        in_channels=in_channels,
-        hidden_size=config["hidden_size"],
-        depth=config["depth"],
-        num_heads=config["num_heads"],
-        mlp_ratio=mlp_ratio,
-        class_dropout_prob=class_dropout_prob,
-        num_classes=num_classes,
-        learn_sigma=config["learn_sigma"],
-        attention=attention,
-        vca_options=vca_options,
-        gradient_checkpointing=gradient_checkpointing,
-        norm=norm,
-        mlp=mlp,
-        qk_norm=qk_norm,
-        rope=rope,
-    )
-    model.config = config
-    return model
-
-
-def create_model(name: str, *args, **kwargs) -> DiT:
-    """Build a "DiT-{S,B,L,XL}/{2,4,8}" model (learn_sigma defaults to True); arguments as `create_backbone`."""
-    return create_backbone("DiT", name, *args, **kwargs)
-
-
-def build_model_from_config(config: dict) -> DiT:
-    """Rebuild a DiT or SiT model from its `model.config` dict (dispatch on the "DiT-"/"SiT-" name prefix)."""
-    config = current_model_config(config)
-    return create_backbone(model_family(config.get("name")), **config)
-
-
-def current_model_config(config: dict) -> dict:
-    """A model config in today's layout: configs written before VCAOptions became one section ("vca") held its
-    fields at the top level (exports of the first format)."""
-    config = dict(config)
-    legacy = {key: config.pop(key) for key in LEGACY_VCA_KEYS if key in config}
-    if legacy:
-        config["vca"] = legacy if config.get("attention", "vca") == "vca" else None
-    return config
+def create_backbone(family: str, spec: ModelSpec) -> DiT:
+    """The backbone of `spec`, whose name must be one of `family` ("DiT" or "SiT")."""
+    if model_family(spec.name) != family:
+        raise ValueError(
+            f"model name {spec.name!r} is not a {family} name; valid names: {', '.join(model_names(family))}"
+        )
+    return DiT(spec)

@@ -39,8 +39,9 @@ from atomic_files import commit
 from commands import CommandParser, UserError, run_command
 from dit_vca.attention import MultiHeadSelfAttention
 from dit_vca.diffusion import BETA_END, BETA_START, NUM_TIMESTEPS
-from dit_vca.model_options import RECIPES
-from dit_vca.models import MODEL_SIZES, DiT, build_model_from_config, create_model
+from dit_vca.model_options import BLOCK_PRESETS
+from dit_vca.model_spec import MODEL_SIZES
+from dit_vca.models import DiT, create_model
 from samplers.multistep import SCHEDULERS
 
 if TYPE_CHECKING:
@@ -144,14 +145,14 @@ def _check_convertible(model: DiT) -> None:
             "only the MHSA baseline can be converted to diffusers: DiTTransformer2DModel has no "
             "Visual-Contrast Attention (this model was built with attention='vca')"
         )
-    config = getattr(model, "config", {})
-    changed = {key: config[key] for key, value in RECIPES["dit"].items() if config.get(key, value) != value}
+    spec = model.spec
+    changed = {key: value for key, value in spec.block_options.items() if BLOCK_PRESETS["dit"][key] != value}
     if changed:
         raise ConversionError(
             f"block options {changed} cannot be converted: DiTTransformer2DModel has LayerNorm blocks, a GELU MLP "
             f"and neither QK-norm nor RoPE"
         )
-    name = config.get("name", "DiT-")
+    name = spec.name
     if not name.startswith("DiT-"):
         raise ConversionError(
             f"{name} is a SiT (velocity) model; diffusers' DiT pipeline expects an epsilon (DDPM) model"
@@ -183,14 +184,14 @@ def to_diffusers(model: DiT) -> DiTTransformer2DModel:
     _check_convertible(model)
     hidden, depth = model.pos_embed.shape[-1], len(model.blocks)
     transformer = DiTTransformer2DModel(
-        num_attention_heads=model.num_heads,
-        attention_head_dim=hidden // model.num_heads,
-        in_channels=model.in_channels,
+        num_attention_heads=model.spec.num_heads,
+        attention_head_dim=hidden // model.spec.num_heads,
+        in_channels=model.spec.in_channels,
         out_channels=model.out_channels,
         num_layers=depth,
-        sample_size=model.input_size,
+        sample_size=model.spec.input_size,
         patch_size=model.patch_size,
-        num_embeds_ada_norm=model.num_classes,
+        num_embeds_ada_norm=model.spec.num_classes,
         norm_eps=NORM_EPS,
     )
     state = {key: value.detach().float().cpu() for key, value in model.state_dict().items()}
@@ -275,10 +276,10 @@ def load_mhsa_model(source: str | Path, model: str | None = None, image_size: in
         export = load_export(source, model, image_size)
     except (ExportError, OfficialCheckpointError) as error:
         raise SourceError(str(error)) from None
-    kind = export.description.objective["kind"]
+    kind = export.description.objective.kind
     if kind != "diffusion":
         raise SourceError(f"{source}: objective {kind!r}; only DDPM (DiT) models run in DiTPipeline")
-    model = build_model_from_config(export.description.model)
+    model = DiT(export.description.model)
     model.load_state_dict(export.weights, strict=True)
     return model.eval()
 
@@ -327,9 +328,9 @@ def convert(
             raise SourceError(f"--vae {vae_name}: {error}") from None
     mhsa_model = load_mhsa_model(source, model, image_size)
     transformer = to_diffusers(mhsa_model)  # refuses what cannot be converted, before any warning
-    if mhsa_model.num_classes != DIFFUSERS_NULL_CLASS:
+    if mhsa_model.spec.num_classes != DIFFUSERS_NULL_CLASS:
         print(
-            f"warning: {source} has {mhsa_model.num_classes} classes; DiTPipeline takes class "
+            f"warning: {source} has {mhsa_model.spec.num_classes} classes; DiTPipeline takes class "
             f"{DIFFUSERS_NULL_CLASS} as the null class of guidance, so pipeline(..., guidance_scale > 1) (its "
             f"default is 4) fails with an IndexError for this model: call it with guidance_scale=1, or sample "
             f"guided with sample.py",

@@ -23,13 +23,16 @@ from safetensors.torch import load_file, save_file
 
 from atomic_files import atomic_output, write_json_atomic
 from commands import UserError
-from dit_vca.models import current_model_config
+from dit_vca.model_spec import ModelSpec
 from generation.run_layout import CHECKPOINTS_FOLDER, EXPORT_FOLDER, STEP_PREFIX, TRAINER_STATE, list_checkpoints
 from generation.vae import LatentNormalization
+from objectives import ObjectiveSpec, objective_from_record, objective_record
 
 EXPORT_WEIGHTS = "ema.safetensors"
 EXPORT_CONFIG = "config.json"
-FORMAT_VERSION = 4  # 4: latent_mean, latent_std, class_names; 3: vae_path; 2 and 3 are read as 4 without what they lack
+# 5: the model record is a ModelSpec (its preset `blocks`; `vca` a section for either attention); 4: latent_mean,
+# latent_std, class_names; 3: vae_path; 2 to 4 are read as 5 without what they lack
+FORMAT_VERSION = 5
 SPACES = ("pixels", "latents")
 
 
@@ -49,8 +52,8 @@ Sample with `python sample.py --ckpt <this repository id> --num-samples 50000 --
 """
 
 
-def _settings(values: dict[str, Any]) -> str:
-    return ", ".join(f"{key} {value}" for key, value in values.items() if key != "kind")
+def _settings(spec: ObjectiveSpec) -> str:
+    return ", ".join(f"{key} {value}" for key, value in asdict(spec).items())
 
 
 class ExportError(UserError):
@@ -67,8 +70,8 @@ class ExportDescription:
     tried first where it exists (generation.portable).
     """
 
-    model: dict[str, Any]  # model.config: rebuilds the network (dit_vca.build_model_from_config)
-    objective: dict[str, Any]  # {"kind": "diffusion" | "transport", **keyword arguments of its factory}
+    model: ModelSpec  # the network, every setting decided (ModelSpec.resolved): dit_vca.models.DiT(model)
+    objective: ObjectiveSpec  # objectives.DiffusionSpec or TransportSpec (generation.objective.create_objective)
     space: str  # "pixels" | "latents"
     image_size: int  # side of the generated images in pixels
     num_classes: int
@@ -83,6 +86,7 @@ class ExportDescription:
     class_names: list[str] | None = None  # of the training data's classes, where it had names (an image folder's)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model", self.model.resolved())  # the record names the network it holds
         if self.space not in SPACES:
             raise ValueError(f"export space must be one of {SPACES}, got {self.space!r}")
         if self.space == "latents" and (self.vae is None or self.latent_scale is None):
@@ -108,12 +112,12 @@ class ExportDescription:
     @property
     def channels(self) -> int:
         """Channels of what the model generates (model.in_channels)."""
-        return int(self.model["in_channels"])
+        return self.model.in_channels
 
     @property
     def has_null_class(self) -> bool:
         """Trained with label dropout, so classifier-free guidance is possible."""
-        return float(self.model.get("class_dropout_prob", 0.0)) > 0
+        return self.model.class_dropout_prob > 0
 
     def located_in(self, folder: str | Path) -> ExportDescription:
         """This description as read from the export `folder`: a relative local path in `vae` or `vae_path` (written
@@ -131,11 +135,12 @@ class ExportDescription:
         return replace(self, **located)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, **asdict(self)}
+        return {"format": FORMAT_VERSION, **asdict(self), "objective": objective_record(self.objective)}
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> ExportDescription:
-        """Read the current layout, or the first one (a "data" section with "kind"), which earlier code wrote."""
+        """Read the current layout or an earlier one: the first had a "data" section with "kind"; the model and
+        objective records of every format are read by ModelSpec.from_record and objectives.objective_from_record."""
         values = dict(values)
         if "format" not in values and "data" not in values:  # neither this layout nor the first one
             raise ValueError(f'no "format" key; expected one with a whole number from 1 to {FORMAT_VERSION}')
@@ -153,8 +158,10 @@ class ExportDescription:
                 num_classes=data["num_classes"],
                 vae=data.get("vae"),
                 latent_scale=data.get("latent_scale"),
-                model=current_model_config(values["model"]),
             )
+        values.update(
+            model=ModelSpec.from_record(values["model"]), objective=objective_from_record(values["objective"])
+        )
         return cls(**values)
 
 
@@ -173,10 +180,10 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
         """The README.md that `save_pretrained` and `push_to_hub` write: what the export's description says (the
         mixin's own card is a template of empty fields)."""
         description, model = self.description, self.description.model
-        sizes = f"depth {model['depth']}, width {model['hidden_size']}, {model['num_heads']} heads"
+        sizes = f"depth {model.depth}, width {model.hidden_size}, {model.num_heads} heads"
         facts = [
-            f"- Model: {model['name']} ({sizes}), attention: {model['attention']}",
-            f"- Objective: {description.objective['kind']} ({_settings(description.objective)})",
+            f"- Model: {model.name} ({sizes}), attention: {model.attention}",
+            f"- Objective: {description.objective.kind} ({_settings(description.objective)})",
             f"- Generates: {description.image_size} px images of {description.num_classes} classes, "
             + ("in pixel space" if description.in_pixel_space else f"in the latent space of the VAE {description.vae}"),
         ]
@@ -191,7 +198,7 @@ class Export(ModelHubMixin, library_name="vca-diffusion", tags=["diffusion", "vi
         return ModelCard.from_template(
             card_data=self._hub_mixin_info.model_card_data,
             template_str=MODEL_CARD,
-            title=f"{model['name']} with {model['attention'].upper()} attention",
+            title=f"{model.name} with {model.attention.upper()} attention",
             facts="\n".join(facts),
             **kwargs,
         )

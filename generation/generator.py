@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dit_vca.attention import set_vca_kernel
-from dit_vca.models import DiT, build_model_from_config
+from dit_vca.models import DiT
 from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
 from generation.objective import Objective, create_objective
@@ -59,7 +59,7 @@ def load_model(
     (dit_vca.attention.set_vca_kernel, which checks the Triton core for `precision`'s dtype now, before any
     compiling); `compile` wraps it in torch.compile (compiled on the first batch)."""
     check_precision(precision)
-    model = build_model_from_config(export.description.model)
+    model = DiT(export.description.model)
     set_vca_kernel(model, vca_kernel, device, "--vca-kernel", COMPUTE_DTYPES[precision])
     model.load_state_dict(export.weights, strict=True)
     model = model.to(device).eval().requires_grad_(False)
@@ -90,7 +90,7 @@ def check_vae_fits(autoencoder, description: ExportDescription, name: str, optio
             f"the VAE {name} has {channels} latent channels, but the model generates "
             f"{description.channels}: use a VAE with {description.channels} latent channels ({option})"
         )
-    latent_side = description.model["input_size"]
+    latent_side = description.model.input_size
     decoded = latent_side * latent_downsampling(autoencoder.config)
     if decoded != description.image_size:
         raise ExportError(
@@ -170,14 +170,15 @@ class ImageGenerator:
     @property
     def sample_shape(self) -> tuple[int, int, int]:
         """(C, h, w) of what the model generates."""
-        return (self.model.in_channels, self.model.input_size, self.model.input_size)
+        spec = self.model.spec
+        return (spec.in_channels, spec.input_size, spec.input_size)
 
     def check_guide(self, guide: nn.Module) -> None:
         """A guide must take and predict what the model does (generation.autoguide checks exports in full)."""
         for name in ("in_channels", "input_size", "num_classes"):
-            if getattr(guide, name) != getattr(self.model, name):
+            if getattr(guide.spec, name) != getattr(self.model.spec, name):
                 raise ValueError(
-                    f"the guide's {name} is {getattr(guide, name)}, the model's {getattr(self.model, name)}"
+                    f"the guide's {name} is {getattr(guide.spec, name)}, the model's {getattr(self.model.spec, name)}"
                 )
 
     @torch.no_grad()

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 from commands import CommandParser, run_command
-from dit_vca.models import build_model_from_config, model_family, name_size
+from dit_vca.model_spec import ModelSpec, model_family, name_size
 from dit_vca.rope import RotaryEmbedding2d
 from generation.export import Export, ExportDescription
 from generation.official import OfficialCheckpointError, check_fits, load_state_dict, write_converted
+from objectives import TransportSpec
 
 RENAMES = {".mlp.w12.": ".mlp.fc1.", ".mlp.w3.": ".mlp.fc2."}  # LightningDiT's SwiGLU -> timm's GluMlp
 ROPE_TABLES = ("feat_rope.freqs_cos", "feat_rope.freqs_sin")
@@ -42,7 +43,7 @@ ROPE_TABLES = ("feat_rope.freqs_cos", "feat_rope.freqs_sin")
 # cosine (angles up to ~15 rad, one ulp ~1e-6), so equal tables agree to ~1e-5; another convention differs by O(1).
 ROPE_TOLERANCE = 1e-4
 SHAPE_KEYS = ("pos_embed", "final_layer.linear.weight", "y_embedder.embedding_table.weight")  # read for the config
-LIGHTNING_OBJECTIVE = {"kind": "transport", "path": "linear", "prediction": "velocity"}
+LIGHTNING_OBJECTIVE = TransportSpec(path="linear", prediction="velocity")
 
 
 def lightning_options(state: dict[str, torch.Tensor], source: str) -> dict[str, object]:
@@ -62,10 +63,10 @@ def lightning_options(state: dict[str, torch.Tensor], source: str) -> dict[str, 
     )
 
 
-def lightning_model_config(
+def lightning_model_spec(
     state: dict[str, torch.Tensor], name: str, source: str, num_heads: int | None = None
-) -> dict[str, object]:
-    """The backbone config (`model.config`) of a LightningDiT state dict for the name `name` (e.g. "SiT-XL/1"): its
+) -> ModelSpec:
+    """The backbone's spec (resolved) of a LightningDiT state dict for the name `name` (e.g. "SiT-XL/1"): its
     patch size and, unless `num_heads` is given, its heads (which no shape tells); depth, width, channels, latent
     side, classes and learn_sigma are read from the shapes, the block options from the keys."""
     options = lightning_options(state, source)
@@ -87,8 +88,8 @@ def lightning_model_config(
             f"{source} does not fit --model {name}: {tokens} tokens (not a square grid) or {outputs} output channels "
             f"per pixel ({in_channels} or {2 * in_channels} expected)"
         )
-    config = dict(
-        name=name,
+    spec = ModelSpec(
+        name,
         attention="mhsa",
         input_size=math.isqrt(tokens) * patch,
         in_channels=in_channels,
@@ -99,8 +100,7 @@ def lightning_model_config(
         num_heads=name_heads if num_heads is None else num_heads,
         **options,
     )
-    with torch.device("meta"):
-        return build_model_from_config(config).config
+    return spec.resolved()
 
 
 def check_patch_size(state: dict[str, torch.Tensor], name: str, patch: int, source: str) -> None:
@@ -115,24 +115,23 @@ def check_patch_size(state: dict[str, torch.Tensor], name: str, patch: int, sour
         )
 
 
-def lightning_rope_tables(config: dict) -> dict[str, torch.Tensor]:
-    """The RoPE buffers of a LightningDiT model of the backbone `config`, as the backbone computes them: LightningDiT's
-    (N, d), each pair's value twice (ours are (N, d/2), once per pair)."""
-    head_dim = config["hidden_size"] // config["num_heads"]
-    rope = RotaryEmbedding2d(head_dim, config["input_size"] // name_size(config["name"])[1])
+def lightning_rope_tables(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The RoPE buffers of a LightningDiT model of the backbone's (resolved) `spec`, as the backbone computes them:
+    LightningDiT's (N, d), each pair's value twice (ours are (N, d/2), once per pair)."""
+    rope = RotaryEmbedding2d(spec.hidden_size // spec.num_heads, spec.input_size // spec.patch_size)
     return {key: table.repeat_interleave(2, dim=1) for key, table in zip(ROPE_TABLES, (rope.cos, rope.sin))}
 
 
-def backbone_state_dict(state: dict[str, torch.Tensor], config: dict, source: str) -> dict[str, torch.Tensor]:
-    """The state dict of the backbone `config` from a LightningDiT one: SwiGLU keys renamed, the RoPE tables checked
-    against the backbone's own and dropped."""
+def backbone_state_dict(state: dict[str, torch.Tensor], spec: ModelSpec, source: str) -> dict[str, torch.Tensor]:
+    """The state dict of the backbone of the (resolved) `spec` from a LightningDiT one: SwiGLU keys renamed, the RoPE
+    tables checked against the backbone's own and dropped."""
     converted = {}
     for key, value in state.items():
         for old, new in RENAMES.items():
             key = key.replace(old, new)
         converted[key] = value
-    if config["rope"]:
-        for key, table in lightning_rope_tables(config).items():
+    if spec.rope:
+        for key, table in lightning_rope_tables(spec).items():
             found = converted.pop(key)
             # a table stored in half precision is rounded to half an ulp at 1 (float16: 4.9e-4, bfloat16: 3.9e-3)
             tolerance = max(ROPE_TOLERANCE, torch.finfo(found.dtype).eps)
@@ -214,23 +213,21 @@ def lightning_export(
     check_latent_stats(latent_stats, latent_norm)
     state = load_state_dict(Path(ckpt))
     precision = floating_weights(state, source)
-    config = lightning_model_config(state, model, source, num_heads)
-    weights = backbone_state_dict(state, config, source)
+    spec = lightning_model_spec(state, model, source, num_heads)
+    weights = backbone_state_dict(state, spec, source)
     autoencoder = load_vae(vae, option="--vae")  # fails before anything is written
-    if autoencoder.config.latent_channels != config["in_channels"]:
+    if autoencoder.config.latent_channels != spec.in_channels:
         raise OfficialCheckpointError(
             f"--vae {vae} has {autoencoder.config.latent_channels} latent channels, the checkpoint's model "
-            f"{config['in_channels']}"
+            f"{spec.in_channels}"
         )
-    mean, std = (
-        read_latent_stats(Path(latent_stats), config["in_channels"]) if latent_stats is not None else (None, None)
-    )
+    mean, std = read_latent_stats(Path(latent_stats), spec.in_channels) if latent_stats is not None else (None, None)
     description = ExportDescription(
-        model=config,
-        objective=dict(LIGHTNING_OBJECTIVE),
+        model=spec,
+        objective=LIGHTNING_OBJECTIVE,
         space="latents",
-        image_size=config["input_size"] * latent_downsampling(autoencoder.config),
-        num_classes=config["num_classes"],
+        image_size=spec.input_size * latent_downsampling(autoencoder.config),
+        num_classes=spec.num_classes,
         vae=vae_source(vae).name,
         vae_path=vae_source(vae).path,
         latent_scale=latent_scale,

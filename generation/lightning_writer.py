@@ -5,7 +5,7 @@
         lightningdit-tiny/latents_stats.pt   {"mean", "std"} of shape (1, C, 1, 1), as its extract_features.py
 
 The inverse of `generation.lightning`'s import, for a model trained here with LightningDiT's architecture (MHSA,
-`model.recipe=lightning` or any of its block options, a `SiT-` name) and, where it normalised its latents per
+`model.blocks=lightning` or any of its block options, a `SiT-` name) and, where it normalised its latents per
 channel (`vae.normalize=channels`), with their statistics: SwiGLU's `mlp.fc1`, `mlp.fc2` become `mlp.w12`, `mlp.w3`,
 and the RoPE tables are added as LightningDiT's buffers (N, d), each pair's value twice. What it is for: a small
 LightningDiT checkpoint to try the import and `sample.py --protocol lightningdit` on offline (the released ones are
@@ -23,6 +23,7 @@ import torch
 
 from atomic_files import atomic_folder
 from commands import CommandParser, UserError, run_command
+from generation.autoguide import PREDICTION_SETTINGS
 from generation.export import Export, read_export
 from generation.lightning import LIGHTNING_OBJECTIVE, RENAMES, lightning_rope_tables
 
@@ -36,15 +37,14 @@ class LightningFormatError(UserError):
 
 def check_writable_as_lightning(export: Export, source: str) -> None:
     """Refuse an export that has no LightningDiT counterpart, naming what differs."""
-    description, model = export.description, export.description.model
-    objective = {key: description.objective.get(key, value) for key, value in LIGHTNING_OBJECTIVE.items()}
-    if model["attention"] != "mhsa":
-        raise LightningFormatError(f"{source}: attention {model['attention']}; LightningDiT has MHSA only")
-    if model["mlp_ratio"] != 4:
-        raise LightningFormatError(f"{source}: MLP ratio {model['mlp_ratio']:g}; LightningDiT's is 4")
+    description, model, objective = export.description, export.description.model, export.description.objective
+    if model.attention != "mhsa":
+        raise LightningFormatError(f"{source}: attention {model.attention}; LightningDiT has MHSA only")
+    if model.mlp_ratio != 4:
+        raise LightningFormatError(f"{source}: MLP ratio {model.mlp_ratio:g}; LightningDiT's is 4")
     if description.in_pixel_space:
         raise LightningFormatError(f"{source}: a pixel-space model; LightningDiT works on VAE latents")
-    if objective != LIGHTNING_OBJECTIVE:
+    if any(getattr(objective, key, None) != getattr(LIGHTNING_OBJECTIVE, key) for key in PREDICTION_SETTINGS):
         raise LightningFormatError(
             f"{source}: objective {description.objective}; LightningDiT trains rectified flow (Linear path, velocity)"
         )
@@ -54,14 +54,14 @@ def check_writable_as_lightning(export: Export, source: str) -> None:
 
 def lightning_state_dict(export: Export) -> dict[str, torch.Tensor]:
     """The export's weights under LightningDiT's names, with its RoPE buffers where the model has RoPE."""
-    config = export.description.model
+    spec = export.description.model
     state = {}
     for key, value in export.weights.items():
         for lightning, ours in RENAMES.items():
             key = key.replace(ours, lightning)
         state[key] = value
-    if config["rope"]:
-        state.update(lightning_rope_tables(config))
+    if spec.rope:
+        state.update(lightning_rope_tables(spec))
     return state
 
 
@@ -96,11 +96,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ExportError as error:
         raise LightningFormatError(f"{args.export}: {error}") from None
     written = write_lightning(export, args.out, str(args.export))
-    model = export.description.model["name"]
+    model = export.description.model.name
     print(f"wrote {', '.join(str(path) for path in written)} ({model}, {export.description.channels} channels)")
     print(
         f"import it with: python -m generation.lightning {args.out / CHECKPOINT_FILE} --model {model} "
-        f"--num-heads {export.description.model['num_heads']} --vae {export.description.vae} "
+        f"--num-heads {export.description.model.num_heads} --vae {export.description.vae} "
         + (
             f"--latent-stats {args.out / STATS_FILE}"
             if export.description.latent_mean is not None

@@ -348,9 +348,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     except (ExportError, OfficialCheckpointError) as error:
         raise LikelihoodError(f"--ckpt: {error}") from None
     description = export.description
-    if description.objective["kind"] != "transport":
+    if description.objective.kind != "transport":
         raise LikelihoodError(
-            f"--ckpt {args.ckpt}: a {description.objective['kind']} model; the ODE likelihood needs an interpolant "
+            f"--ckpt {args.ckpt}: a {description.objective.kind} model; the ODE likelihood needs an interpolant "
             "(SiT) model"
         )
     if args.vae is not None and description.in_pixel_space:

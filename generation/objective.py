@@ -1,26 +1,24 @@
-"""The objective an export names: DiT's DDPM (`dit_vca.diffusion`) or SiT's transport (`sit_vca.transport`)."""
+"""The objective an export names: DiT's DDPM (`dit_vca.diffusion`) or SiT's transport (`sit_vca.transport`), built
+from its spec (`objectives.DiffusionSpec`, `objectives.TransportSpec`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
 
 from dit_vca import GaussianDiffusion, create_diffusion
-from objectives import DIFFUSION, MODEL_FAMILIES, TRANSPORT
-from sit_vca import Transport, create_transport
+from objectives import MODEL_FAMILIES, OBJECTIVE_SPECS, ObjectiveSpec, TransportSpec
+from sit_vca import Transport
 
 Objective = GaussianDiffusion | Transport
-_FACTORIES = {DIFFUSION.kind: create_diffusion, TRANSPORT.kind: create_transport}
 
 
-def create_objective(spec: dict[str, Any]) -> Objective:
-    """The training loss and samplers of `spec` = {"kind": "diffusion" | "transport", **factory arguments}."""
-    arguments = dict(spec)
-    kind = arguments.pop("kind", None)
-    if kind not in _FACTORIES:
-        raise ValueError(f"objective kind must be one of {sorted(_FACTORIES)}, got {kind!r}")
-    return _FACTORIES[kind](**arguments)
+def create_objective(spec: ObjectiveSpec) -> Objective:
+    """The training loss and samplers of `spec`: the transport, or DDPM's process of all 1000 steps."""
+    if isinstance(spec, TransportSpec):
+        return Transport(spec)
+    return create_diffusion(**asdict(spec))
 
 
-def default_objective_spec(family: str) -> dict[str, Any]:
-    """The objective of a model family with its factory's defaults (what the official checkpoints used)."""
-    return {"kind": MODEL_FAMILIES[family].kind}
+def default_objective(family: str) -> ObjectiveSpec:
+    """The objective of a model family with the spec's defaults (what the official checkpoints used)."""
+    return OBJECTIVE_SPECS[MODEL_FAMILIES[family].kind]()

@@ -22,7 +22,7 @@ import pickle
 import re
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,9 +30,10 @@ import yaml
 
 from atomic_files import OutputError
 from commands import CommandParser, UserError, run_command
-from dit_vca.models import all_model_names, build_model_from_config, model_family
+from dit_vca.model_spec import ModelSpec, all_model_names, model_family
+from dit_vca.models import DiT
 from generation.export import Export, ExportDescription, write_export
-from generation.objective import default_objective_spec
+from generation.objective import default_objective
 from objectives import DIFFUSION, MODEL_FAMILIES
 
 # The recipe the official checkpoints were trained with (VAE, latent scale, classes), written down once.
@@ -153,19 +154,19 @@ def official_description(model: str, image_size: int, state: dict[str, torch.Ten
             f"--model {model} ({LATENT_CHANNELS} or {2 * LATENT_CHANNELS} expected)"
         )
     learn_sigma = outputs == 2 * LATENT_CHANNELS
-    objective = default_objective_spec(family)
+    objective = default_objective(family)
     if MODEL_FAMILIES[family] is DIFFUSION:
-        objective["learn_sigma"] = learn_sigma
-    config = {
-        "name": model,
-        "attention": "mhsa",
-        "input_size": image_size // LATENT_DOWNSAMPLING,
-        "in_channels": LATENT_CHANNELS,
-        "num_classes": recipe["data"]["num_classes"],
-        "learn_sigma": learn_sigma,
-    }
+        objective = replace(objective, learn_sigma=learn_sigma)
+    spec = ModelSpec(
+        model,
+        attention="mhsa",
+        input_size=image_size // LATENT_DOWNSAMPLING,
+        in_channels=LATENT_CHANNELS,
+        num_classes=recipe["data"]["num_classes"],
+        learn_sigma=learn_sigma,
+    )
     return ExportDescription(
-        model=build_model_from_config(config).config,
+        model=spec,
         objective=objective,
         space="latents",
         image_size=image_size,
@@ -179,7 +180,7 @@ def official_description(model: str, image_size: int, state: dict[str, torch.Ten
 def check_fits(description: ExportDescription, state: dict[str, torch.Tensor], source: str) -> None:
     """Every key and shape of the model the description names, and nothing else, on the meta device."""
     with torch.device("meta"):
-        model = build_model_from_config(description.model)
+        model = DiT(description.model)
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     found = {key: tuple(value.shape) for key, value in state.items()}
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
@@ -195,7 +196,7 @@ def check_fits(description: ExportDescription, state: dict[str, torch.Tensor], s
             if keys
         )
         raise OfficialCheckpointError(
-            f"{source} does not fit --model {description.model['name']} at --image-size "
+            f"{source} does not fit --model {description.model.name} at --image-size "
             f"{description.image_size} ({details})"
         )
 
@@ -253,7 +254,7 @@ def write_converted(out: Path, convert: Callable[[], Export]) -> None:
         raise OutputError(f"--out {out} exists; choose a new folder")
     export = convert()
     write_export(out, export.weights, export.description)
-    print(f"wrote {out} ({export.description.model['name']}, {export.description.image_size} px)")
+    print(f"wrote {out} ({export.description.model.name}, {export.description.image_size} px)")
 
 
 def command() -> None:

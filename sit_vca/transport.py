@@ -4,6 +4,7 @@ the three predictions; and dispatch into the ODE/SDE samplers. Training options 
 logit-normal training times and the velocity-direction (cosine) loss."""
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from objectives import (
     PREDICTION,
     TIME_DISTRIBUTION,
     TRANSPORT_SAMPLERS,
+    TransportSpec,
 )
 from samplers import PerSampleNoise, SampleResult, ode, sde
 from samplers.interface import DenoiseFn, ModelFn, SamplerOptionError, StepCallback, check_sampler_request
@@ -175,27 +177,39 @@ class Transport:
     default_sampler = TRANSPORT_SAMPLERS.default
     sampler_names = TRANSPORT_SAMPLERS.names
 
-    def __init__(
-        self,
-        path: Path,
-        prediction: str,
-        loss_weight: str | None,
-        train_eps: float,
-        sample_eps: float,
-        time_distribution: str = TIME_DISTRIBUTION.default,
-        logit_normal_location: float = 0.0,
-        logit_normal_scale: float = 1.0,
-        cosine_loss_weight: float = 0.0,
-    ):
-        self.path = path
-        self.prediction = prediction
-        self.loss_weight = loss_weight
-        self.train_eps = train_eps
-        self.sample_eps = sample_eps
-        self.time_distribution = time_distribution
-        self.logit_normal_location = logit_normal_location
-        self.logit_normal_scale = logit_normal_scale
-        self.cosine_loss_weight = cosine_loss_weight
+    def __init__(self, spec: TransportSpec):
+        """The transport of `spec` with SiT's default epsilons where the spec leaves them None: VP 1e-5 (train) /
+        1e-3 (sample); Linear or GVP with noise or score prediction 1e-3 / 1e-3; Linear or GVP with velocity 0 / 0
+        (stable everywhere). The training options (training_times, velocity_direction_loss) default to SiT's:
+        uniform times, no cosine loss. `spec.path` is read case-insensitively."""
+        key = spec.path.lower()
+        if key not in PATHS:
+            raise ValueError(f"unknown path {spec.path!r}; expected one of {sorted(PATHS)} (case-insensitive)")
+        if spec.prediction not in PREDICTION.choices:
+            raise ValueError(f"unknown prediction {spec.prediction!r}; expected one of {list(PREDICTION.choices)}")
+        if spec.loss_weight not in LOSS_WEIGHT.choices:
+            raise ValueError(f"unknown loss_weight {spec.loss_weight!r}; expected one of {list(LOSS_WEIGHT.choices)}")
+        if spec.loss_weight is not None and spec.prediction == "velocity":
+            raise ValueError(f"loss_weight {spec.loss_weight!r} applies to score or noise prediction, not velocity")
+        if spec.time_distribution not in TIME_DISTRIBUTION.choices:
+            raise ValueError(
+                f"unknown time_distribution {spec.time_distribution!r}; expected one of "
+                f"{list(TIME_DISTRIBUTION.choices)}"
+            )
+        if not spec.logit_normal_scale > 0:
+            raise ValueError(f"logit_normal_scale must be > 0, got {spec.logit_normal_scale}")
+        if spec.cosine_loss_weight < 0 or (spec.cosine_loss_weight and spec.prediction != "velocity"):
+            raise ValueError(f"cosine_loss_weight {spec.cosine_loss_weight} needs to be >= 0 and prediction='velocity'")
+        if key == "vp":
+            default_train, default_sample = 1e-5, 1e-3
+        elif spec.prediction != "velocity":
+            default_train, default_sample = 1e-3, 1e-3
+        else:
+            default_train, default_sample = 0.0, 0.0
+        self.spec = spec
+        self.path = PATHS[key]()
+        self.train_eps = default_train if spec.train_eps is None else float(spec.train_eps)
+        self.sample_eps = default_sample if spec.sample_eps is None else float(spec.sample_eps)
 
     # -- time intervals ---------------------------------------------------------------------------------------
 
@@ -203,7 +217,7 @@ class Transport:
         """[t0, t1] to train or integrate on (SiT's rule). Noise and score predictions (and the SBDM diffusion)
         blow up at t = 0 on Linear/GVP, so they start at eps; every path but a velocity model on Linear/GVP
         stops at 1 - eps; an SDE with a last step stops last_step_size short of 1."""
-        singular_start = self.prediction != "velocity" or sde_form == "SBDM"
+        singular_start = self.spec.prediction != "velocity" or sde_form == "SBDM"
         t0 = eps if singular_start and not isinstance(self.path, VPPath) else 0.0
         t1 = 1.0 - (last_step_size if sde_form is not None and last_step_size > 0 else eps)
         return t0, t1
@@ -217,17 +231,17 @@ class Transport:
     def velocity(self, output: Tensor, x: Tensor, t: Tensor) -> Tensor:
         """The probability-flow velocity implied by a model output at (x, t (B,))."""
         t = _expand(t, x)
-        if self.prediction == "velocity":
+        if self.spec.prediction == "velocity":
             return output
-        score = output if self.prediction == "score" else self.path.score_from_noise(output, t)
+        score = output if self.spec.prediction == "score" else self.path.score_from_noise(output, t)
         return self.path.velocity_from_score(score, x, t)
 
     def score(self, output: Tensor, x: Tensor, t: Tensor) -> Tensor:
         """The score grad log p_t(x) implied by a model output at (x, t (B,))."""
         t = _expand(t, x)
-        if self.prediction == "velocity":
+        if self.spec.prediction == "velocity":
             return self.path.score_from_velocity(output, x, t)
-        return output if self.prediction == "score" else self.path.score_from_noise(output, t)
+        return output if self.spec.prediction == "score" else self.path.score_from_noise(output, t)
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -237,9 +251,9 @@ class Transport:
         middle of the path; with t = 1 the data end here, m > 0 moves them towards the data, unlike SD3's m, whose
         t is the noise level)."""
         t0, t1 = self.interval(self.train_eps)
-        if self.time_distribution == "logit-normal":
+        if self.spec.time_distribution == "logit-normal":
             z = torch.randn(batch, device=device, dtype=dtype)
-            unit = torch.sigmoid(self.logit_normal_location + self.logit_normal_scale * z)  # (B,)
+            unit = torch.sigmoid(self.spec.logit_normal_location + self.spec.logit_normal_scale * z)  # (B,)
         else:
             unit = torch.rand(batch, device=device, dtype=dtype)  # (B,)
         return unit * (t1 - t0) + t0  # (B,)
@@ -256,18 +270,18 @@ class Transport:
         t_ = _expand(t, x1)
         x_t, u_t = self.path.interpolate(x0, x1, t_)
         output = self._prediction(model, x_t, t, y)  # (B, C, H, W)
-        if self.prediction == "velocity":
+        if self.spec.prediction == "velocity":
             mse = mean_flat((output - u_t) ** 2)  # (B,)
-            if not self.cosine_loss_weight:
+            if not self.spec.cosine_loss_weight:
                 return {"loss": mse}
             cosine = velocity_direction_loss(output, u_t)  # (B,)
-            return {"loss": mse + self.cosine_loss_weight * cosine, "mse": mse, "cosine": cosine}
+            return {"loss": mse + self.spec.cosine_loss_weight * cosine, "mse": mse, "cosine": cosine}
         sigma_t = self.path.sigma(t_)[0]
         b_t = self.path.score_coefficient(t_)
         weight = {None: torch.ones_like(b_t), "velocity": (b_t / sigma_t) ** 2, "likelihood": b_t / sigma_t**2}[
-            self.loss_weight
+            self.spec.loss_weight
         ]
-        error = output - x0 if self.prediction == "noise" else output * sigma_t + x0
+        error = output - x0 if self.spec.prediction == "noise" else output * sigma_t + x0
         return {"loss": mean_flat(weight * error**2)}
 
     # -- sampling ------------------------------------------------------------------------------------------------
@@ -452,51 +466,7 @@ class Transport:
         )
 
 
-def create_transport(
-    path: str = PATH.default,
-    prediction: str = PREDICTION.default,
-    loss_weight: str | None = LOSS_WEIGHT.default,
-    train_eps: float | None = None,
-    sample_eps: float | None = None,
-    time_distribution: str = TIME_DISTRIBUTION.default,
-    logit_normal_location: float = 0.0,
-    logit_normal_scale: float = 1.0,
-    cosine_loss_weight: float = 0.0,
-) -> Transport:
-    """SiT's transport with its default epsilons: VP 1e-5 (train) / 1e-3 (sample); Linear or GVP with noise or
-    score prediction 1e-3 / 1e-3; Linear or GVP with velocity 0 / 0 (stable everywhere). The training options
-    (Transport.training_times, velocity_direction_loss) default to SiT's: uniform times, no cosine loss."""
-    key = path.lower()
-    if key not in PATHS:
-        raise ValueError(f"unknown path {path!r}; expected one of {sorted(PATHS)} (case-insensitive)")
-    if prediction not in PREDICTION.choices:
-        raise ValueError(f"unknown prediction {prediction!r}; expected one of {list(PREDICTION.choices)}")
-    if loss_weight not in LOSS_WEIGHT.choices:
-        raise ValueError(f"unknown loss_weight {loss_weight!r}; expected one of {list(LOSS_WEIGHT.choices)}")
-    if loss_weight is not None and prediction == "velocity":
-        raise ValueError(f"loss_weight {loss_weight!r} applies to score or noise prediction, not velocity")
-    if time_distribution not in TIME_DISTRIBUTION.choices:
-        raise ValueError(
-            f"unknown time_distribution {time_distribution!r}; expected one of {list(TIME_DISTRIBUTION.choices)}"
-        )
-    if not logit_normal_scale > 0:
-        raise ValueError(f"logit_normal_scale must be > 0, got {logit_normal_scale}")
-    if cosine_loss_weight < 0 or (cosine_loss_weight and prediction != "velocity"):
-        raise ValueError(f"cosine_loss_weight {cosine_loss_weight} needs to be >= 0 and prediction='velocity'")
-    if key == "vp":
-        default_train, default_sample = 1e-5, 1e-3
-    elif prediction != "velocity":
-        default_train, default_sample = 1e-3, 1e-3
-    else:
-        default_train, default_sample = 0.0, 0.0
-    return Transport(
-        PATHS[key](),
-        prediction,
-        loss_weight,
-        default_train if train_eps is None else float(train_eps),
-        default_sample if sample_eps is None else float(sample_eps),
-        time_distribution,
-        float(logit_normal_location),
-        float(logit_normal_scale),
-        float(cosine_loss_weight),
-    )
+def create_transport(**settings: Any) -> Transport:
+    """`Transport(TransportSpec(**settings))`, e.g. `create_transport(path="vp", prediction="noise")`: SiT's transport
+    with its default epsilons (see Transport)."""
+    return Transport(TransportSpec(**settings))

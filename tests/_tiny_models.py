@@ -12,6 +12,7 @@ from diffusers import AutoencoderKL
 from timm.models import save_for_hf
 
 from dit_vca import create_model
+from objectives import DiffusionSpec, TransportSpec
 
 EXPORT_CLASSES = 4  # tiny_export's classes
 
@@ -39,9 +40,9 @@ def tiny_export(folder: Path, class_dropout_prob: float = 0.1, family: str = "Di
         for parameter in model.parameters():
             if parameter.requires_grad:  # adaLN-Zero starts at zero output: perturb every trained weight
                 parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    objective = {"kind": "diffusion", "learn_sigma": True} if family == "DiT" else {"kind": "transport"}
+    objective = DiffusionSpec(learn_sigma=True) if family == "DiT" else TransportSpec()
     description = ExportDescription(
-        model=model.config, objective=objective, space="pixels", image_size=8, num_classes=EXPORT_CLASSES
+        model=model.spec, objective=objective, space="pixels", image_size=8, num_classes=EXPORT_CLASSES
     )
     write_export(folder, model.state_dict(), description)
     return folder
@@ -79,8 +80,8 @@ def write_tiny_export(folder: Path, attention: str = "mhsa") -> torch.nn.Module:
         folder,
         model.state_dict(),
         ExportDescription(
-            model=model.config,
-            objective={"kind": "diffusion", "learn_sigma": True},
+            model=model.spec,
+            objective=DiffusionSpec(learn_sigma=True),
             space="latents",
             image_size=64,
             num_classes=DIT_CLASSES,

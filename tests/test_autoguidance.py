@@ -6,6 +6,7 @@ same file from 1 and 2 processes and records the guide."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from generation import ExportDescription, ImageGenerator, load_export
 from generation.autoguide import guide_mismatch
 from generation.images import to_uint8
 from generation.objective import create_objective
+from objectives import DiffusionSpec, TransportSpec
 from sample_arguments import SampleError
 from samplers import PerSampleNoise
 from samplers.guidance import autoguidance
@@ -89,9 +91,9 @@ def tiny_sit(prediction: str, seed: int) -> tuple[nn.Module, ExportDescription]:
     with torch.no_grad():
         for parameter in model.parameters():  # adaLN-Zero starts as the zero function: give it some output
             parameter.add_(0.05 * torch.randn_like(parameter))
-    objective = {"kind": "transport", "prediction": prediction}
+    objective = TransportSpec(prediction=prediction)
     return model.eval(), ExportDescription(
-        model=model.config, objective=objective, space="pixels", image_size=8, num_classes=NUM_CLASSES
+        model=model.spec, objective=objective, space="pixels", image_size=8, num_classes=NUM_CLASSES
     )
 
 
@@ -157,22 +159,22 @@ def test_a_guide_of_other_classes_is_refused_by_generate(exports):
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"objective": {"kind": "transport"}}, ("objective.kind", "diffusion", "transport")),
+        ({"objective": TransportSpec()}, ("objective.kind", "diffusion", "transport")),
         ({"num_classes": 1000}, ("num_classes", 10, 1000)),
         ({"image_size": 16}, ("image_size", 8, 16)),
     ],
 )
 def test_the_export_check_names_what_differs(change, named):
     _, description = tiny_sit("velocity", 0)
-    dit = ExportDescription(**{**description.__dict__, "objective": {"kind": "diffusion", "learn_sigma": True}})
+    dit = ExportDescription(**{**description.__dict__, "objective": DiffusionSpec(learn_sigma=True)})
     assert guide_mismatch(dit, dit) is None
     assert guide_mismatch(dit, ExportDescription(**{**dit.__dict__, **change})) == named
 
 
 def test_the_export_check_ignores_what_only_changes_training():
     _, velocity = tiny_sit("velocity", 0)
-    other = ExportDescription(**{**velocity.__dict__, "objective": {**velocity.objective, "loss_weight": "velocity"}})
-    smaller = ExportDescription(**{**velocity.__dict__, "model": {**velocity.model, "hidden_size": 16, "depth": 2}})
+    other = ExportDescription(**{**velocity.__dict__, "objective": replace(velocity.objective, loss_weight="velocity")})
+    smaller = ExportDescription(**{**velocity.__dict__, "model": replace(velocity.model, hidden_size=16, depth=2)})
     assert guide_mismatch(velocity, other) is None and guide_mismatch(velocity, smaller) is None
     _, noise = tiny_sit("noise", 0)
     assert guide_mismatch(velocity, noise) == ("objective.prediction", "velocity", "noise")

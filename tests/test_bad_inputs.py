@@ -209,7 +209,7 @@ CASES = [  # (id, command, arguments, text the one line must contain)
     (
         "rope-head-dim",
         "train",
-        [*TRAIN, "model.recipe=lightning", "model.hidden_size=24", "model.num_heads=4"],
+        [*TRAIN, "model.blocks=lightning", "model.hidden_size=24", "model.num_heads=4"],
         "'model.rope' needs a head dimension divisible by 4 (rows and columns of channel pairs); DiT-S/2 has 6",
     ),
     (

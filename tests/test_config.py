@@ -3,13 +3,17 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from training.config import ConfigError, config_to_yaml, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-BASES = ("imagenet256.yaml", "lightning.yaml", "digits.yaml", "shapes.yaml")
+BASES = ("imagenet256.yaml", "lightning.yaml", "modern.yaml", "digits.yaml", "shapes.yaml")
+DIGITS_MODERN = "digits-modern.yaml"  # the digits on the modern recipe: studies.recipe_digits' modern arm
 EXPERIMENTS = sorted(
-    path for path in CONFIGS.glob("*.yaml") if path.name not in BASES and not path.name.startswith("lightning-")
+    path
+    for path in CONFIGS.glob("*.yaml")
+    if path.name not in (*BASES, DIGITS_MODERN) and not path.name.startswith("lightning-")
 )
 LIGHTNING = sorted(CONFIGS.glob("lightning-*.yaml"))
 
@@ -74,7 +78,7 @@ def test_lightning_configs_carry_lightning_dits_published_recipe(path):
     config = load_config(path)
     _, family, size_patch, attention = path.stem.split("-")
     assert config.model.name.lower().replace("/", "").replace("-", "") == family + size_patch
-    assert (config.model.attention, config.model.recipe) == (attention, "lightning") and attention in ("mhsa", "vca")
+    assert (config.model.attention, config.model.blocks) == (attention, "lightning") and attention in ("mhsa", "vca")
     assert config.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True)
     train = config.train
     assert (train.global_batch_size, train.lr, train.betas, train.weight_decay, train.max_steps) == (
@@ -102,15 +106,55 @@ def test_lightning_configs_carry_lightning_dits_published_recipe(path):
     }
 
 
-def test_block_options_resolve_from_the_recipe_for_either_attention():
+def test_block_options_resolve_from_the_preset_for_either_attention():
     mhsa = CONFIGS / "lightning-sit-b2-mhsa.yaml"
-    assert load_config(mhsa, ["model.rope=false"]).model.block_options["rope"] is False  # a key beats the recipe
-    assert load_config(mhsa, ["model.recipe=dit", "model.mlp=swiglu"]).model.block_options == dict(
+    assert load_config(mhsa, ["model.rope=false"]).model.block_options["rope"] is False  # a key beats the preset
+    assert load_config(mhsa, ["model.blocks=dit", "model.mlp=swiglu"]).model.block_options == dict(
         norm="layernorm", mlp="swiglu", qk_norm=False, rope=False
     )
-    # VCA takes the whole recipe: QK-norm and RoPE apply inside its core
-    vca = load_config(CONFIGS / "lightning-sit-b2-vca.yaml", ["model.recipe=lightning-qknorm"])
+    # VCA takes the whole preset: QK-norm and RoPE apply inside its core
+    vca = load_config(CONFIGS / "lightning-sit-b2-vca.yaml", ["model.blocks=lightning-qknorm"])
     assert vca.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True)
+
+
+def test_the_block_preset_is_the_blocks_alone_and_the_modern_recipe_is_a_config():
+    """model.blocks=lightning switches LightningDiT's blocks and nothing else (before the rename, model.recipe=lightning
+    read as the whole recipe and gave its blocks on DDPM with beta2 0.999); modern.yaml is the whole recipe."""
+    plain = load_config(CONFIGS / "digits.yaml")
+    blocks = load_config(CONFIGS / "digits.yaml", ["model.blocks=lightning"])
+    assert blocks.model.block_options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=False, rope=True)
+    assert (blocks.diffusion, blocks.transport, blocks.train) == (plain.diffusion, plain.transport, plain.train)
+    modern = load_config(CONFIGS / DIGITS_MODERN)
+    assert (modern.model.name, modern.model.blocks, modern.train.betas) == ("SiT-S/2", "lightning-qknorm", [0.9, 0.95])
+    assert (modern.transport.time_distribution, modern.transport.cosine_loss_weight) == ("logit-normal", 1.0)
+    assert (modern.train.lr, modern.train.max_steps, modern.data) == (plain.train.lr, plain.train.max_steps, plain.data)
+    for name in (DIGITS_MODERN, "lightning.yaml"):  # both stand on modern.yaml: the recipe is written once
+        assert "modern.yaml" in yaml.safe_load((CONFIGS / name).read_text())["base"]
+
+
+def test_the_old_name_model_recipe_loads_as_model_blocks_with_one_line_once(tmp_path, capsys, monkeypatch):
+    from training import config as config_module
+
+    monkeypatch.setattr(config_module, "_told_renamed", set())
+    old = write(tmp_path / "old.yaml", f"base: {CONFIGS / 'digits.yaml'}\nmodel:\n  recipe: lightning\n")
+    config = load_config(old, ["model.recipe=lightning-qknorm"])  # the file and the command line: told once
+    assert config.model.blocks == "lightning-qknorm"
+    told = capsys.readouterr().err.strip().splitlines()
+    assert len(told) == 1 and told[0].startswith(f"warning: {old}: 'model.recipe' is now 'model.blocks' (")
+    load_config(old)
+    assert capsys.readouterr().err == ""  # once per process
+    with pytest.raises(ConfigError, match="'model.recipe' and 'model.blocks' are one key"):
+        load_config(old, ["model.blocks=dit", "model.recipe=dit"])
+
+
+@pytest.mark.parametrize(
+    "key, decided_by",
+    [("input_size", "data.image_size"), ("num_classes", "data.num_classes"), ("learn_sigma", "diffusion.learn_sigma")],
+)
+def test_the_model_settings_the_data_and_objective_decide_are_refused_in_a_config(key, decided_by):
+    value = "true" if key == "learn_sigma" else "4"
+    with pytest.raises(ConfigError, match=f"'model.{key}' is .*training sets it from {decided_by}.*leave it null"):
+        load_config(CONFIGS / "digits.yaml", [f"model.{key}={value}"])
 
 
 def test_a_checkpoint_written_before_a_key_existed_resumes_with_the_keys_default():
@@ -120,11 +164,16 @@ def test_a_checkpoint_written_before_a_key_existed_resumes_with_the_keys_default
 
     config = load_config(CONFIGS / "digits.yaml")
     saved = yaml.safe_load(config_to_yaml(config))
-    del saved["model"]["recipe"], saved["model"]["rope"], saved["transport"]["cosine_loss_weight"]
+    del saved["model"]["blocks"], saved["model"]["rope"], saved["transport"]["cosine_loss_weight"]
     assert resume_conflict(config, yaml.safe_dump(saved)) is None
-    lightning = load_config(CONFIGS / "digits.yaml", ["model.recipe=lightning", "model.attention=mhsa"])
+    lightning = load_config(CONFIGS / "digits.yaml", ["model.blocks=lightning", "model.attention=mhsa"])
     conflict = resume_conflict(lightning, yaml.safe_dump({**saved, "model": {**saved["model"], "attention": "mhsa"}}))
-    assert conflict == ("model.recipe", "dit", "lightning")
+    assert conflict == ("model.blocks", "dit", "lightning")
+    # A checkpoint's config.yaml written before the rename holds model.recipe: read under today's name.
+    renamed = {**saved, "model": {**saved["model"], "recipe": "lightning", "attention": "mhsa"}}
+    assert resume_conflict(lightning, yaml.safe_dump(renamed)) is None
+    checkpointed = load_config(CONFIGS / "digits.yaml", ["model.gradient_checkpointing=true"])
+    assert resume_conflict(checkpointed, yaml.safe_dump(saved)) is None  # the weights' values are the same
 
 
 def test_digits_config_matches_the_calibration():
@@ -310,7 +359,7 @@ def test_train_help_lists_every_config_key_with_its_default_and_a_description(ca
     for key, item in leaves:
         shown, description = rows[key]
         default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
-        if default is MISSING:
+        if default is MISSING or default is dataclasses.MISSING:  # ModelSpec.name: no default in Python either
             assert shown == "(required)", key
         else:
             assert yaml.safe_load(shown) == default, (key, shown, default)
@@ -351,29 +400,37 @@ def test_the_objective_sections_offer_what_the_objectives_table_lists():
     import textwrap
 
     from dit_vca.diffusion import create_diffusion
-    from objectives import DECODER_CDF, DIFFUSION, LOSS_WEIGHT, PATH, PREDICTION, TIME_DISTRIBUTION
+    from objectives import (
+        DECODER_CDF,
+        DIFFUSION,
+        LOSS_WEIGHT,
+        PATH,
+        PREDICTION,
+        TIME_DISTRIBUTION,
+        DiffusionSpec,
+        TransportSpec,
+    )
     from sit_vca.transport import PATHS, create_transport
-    from training.config import DiffusionConfig, TransportConfig
 
     table = {
-        (DiffusionConfig, "decoder_cdf"): DECODER_CDF,
-        (TransportConfig, "path"): PATH,
-        (TransportConfig, "prediction"): PREDICTION,
-        (TransportConfig, "loss_weight"): LOSS_WEIGHT,
-        (TransportConfig, "time_distribution"): TIME_DISTRIBUTION,
+        (DiffusionSpec, "decoder_cdf"): DECODER_CDF,
+        (TransportSpec, "path"): PATH,
+        (TransportSpec, "prediction"): PREDICTION,
+        (TransportSpec, "loss_weight"): LOSS_WEIGHT,
+        (TransportSpec, "time_distribution"): TIME_DISTRIBUTION,
     }
     for (schema, key), setting in table.items():
         (field,) = [field for field in dataclasses.fields(schema) if field.name == key]
         assert (field.default, field.metadata["choices"]) == (setting.default, setting.choices), key
-    assert DiffusionConfig().learn_sigma is DIFFUSION.learn_sigma
+    assert DiffusionSpec().learn_sigma is DIFFUSION.learn_sigma
     names = {choice for setting in table.values() for choice in setting.choices if isinstance(choice, str)}
-    for schema in (DiffusionConfig, TransportConfig):
+    for schema in (DiffusionSpec, TransportSpec):
         tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
         typed = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
         assert not typed, f"{schema.__name__} types {typed} again instead of reading the objectives table"
 
     diffusion, transport = create_diffusion(), create_transport()
-    assert (diffusion.learn_sigma, diffusion.decoder_cdf) == (DIFFUSION.learn_sigma, DECODER_CDF.default)
+    assert (diffusion.spec.learn_sigma, diffusion.spec.decoder_cdf) == (DIFFUSION.learn_sigma, DECODER_CDF.default)
     assert isinstance(transport.path, PATHS[PATH.default]) and tuple(PATHS) == PATH.choices
-    defaults = (transport.prediction, transport.loss_weight, transport.time_distribution)
+    defaults = (transport.spec.prediction, transport.spec.loss_weight, transport.spec.time_distribution)
     assert defaults == (PREDICTION.default, LOSS_WEIGHT.default, TIME_DISTRIBUTION.default)

@@ -13,7 +13,6 @@ from accelerate.state import AcceleratorState, GradientState
 
 from _device_traffic import HostDeviceTraffic, HostDeviceTrafficGuard
 from dit_vca.diffusion import create_diffusion
-from dit_vca.model_options import recipe_options
 from dit_vca.models import create_model
 from sit_vca.models import create_model as create_sit_model
 from sit_vca.transport import create_transport
@@ -30,7 +29,7 @@ TINY = dict(input_size=8, in_channels=1, num_classes=10, depth=1, hidden_size=32
 BATCH = 4
 
 
-RECIPE = recipe_options("lightning-qknorm")  # RMSNorm, SwiGLU, QK-norm, RoPE
+RECIPE = dict(blocks="lightning-qknorm")  # RMSNorm, SwiGLU, QK-norm, RoPE
 
 
 def meta_model(family: str, **block_options) -> torch.nn.Module:

@@ -258,7 +258,7 @@ def test_step_zero_vb_term_is_the_official_decoder_nll_by_default(diffusion):
 def test_step_zero_vb_term_with_the_exact_cdf_option():
     # decoder_cdf="exact": the exact normal CDF (scipy as the reference), end bins open to ±inf.
     diffusion = create_diffusion(decoder_cdf="exact")
-    assert diffusion.respaced("50").decoder_cdf == "exact"  # respacing keeps the option
+    assert diffusion.respaced("50").spec.decoder_cdf == "exact"  # respacing keeps the option
     nll_bits, level, mean, scale = step_zero_vb(diffusion, [0, 37, 200, 255])
     expected = []
     for lv, m, s in zip(level, mean, scale):

@@ -25,6 +25,7 @@ from _launch import TORCHRUN_TWO_PROCESSES, launch, subprocess_env
 from _tiny_data import extraction_config, latent_shards, make_images
 from _tiny_runs import TINY, TWO_PROCESSES_8_STEPS, assert_same_checkpoint, latent_run, logged, run_train
 from atomic_files import OutputError
+from commands import UserError
 from sample_arguments import SampleError
 from training.stop_signals import STOPPED_STATUS
 
@@ -561,16 +562,22 @@ def test_model_settings_that_build_no_model_are_one_line_before_anything_is_writ
 def test_an_export_whose_description_builds_no_model_is_one_line(sample_script, export, tmp_path):
     import shutil
 
-    broken = tmp_path / "broken"
-    shutil.copytree(export, broken)
-    description = json.loads((broken / "config.json").read_text())
-    description["model"]["num_heads"] = 3
-    (broken / "config.json").write_text(json.dumps(description))
     out = tmp_path / "out" / "samples.npz"
     out.parent.mkdir()
-    with pytest.raises(SampleError, match="its description builds no model .*not divisible by num_heads=3"):
-        sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
-    assert list(out.parent.iterdir()) == []
+    # Sizes that do not fit together are refused as the description is read (its model is resolved there); a VCA
+    # contrast grid that does not tile the token grid (4x4 here) as the model is built.
+    for key, value, message in (
+        ("num_heads", 3, "config.json is not an export description .*not divisible by num_heads=3"),
+        ("vca", {"contrast_grid": 3}, "its description builds no model .*contrast_grid=3"),
+    ):
+        broken = tmp_path / f"broken-{key}"
+        shutil.copytree(export, broken)
+        description = json.loads((broken / "config.json").read_text())
+        description["model"][key] = value
+        (broken / "config.json").write_text(json.dumps(description))
+        with pytest.raises(UserError, match=message):  # SampleError, or the description's ExportError
+            sample_script("--ckpt", str(broken), "--out", str(out), *SAMPLE_RUN)
+        assert list(out.parent.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import logging
 import pickle
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +21,12 @@ import generation.official as official
 from _tiny_models import EXPORT_CLASSES, tiny_sd_vae
 from dit_vca import create_model
 from dit_vca.attention import VCAOptions
-from dit_vca.models import build_model_from_config
+from dit_vca.models import DiT
 from generation import Export, ExportDescription, ExportError, ImageGenerator, load_export, read_export, write_export
 from generation.objective import create_objective
 from generation.official import OfficialCheckpointError, official_export
 from generation.sample_plan import assign_labels, sample_seeds
+from objectives import DiffusionSpec, TransportSpec, objective_record
 from sit_vca import create_model as create_sit
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -42,11 +44,11 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 def pixel_description(model, **changes) -> ExportDescription:
     values = dict(
-        model=model.config,
-        objective={"kind": "diffusion", "learn_sigma": True},
+        model=model.spec,
+        objective=DiffusionSpec(learn_sigma=True),
         space="pixels",
-        image_size=model.input_size,
-        num_classes=model.num_classes,
+        image_size=model.spec.input_size,
+        num_classes=model.spec.num_classes,
     )
     return ExportDescription(**{**values, **changes})
 
@@ -61,17 +63,36 @@ def test_an_export_written_by_the_first_format_still_loads_and_computes_the_same
     # section and the VCA switches at the top level of the model config); its output was recorded then.
     export = read_export(DATA / "legacy-export")
     assert export.description.space == "pixels" and export.description.train_step == 7
-    assert export.description.model["vca"] == {
-        "contrast_grid": 1,
-        "joint_softmax": True,
-        "stage1_differential": True,
-        "stage2_differential": True,
-        "pooled_content": True,
-    }
+    assert export.description.model.vca == VCAOptions(contrast_grid=1)
     model = ImageGenerator.from_export(export).model
     recorded = load_file(DATA / "legacy-export-output.safetensors")
     out = model(recorded["x"], torch.tensor([3, 500]), torch.tensor([0, 3]))
     torch.testing.assert_close(out, recorded["out"], rtol=0, atol=1e-6)  # same weights, same float32 kernels
+
+
+@pytest.mark.parametrize("name", ["sit-vca-lightning", "dit-mhsa"])
+def test_an_export_of_format_4_loads_its_records_as_specs_and_computes_the_same(name):
+    # tests/data/format-4-exports were written by the code before the specs (3b1f189, tests/data/README.md): the
+    # model record the backbone's keywords (an MHSA model's "vca" null), the objective its factory's; the outputs
+    # and training losses were recorded then.
+    folder = DATA / "format-4-exports"
+    record = json.loads((folder / name / "config.json").read_text())
+    description = read_export(folder / name).description
+    model_record = {**record["model"], "vca": record["model"]["vca"] or asdict(VCAOptions())}
+    assert {key: value for key, value in asdict(description.model).items() if key in model_record} == model_record
+    assert objective_record(description.objective) == record["objective"]  # every setting, none added
+    assert ExportDescription.from_json(description.to_json()) == description  # and in today's format
+    recorded = load_file(folder / "outputs.safetensors")
+    model = DiT(description.model)
+    model.load_state_dict(read_export(folder / name).weights, strict=True)
+    steps = recorded["t"] if name.startswith("sit") else torch.tensor([300, 700])  # DDPM: step indices
+    with torch.no_grad():
+        out = model.eval()(recorded["x"], steps, recorded["y"])
+        loss = create_objective(description.objective).training_losses(
+            model, recorded["x"], recorded["y"], t=steps, noise=recorded[f"{name}-noise"]
+        )["loss"]
+    torch.testing.assert_close(out, recorded[name], rtol=0, atol=1e-6)  # same weights, same float32 kernels
+    torch.testing.assert_close(loss, recorded[f"{name}-loss"], rtol=0, atol=1e-6)
 
 
 def test_description_round_trips_through_json(tmp_path):
@@ -79,7 +100,7 @@ def test_description_round_trips_through_json(tmp_path):
     description = pixel_description(model, train_step=11)
     write_export(tmp_path, model.state_dict(), description)
     stored = json.loads((tmp_path / "config.json").read_text())
-    assert stored["format"] == 4 and stored["space"] == "pixels"
+    assert stored["format"] == 5 and stored["space"] == "pixels"
     assert read_export(tmp_path).description == description
     del stored["latent_mean"], stored["latent_std"], stored["class_names"]  # format 3: written before these
     assert ExportDescription.from_json({**stored, "format": 3}) == description
@@ -174,15 +195,15 @@ def test_official_sit_with_learned_sigma_channels_uses_the_velocity_half(tmp_pat
     torch.save(official_sit_state(learn_sigma=True), path)
     export = official_export(path)
     description = export.description
-    assert description.model["learn_sigma"] is True and description.model["name"] == "SiT-S/8"
-    assert description.image_size == 64 and description.model["input_size"] == 8
-    assert description.objective == {"kind": "transport"}
+    assert description.model.learn_sigma is True and description.model.name == "SiT-S/8"
+    assert description.image_size == 64 and description.model.input_size == 8
+    assert description.objective == TransportSpec()
     assert (description.vae, description.latent_scale, description.num_classes) == (
         "stabilityai/sd-vae-ft-ema",
         0.18215,
         1000,
     )
-    model = build_model_from_config(description.model).eval()  # no random label dropout between the two calls
+    model = DiT(description.model).eval()  # no random label dropout between the two calls
     model.load_state_dict(export.weights)
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.9]), torch.tensor([1, 1000])
     velocity = create_objective(description.objective).velocity_fn(model)(x, t, y)
@@ -194,8 +215,8 @@ def test_official_dit_learn_sigma_follows_the_shapes(tmp_path):
         path = tmp_path / f"dit-{learn_sigma}.pt"
         torch.save(create_model("DiT-S/8", attention="mhsa", input_size=8, learn_sigma=learn_sigma).state_dict(), path)
         description = official_export(path, model="DiT-S/8", image_size=64).description
-        assert description.model["learn_sigma"] is learn_sigma
-        assert description.objective == {"kind": "diffusion", "learn_sigma": learn_sigma}
+        assert description.model.learn_sigma is learn_sigma
+        assert description.objective == DiffusionSpec(learn_sigma=learn_sigma)
 
 
 class CodeOnLoad:
@@ -302,7 +323,7 @@ def test_the_converter_command_writes_an_export(tmp_path, capsys):
     torch.save(perturbed(create_model("DiT-S/8", attention="mhsa", input_size=8)).state_dict(), path)
     official.main([str(path), "--out", str(tmp_path / "export")])
     export = read_export(tmp_path / "export")
-    assert export.description.model["attention"] == "mhsa" and export.description.source == str(path)
+    assert export.description.model.attention == "mhsa" and export.description.source == str(path)
     from commands import run_command
 
     with pytest.raises(SystemExit) as exit_info:
@@ -362,14 +383,11 @@ def test_a_saved_export_carries_a_model_card_filled_from_its_description(tmp_pat
     assert metadata["library_name"] == "vca-diffusion"
     assert {"diffusion", "visual-contrast-attention"} <= set(metadata["tags"])
     assert "# DiT-S/2 with MHSA attention" in body and "More Information Needed" not in body
-    config = model.config
+    spec = model.spec
+    assert f"- Model: DiT-S/2 (depth {spec.depth}, width {spec.hidden_size}, {spec.num_heads} heads)" in body
+    assert "- Objective: diffusion (learn_sigma True, decoder_cdf tanh)" in body
     assert (
-        f"- Model: DiT-S/2 (depth {config['depth']}, width {config['hidden_size']}, {config['num_heads']} heads)"
-        in body
-    )
-    assert "- Objective: diffusion (learn_sigma True)" in body
-    assert (
-        f"- Generates: {model.input_size} px images of 3 classes, in the latent space of the VAE "
+        f"- Generates: {model.spec.input_size} px images of 3 classes, in the latent space of the VAE "
         "stabilityai/sd-vae-ft-ema" in body
     )
     assert "- Latent scale: 0.18215" in body and "- EMA weights after 4,000 optimiser steps" in body
@@ -382,9 +400,9 @@ def test_a_format_written_as_a_string_is_named_as_such(export, tmp_path):
     folder = shutil.copytree(export, tmp_path / "export")
     config = json.loads((folder / "config.json").read_text())
     for written, expected in (
-        ("3", '"format" is "3"; expected a whole number from 1 to 4'),
-        (0, '"format" is 0; expected a whole number from 1 to 4'),
-        (5, "export format 5 is newer than this code understands (4)"),
+        ("3", '"format" is "3"; expected a whole number from 1 to 5'),
+        (0, '"format" is 0; expected a whole number from 1 to 5'),
+        (6, "export format 6 is newer than this code understands (5)"),
     ):
         (folder / "config.json").write_text(json.dumps({**config, "format": written}))
         with pytest.raises(ExportError, match=re.escape(expected)):
@@ -414,7 +432,7 @@ def test_an_export_folder_named_like_a_pt_file_is_read_as_an_export(tmp_path):
     from _tiny_models import tiny_export
 
     folder = tiny_export(tmp_path / "run.pt")
-    assert load_export(str(folder)).description.model["depth"] == 1
+    assert load_export(str(folder)).description.model.depth == 1
     from generation import weights_file
 
     assert weights_file(str(folder)) == folder / "ema.safetensors"

@@ -103,7 +103,7 @@ def test_guidance_on_a_tiny_backbone(family, t):
         nn.init.normal_(p, std=0.05)
     x, y = torch.randn(3, 4, 4, 4), torch.tensor([1, 2, 3])
     with torch.no_grad():
-        out = classifier_free_guidance(model, 2.5, model.num_classes)(x, t, y)
+        out = classifier_free_guidance(model, 2.5, model.spec.num_classes)(x, t, y)
         cond, uncond = cond_and_uncond(model, x, t, y)
     torch.testing.assert_close(out[:, :4], uncond[:, :4] + 2.5 * (cond[:, :4] - uncond[:, :4]), rtol=0, atol=1e-5)
     torch.testing.assert_close(out[:, 4:], cond[:, 4:], rtol=0, atol=1e-5)

@@ -414,7 +414,7 @@ def test_a_32_channel_f16_autoencoder_trains_with_its_latent_statistics_saved_in
 
     run = tmp_path / "run"
     arguments = ["--config", str(config), "data.source=latents", "model.name=SiT-S/2", "model.attention=mhsa"]
-    arguments += ["model.recipe=lightning", "model.depth=1", "model.hidden_size=32", "model.num_heads=2"]
+    arguments += ["model.blocks=lightning", "model.depth=1", "model.hidden_size=32", "model.num_heads=2"]
     arguments += ["vae.scale=1.0", "vae.normalize=channels", "transport.time_distribution=logit-normal"]
     arguments += ["transport.cosine_loss_weight=1.0", "train.max_steps=2", "log.trackers=[]", f"run.dir={run}"]
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
@@ -428,7 +428,7 @@ def test_a_32_channel_f16_autoencoder_trains_with_its_latent_statistics_saved_in
         GradientState._reset_state()
     export = load_export(run)
     description = export.description
-    assert (description.channels, description.image_size, description.model["rope"]) == (32, 64, True)
+    assert (description.channels, description.image_size, description.model.rope) == (32, 64, True)
     assert (description.latent_mean, description.latent_std) == (manifest["latent_mean"], manifest["latent_std"])
     other = dataclasses.replace(description, latent_mean=[0.0] * 32)
     assert guide_mismatch(description, other)[0] == "latent_mean"  # a guide must share the latent space

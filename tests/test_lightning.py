@@ -17,10 +17,11 @@ from diffusers import AutoencoderKL
 
 from _user_errors import one_line_error
 from commands import USER_ERROR_STATUS, run_command
-from dit_vca.models import build_model_from_config
+from dit_vca.models import DiT
 from generation import ImageGenerator, load_export
-from generation.lightning import backbone_state_dict, lightning_model_config, main
+from generation.lightning import backbone_state_dict, lightning_model_spec, main
 from generation.official import OfficialCheckpointError
+from objectives import TransportSpec
 
 OPTIONS = dict(use_rmsnorm=True, use_swiglu=True, use_qknorm=True, use_rope=True)
 
@@ -157,22 +158,17 @@ def lightning_forward(state, x, t, y, depth, heads, patch, learn_sigma, **option
 def test_a_lightning_state_dict_loads_and_computes_lightnings_forward(options):
     sizes = dict(depth=2, heads=2, patch=1, learn_sigma=True)
     state = lightning_state(2, 32, 2, 1, 5, 4, 10, True, **options)
-    config = lightning_model_config(state, "SiT-S/1", "test.pt", num_heads=2)
+    spec = lightning_model_spec(state, "SiT-S/1", "test.pt", num_heads=2)
     expected_options = dict(
         norm="rmsnorm" if options.get("use_rmsnorm") else "layernorm",
         mlp="swiglu" if options.get("use_swiglu") else "gelu",
         qk_norm=bool(options.get("use_qknorm")),
         rope=bool(options.get("use_rope")),
     )
-    assert {key: config[key] for key in expected_options} == expected_options
-    assert (config["in_channels"], config["input_size"], config["num_classes"], config["learn_sigma"]) == (
-        5,
-        4,
-        10,
-        True,
-    )
-    model = build_model_from_config(config)
-    model.load_state_dict(backbone_state_dict(state, model.config, "test.pt"), strict=True)  # every name and shape
+    assert spec.block_options == expected_options
+    assert (spec.in_channels, spec.input_size, spec.num_classes, spec.learn_sigma) == (5, 4, 10, True)
+    model = DiT(spec)
+    model.load_state_dict(backbone_state_dict(state, model.spec, "test.pt"), strict=True)  # every name and shape
 
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(3, 5, 4, 4, generator=generator, dtype=torch.float64)
@@ -189,40 +185,40 @@ def test_the_released_xl1_layout_matches_key_for_key_and_shape_for_shape():
     # LightningDiT-XL/1 on VA-VAE's 16x16x32 latents, as released (use_qknorm false); on the meta device.
     with torch.device("meta"):
         state = lightning_state(28, 1152, 16, 1, 32, 16, 1000, False, use_rmsnorm=True, use_swiglu=True, use_rope=True)
-        config = lightning_model_config(state, "SiT-XL/1", "xl1.pt")
-        model = build_model_from_config(config)
+        spec = lightning_model_spec(state, "SiT-XL/1", "xl1.pt")
+        model = DiT(spec)
     rope = {"feat_rope.freqs_cos", "feat_rope.freqs_sin"}
     renamed = {key.replace(".w12.", ".fc1.").replace(".w3.", ".fc2."): tuple(v.shape) for key, v in state.items()}
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == {
         k: v for k, v in renamed.items() if k not in rope
     }
-    assert model.blocks[0].mlp.fc2.in_features == 3072 and config["input_size"] == 16
+    assert model.blocks[0].mlp.fc2.in_features == 3072 and spec.input_size == 16
 
 
 def test_foreign_variants_are_refused_by_name():
     state = lightning_state(1, 32, 2, 1, 4, 4, 10, False, use_rope=True)
-    config = lightning_model_config(state, "SiT-S/1", "x.pt", num_heads=2)
+    spec = lightning_model_spec(state, "SiT-S/1", "x.pt", num_heads=2)
     with pytest.raises(OfficialCheckpointError, match="x.pt is 32 wide, SiT-S/1 384: give its number of heads"):
-        lightning_model_config(state, "SiT-S/1", "x.pt")
+        lightning_model_spec(state, "SiT-S/1", "x.pt")
     for key, value, message in [
         ("blocks.0.adaLN_modulation.1.weight", torch.zeros(4 * 32, 32), "wo_shift"),
         ("blocks.0.attn.q_norm.bias", torch.zeros(16), "QK-norm as LayerNorm"),
     ]:
         with pytest.raises(OfficialCheckpointError, match=message):
-            lightning_model_config({**state, key: value}, "SiT-S/1", "x.pt", num_heads=2)
+            lightning_model_spec({**state, key: value}, "SiT-S/1", "x.pt", num_heads=2)
     # A patch-2 checkpoint named with patch 1: the error names both patch sizes and the name that fits (before:
     # "16 tokens (not a square grid) or 16 output channels", for a square grid).
     patch2 = lightning_state(1, 32, 2, 2, 4, 4, 10, False)
     with pytest.raises(OfficialCheckpointError) as error:
-        lightning_model_config(patch2, "SiT-S/1", "x.pt", num_heads=2)
+        lightning_model_spec(patch2, "SiT-S/1", "x.pt", num_heads=2)
     assert str(error.value) == (
         "x.pt has patch size 2 (x_embedder.proj.weight (32, 4, 2, 2)), --model SiT-S/1 patch size 1: "
         "use --model SiT-S/2"
     )
-    assert lightning_model_config(patch2, "SiT-S/2", "x.pt", num_heads=2)["input_size"] == 8
+    assert lightning_model_spec(patch2, "SiT-S/2", "x.pt", num_heads=2).input_size == 8
     transposed = {**state, "feat_rope.freqs_cos": rope_angles_eva(4, 16).T.reshape(16, 16).cos()}  # another layout
     with pytest.raises(OfficialCheckpointError, match="feat_rope.freqs_cos .16, 16. is not the 2-D RoPE"):
-        backbone_state_dict(transposed, config, "x.pt")
+        backbone_state_dict(transposed, spec, "x.pt")
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +247,7 @@ def test_a_lightning_checkpoint_becomes_an_export_that_samples_through_its_f16_a
 
     export = load_export(tmp_path / "e")
     description = export.description
-    assert (description.image_size, description.channels, description.objective["kind"]) == (64, 32, "transport")
+    assert (description.image_size, description.channels, description.objective.kind) == (64, 32, "transport")
     assert description.latent_mean == pytest.approx(mean.flatten().tolist())
     assert description.latent_std == pytest.approx(std.flatten().tolist())
     images = ImageGenerator.from_export(export).generate([3, 10], [0, 1], sampler="euler", steps=2)
@@ -296,7 +292,7 @@ def test_an_export_written_in_lightnings_format_has_its_layout_and_imports_back(
     )  # fmt: skip
     mean, std = torch.linspace(-1, 1, 32).tolist(), torch.linspace(0.5, 2, 32).tolist()
     description = ExportDescription(
-        model=model.config, objective={"kind": "transport", "path": "linear", "prediction": "velocity"},
+        model=model.spec, objective=TransportSpec(path="linear", prediction="velocity"),
         space="latents", image_size=64, num_classes=10, vae=str(f16_vae), latent_scale=1.0, latent_mean=mean,
         latent_std=std,
     )  # fmt: skip
@@ -324,7 +320,7 @@ def test_an_export_written_in_lightnings_format_has_its_layout_and_imports_back(
     vca = sit_vca.create_model(
         "SiT-S/1", attention="vca", depth=1, hidden_size=32, num_heads=2, input_size=4, in_channels=32, num_classes=10
     )
-    vca_description = ExportDescription(**{**description.__dict__, "model": vca.config})
+    vca_description = ExportDescription(**{**description.__dict__, "model": vca.spec})
     write_export(tmp_path / "vca", vca.state_dict(), vca_description)
     error = one_line_error(write_main, [str(tmp_path / "vca"), "--out", str(tmp_path / "x")], capsys)
     assert "attention vca; LightningDiT has MHSA only" in error and not (tmp_path / "x").exists()

@@ -20,6 +20,7 @@ from _user_errors import one_line_error
 from commands import USER_ERROR_STATUS, run_command
 from generation.likelihood import PIXEL_BIN, ModelSpace, bits_per_dim, main
 from generation.vae import LatentNormalization
+from objectives import TransportSpec
 from sit_vca import create_transport
 
 MU = torch.tensor([0.2, -0.3, 0.1], dtype=torch.float64).view(1, 3, 1, 1)  # in the model's [-1, 1]
@@ -57,7 +58,7 @@ def run(images, space, dtype=torch.float64, **options):
     labels = np.zeros(len(images), np.int64)
     return bits_per_dim(
         gaussian_velocity(MU, STD),
-        create_transport("linear"),
+        create_transport(path="linear"),
         [(images, labels)],
         space,
         dtype=dtype,
@@ -137,7 +138,7 @@ def latent_bits(vae, images, mu, std, normalization):
     exact on this diagonal Jacobian."""
     return bits_per_dim(
         gaussian_velocity(mu, std),
-        create_transport("linear"),
+        create_transport(path="linear"),
         [(images, np.zeros(len(images), np.int64))],
         ModelSpace(vae=vae, normalization=normalization),
         dtype=torch.float64,
@@ -245,8 +246,8 @@ def latent_sit_export(folder, vae_folder, mean=None, std=None, scale: float = 0.
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     description = ExportDescription(
-        model=model.config,
-        objective={"kind": "transport"},
+        model=model.spec,
+        objective=TransportSpec(),
         space="latents",
         image_size=8,
         num_classes=4,
@@ -402,7 +403,7 @@ def test_a_vae_of_another_channel_count_is_one_line_before_any_image_is_read(tmp
     vae_folder = tmp_path / "vae8"
     AutoencoderKL(**{**TINY_VAE, "latent_channels": 8}).save_pretrained(vae_folder)  # 8 channels, the model 4
     description = ExportDescription(
-        model=model.config,
+        model=model.spec,
         objective={"kind": "transport"},
         space="latents",
         image_size=8,

@@ -1,7 +1,8 @@
-"""DiT/SiT backbones: the official checkpoint layout and sizes, the factory and its config, adaLN-Zero, gradients,
+"""DiT/SiT backbones: the official checkpoint layout and sizes, the factory and its spec, adaLN-Zero, gradients,
 mixed precision, gradient checkpointing and torch.compile."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import dit_vca
 import sit_vca
 from dit_vca.attention import VCAOptions
-from dit_vca.models import build_model_from_config, model_names, sincos_pos_embed_2d, timestep_embedding
+from dit_vca.model_spec import ModelSpec, model_names
+from dit_vca.models import DiT, sincos_pos_embed_2d, timestep_embedding
 
 REFERENCE = Path(__file__).resolve().parent / "data"  # official state-dict shapes, see tests/data/README.md
 TINY = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=3, num_classes=10)
@@ -29,10 +31,10 @@ def parameter_count(model: torch.nn.Module, trainable_only: bool = False) -> int
 
 def tiny_inputs(model: dit_vca.DiT, batch: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    size = model.input_size
-    x = torch.randn(batch, model.in_channels, size, size, generator=generator)
+    size = model.spec.input_size
+    x = torch.randn(batch, model.spec.in_channels, size, size, generator=generator)
     t = torch.randint(0, 1000, (batch,), generator=generator)
-    y = torch.randint(0, model.num_classes + 1, (batch,), generator=generator)  # includes the null class
+    y = torch.randint(0, model.spec.num_classes + 1, (batch,), generator=generator)  # includes the null class
     return x, t, y
 
 
@@ -90,7 +92,7 @@ def test_names_and_defaults():
     with torch.device("meta"):
         dit = dit_vca.create_model("DiT-B/4")
         sit = sit_vca.create_model("SiT-B/4")
-    assert (dit.learn_sigma, dit.out_channels, sit.learn_sigma, sit.out_channels) == (True, 8, False, 4)
+    assert (dit.spec.learn_sigma, dit.out_channels, sit.spec.learn_sigma, sit.out_channels) == (True, 8, False, 4)
     assert isinstance(sit, dit_vca.DiT)  # one backbone
     assert sit.final_layer.linear.out_features == 4 * 4 * 4
 
@@ -110,17 +112,17 @@ def test_invalid_options_name_the_value():
     with pytest.raises(ValueError, match="mhsa"):
         dit_vca.create_model("DiT-S/2", attention="mhsa", vca=VCAOptions(contrast_grid=2), **TINY)
     with pytest.raises(ValueError, match="'VCA-S/2'"):
-        build_model_from_config({"name": "VCA-S/2"})
+        DiT(ModelSpec("VCA-S/2"))
 
 
 @pytest.mark.parametrize("create", [dit_vca.create_model, sit_vca.create_model])
-def test_config_rebuilds_the_model(create):
+def test_the_spec_as_json_rebuilds_the_model(create):
     family = "DiT" if create is dit_vca.create_model else "SiT"
     model = create(f"{family}-S/4", vca=VCAOptions(contrast_grid=1, stage2_differential=False), **TINY)
-    config = json.loads(json.dumps(model.config))  # plain JSON values
-    rebuilt = build_model_from_config(config)
+    record = json.loads(json.dumps(asdict(model.spec)))  # plain JSON values, as an export records them
+    rebuilt = DiT(ModelSpec.from_record(record))
     rebuilt.load_state_dict(model.state_dict())  # same keys and shapes
-    assert rebuilt.config == model.config
+    assert rebuilt.spec == model.spec
     randomize_zero_init(model)
     rebuilt.load_state_dict(model.state_dict())
     x, t, y = tiny_inputs(model)
@@ -187,7 +189,7 @@ def test_label_dropout_uses_the_null_class():
     model = dit_vca.create_model("DiT-S/2", class_dropout_prob=1.0, **TINY)
     randomize_zero_init(model)
     x, t, y = tiny_inputs(model)
-    null = torch.full_like(y, model.num_classes)
+    null = torch.full_like(y, model.spec.num_classes)
     dropped = model.train()(x, t, y)
     assert torch.equal(dropped, model.eval()(x, t, null))  # every label dropped in training
     assert not torch.equal(model(x, t, y), dropped)  # none in eval

@@ -22,7 +22,9 @@ from _tiny_data import latent_shards
 from _tiny_models import TINY_VAE, tiny_sd_vae
 from _tiny_runs import latent_run, run_train
 from _user_errors import one_line_error
+from dit_vca.model_spec import ModelSpec
 from generation.vae import VAEUnavailableError, load_vae, vae_source
+from objectives import DiffusionSpec
 from training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,8 +142,8 @@ def test_the_vae_error_names_the_argument_of_the_call_that_was_made(tmp_path):
 
     missing = str(tmp_path / "gone" / "vae")
     description = ExportDescription(
-        model={"name": "DiT-S/2"},
-        objective={"kind": "diffusion"},
+        model=ModelSpec("DiT-S/2"),
+        objective=DiffusionSpec(),
         space="latents",
         image_size=32,
         num_classes=3,
@@ -165,8 +167,8 @@ def latent_export(folder: Path, vae: Path) -> Path:
 
     model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, num_classes=2)
     description = ExportDescription(
-        model=model.config,
-        objective={"kind": "diffusion", "learn_sigma": True},
+        model=model.spec,
+        objective=DiffusionSpec(learn_sigma=True),
         space="latents",
         image_size=8,
         num_classes=2,
@@ -229,8 +231,8 @@ def test_an_export_whose_vae_does_not_fit_its_image_size_is_refused_before_sampl
     AutoencoderKL(**TINY_VAE).save_pretrained(tmp_path / "vae")  # 2 blocks: 2 px per latent cell
     model = dit_vca.create_model("DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=4, num_classes=2)
     description = ExportDescription(
-        model=model.config,
-        objective={"kind": "diffusion", "learn_sigma": True},
+        model=model.spec,
+        objective=DiffusionSpec(learn_sigma=True),
         space="latents",
         image_size=32,  # 4 latent cells x 8 px: what an SD VAE would decode
         num_classes=2,

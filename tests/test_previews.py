@@ -110,7 +110,7 @@ def test_a_short_run_draws_its_grid_from_the_raw_weights_and_its_curves_at_each_
     export = read_export(checkpoint / "export")
     config = load_config(run_dir / "config.yaml")
     log = config.log
-    trained = dit_vca.build_model_from_config(export.description.model)
+    trained = dit_vca.DiT(export.description.model)
     trained.load_state_dict(load_file(checkpoint / "model.safetensors"))
     objective = create_objective(export.description.objective)
     title = "step 2, raw weights, guidance 1"

@@ -3,7 +3,7 @@
 import json
 import statistics
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -72,9 +72,9 @@ def test_every_arm_is_a_valid_override_of_the_shared_recipe():
     for arm in (VCA, MHSA, *ABLATIONS, *SIT):
         config = load_config(CONFIG, list(arm.overrides))
         assert config.train == load_config(CONFIG).train  # no arm touches the recipe
-        built = build_model(config, 3, 16).config  # each builds, with its switches
-        assert built["attention"] == config.model.attention and built["name"] == config.model.name
-        assert built["vca"] == (asdict(config.model.vca) if config.model.attention == "vca" else None)
+        built = build_model(config, 3, 16).spec  # each builds, with its switches
+        assert built.attention == config.model.attention and built.name == config.model.name
+        assert built.vca == config.model.vca
     switches = {arm.name: load_config(CONFIG, list(arm.overrides)).model.vca for arm in ABLATIONS}
     assert not switches["vca-stage1-only"].stage2_differential and switches["vca-stage1-only"].stage1_differential
     assert not switches["vca-stage2-only"].stage1_differential and switches["vca-stage2-only"].stage2_differential

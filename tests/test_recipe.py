@@ -1,7 +1,7 @@
-"""LightningDiT's model options in the shared backbone (RMSNorm blocks, SwiGLU, QK-norm, 2-D RoPE) and the recipes
-that switch them on, each against closed forms written here: the norm and the MLP as formulas in float64, RoPE by
-the properties that define it (a rotation: norms kept; attention logits that depend on the offset between two
-positions only) and its frequencies, and MHSA with QK-norm and RoPE as softmax(qkᵀ/√d)·v over explicitly
+"""LightningDiT's model options in the shared backbone (RMSNorm blocks, SwiGLU, QK-norm, 2-D RoPE) and the presets
+(model.blocks) that switch them on, each against closed forms written here: the norm and the MLP as formulas in
+float64, RoPE by the properties that define it (a rotation: norms kept; attention logits that depend on the offset
+between two positions only) and its frequencies, and MHSA with QK-norm and RoPE as softmax(qkᵀ/√d)·v over explicitly
 normalised and rotated queries and keys."""
 
 import math
@@ -14,8 +14,9 @@ import dit_vca
 import sit_vca
 from _tiny_runs import run_train
 from dit_vca.attention import MultiHeadSelfAttention
-from dit_vca.model_options import RECIPES, recipe_options
-from dit_vca.models import block_norm, feed_forward, swiglu_hidden_size
+from dit_vca.model_options import BLOCK_PRESETS
+from dit_vca.model_spec import ModelSpec
+from dit_vca.models import DiT, block_norm, feed_forward, swiglu_hidden_size
 from dit_vca.rope import RotaryEmbedding2d, grid_positions, rope_angles, rotate_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,27 +131,28 @@ def test_mhsa_with_qk_norm_and_rope_is_attention_over_normalised_rotated_queries
     torch.testing.assert_close(attention(x), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_every_option_is_off_by_default_and_the_dit_recipe_is_the_default():
-    assert RECIPES["dit"] == dict(norm="layernorm", mlp="gelu", qk_norm=False, rope=False)
+def test_every_option_is_off_by_default_and_the_dit_preset_is_the_default():
+    assert BLOCK_PRESETS["dit"] == dict(norm="layernorm", mlp="gelu", qk_norm=False, rope=False)
     torch.manual_seed(0)
     default = dit_vca.create_model("DiT-S/2", attention="mhsa", **TINY)
     torch.manual_seed(0)
-    explicit = dit_vca.create_model("DiT-S/2", attention="mhsa", **TINY, **recipe_options("dit"))
+    explicit = dit_vca.create_model("DiT-S/2", attention="mhsa", **TINY, **BLOCK_PRESETS["dit"])
     assert default.state_dict().keys() == explicit.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), explicit.state_dict().values()))
-    assert {key: default.config[key] for key in RECIPES["dit"]} == RECIPES["dit"]
+    assert default.spec.block_options == BLOCK_PRESETS["dit"] and default.spec.blocks == "dit"
 
 
-def test_the_lightning_recipe_builds_its_layout_rebuilds_from_its_config_and_trains():
-    options = recipe_options("lightning-qknorm")
+def test_the_lightning_preset_builds_its_layout_rebuilds_from_its_spec_and_trains():
+    options = ModelSpec("SiT-S/2", blocks="lightning-qknorm").block_options
     assert options == dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, rope=True)
-    assert recipe_options("lightning", rope=False)["rope"] is False  # an override wins, None keeps the recipe's
+    assert ModelSpec("SiT-S/2", blocks="lightning", rope=False).block_options["rope"] is False  # a setting wins
+    assert ModelSpec("SiT-S/2", blocks="lightning", rope=None).block_options["rope"] is True  # None: the preset's
     torch.manual_seed(0)
-    model = sit_vca.create_model("SiT-S/2", attention="mhsa", **TINY, **options)
+    model = sit_vca.create_model("SiT-S/2", attention="mhsa", **TINY, blocks="lightning-qknorm")
     keys = set(model.state_dict())
     assert {"blocks.0.norm1.weight", "blocks.0.attn.q_norm.weight", "final_layer.norm_final.weight"} <= keys
     assert model.blocks[0].mlp.fc1.out_features == 2 * swiglu_hidden_size(32, 4.0)
-    rebuilt = dit_vca.build_model_from_config(model.config)
+    rebuilt = DiT(model.spec)
     rebuilt.load_state_dict(model.state_dict())
     x, t, y = torch.randn(2, 3, 8, 8), torch.rand(2), torch.tensor([1, 10])
     with torch.no_grad():
@@ -166,21 +168,21 @@ def test_the_startup_summary_names_the_block_options_that_are_not_dits():
     from training.summary import describe_model
 
     with torch.device("meta"):
-        lightning = dit_vca.create_model("DiT-XL/2", attention="mhsa", **recipe_options("lightning"))
+        lightning = dit_vca.create_model("DiT-XL/2", attention="mhsa", blocks="lightning")
         dit = dit_vca.create_model("DiT-XL/2", attention="mhsa")
-    assert describe_model(lightning.config) == "DiT-XL/2 with rmsnorm, swiglu (hidden width 3072), rope"
-    assert describe_model(dit.config) == "DiT-XL/2"
+    assert describe_model(lightning.spec) == "DiT-XL/2 with rmsnorm, swiglu (hidden width 3072), rope"
+    assert describe_model(dit.spec) == "DiT-XL/2"
 
 
-def test_vca_takes_every_block_option_of_the_recipes():
+def test_vca_takes_every_block_option_of_the_presets():
     # QK-norm and RoPE apply inside VCA's core (tests/test_attention.py, test_vca_triton.py check the arithmetic);
-    # a recipe switches them on for VCA as for MHSA, and the config rebuilds the same model.
-    model = dit_vca.create_model("DiT-S/2", attention="vca", **TINY, **recipe_options("lightning-qknorm"))
-    assert {key: model.config[key] for key in RECIPES["lightning-qknorm"]} == RECIPES["lightning-qknorm"]
+    # a preset switches them on for VCA as for MHSA, and the spec rebuilds the same model.
+    model = dit_vca.create_model("DiT-S/2", attention="vca", **TINY, blocks="lightning-qknorm")
+    assert model.spec.block_options == BLOCK_PRESETS["lightning-qknorm"]
     attention = model.blocks[0].attn
     assert attention.q_norm.weight.shape == (16,) and attention.rope.cos.shape == (16, 8)  # d = 16, N = 16
     assert attention.contrast_rope.cos.shape == (4, 8)  # n = 4 contrast tokens, p = H/2 = 2
-    rebuilt = dit_vca.build_model_from_config(model.config)
+    rebuilt = DiT(model.spec)
     assert list(rebuilt.state_dict()) == list(model.state_dict())
 
 
@@ -203,8 +205,8 @@ def test_contrast_tokens_sit_at_their_pooling_cells_centres():
 def test_unknown_options_and_head_dimensions_that_rope_cannot_split_name_the_value():
     with pytest.raises(ValueError, match="norm='batchnorm'"):
         dit_vca.create_model("DiT-S/2", attention="mhsa", norm="batchnorm", **TINY)
-    with pytest.raises(ValueError, match="unknown recipe 'modern'"):
-        recipe_options("modern")
+    with pytest.raises(ValueError, match="unknown block preset 'modern'"):
+        dit_vca.create_model("DiT-S/2", blocks="modern", **TINY)
     with pytest.raises(ValueError, match="head dimension divisible by 4, got 6"):
         dit_vca.create_model("DiT-S/2", attention="mhsa", rope=True, **{**TINY, "hidden_size": 24, "num_heads": 4})
 
@@ -213,7 +215,7 @@ def test_mixed_precision_keeps_rope_and_qk_norm_in_float32():
     # Under bf16 autocast q and k arrive in bf16; the norm and the rotation compute in float32 and hand SDPA bf16
     # operands of one dtype. The output is close to the float32 forward (bf16's 8 mantissa bits: ~1e-2).
     torch.manual_seed(0)
-    model = dit_vca.create_model("DiT-S/2", attention="mhsa", **TINY, **recipe_options("lightning-qknorm"))
+    model = dit_vca.create_model("DiT-S/2", attention="mhsa", **TINY, blocks="lightning-qknorm")
     for parameter in model.parameters():
         if parameter.requires_grad and not parameter.any():
             torch.nn.init.normal_(parameter, std=0.02)
@@ -246,7 +248,7 @@ def test_the_block_options_do_not_change_the_official_layout_or_its_key_order():
         ),
     ],
 )
-def test_the_lightning_recipe_trains_and_samples_from_the_shipped_digits_config(tmp_path, family, attention, objective):
+def test_the_lightning_preset_trains_and_samples_from_the_shipped_digits_config(tmp_path, family, attention, objective):
     """The preset from the repository alone: the shipped digits config, three steps, then sample.py on the run;
     with VCA (QK-norm and RoPE in its core) and with MHSA."""
     import numpy as np
@@ -258,12 +260,12 @@ def test_the_lightning_recipe_trains_and_samples_from_the_shipped_digits_config(
     run_train(
         "--config",
         str(ROOT / "configs" / "digits.yaml"),
-        *[f"model.attention={attention}", "model.recipe=lightning-qknorm", "model.hidden_size=32", "model.depth=2"],
+        *[f"model.attention={attention}", "model.blocks=lightning-qknorm", "model.hidden_size=32", "model.depth=2"],
         *["model.num_heads=2", "train.betas=[0.9,0.95]", "train.global_batch_size=32", "train.max_steps=3"],
         *["log.sample_every=0", "log.trackers=[]", f"run.dir={run}", *objective],
     )
     description = load_export(run).description
-    assert {key: description.model[key] for key in RECIPES["lightning-qknorm"]} == RECIPES["lightning-qknorm"]
+    assert description.model.block_options == BLOCK_PRESETS["lightning-qknorm"]
     steps = ["--sampler", "ddim", "--steps", "4"] if family == "DiT" else ["--sampler", "euler", "--steps", "4"]
     sample.main(["--ckpt", str(run), "--num-samples", "4", "--out", str(tmp_path / "s.npz"), "--cpu", *steps])
     with np.load(tmp_path / "s.npz") as samples:

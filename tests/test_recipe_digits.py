@@ -10,15 +10,18 @@ import torch
 from _study import run_quick
 from _user_errors import one_line_error
 from bench._harness import STAMP_KEY, stamped_table
-from dit_vca.model_options import RECIPES
+from dit_vca.model_options import BLOCK_PRESETS
 from generation import read_export
 from studies.recipe_digits import (
     ALONE,
+    BLOCKS,
     CONFIG,
     FULL_BUDGET,
     FULL_DESIGN,
     MHSA_2022,
     MHSA_MODERN,
+    MODERN_CONFIG,
+    MODERN_KEYS,
     QUICK_BUDGET,
     STEM,
     VCA_2022,
@@ -27,7 +30,11 @@ from studies.recipe_digits import (
     render_markdown,
 )
 from studies.runner import REPO, checkpoint_export, checkpoint_steps, run_name
-from training.config import load_config
+from training.config import config_to_dict, load_config
+
+# The resolved config of every arm as the code before the modern recipe became a config built it (3b1f189,
+# tests/data/README.md): the published results (studies/results/recipe-digits.*) were trained from these.
+PUBLISHED_ARMS = REPO / "tests" / "data" / "recipe-digits-arms.json"
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -39,15 +46,59 @@ def test_the_runs_go_seed_by_seed_and_each_option_alone_changes_only_its_keys():
     # stopped early has whole seeds.
     assert runs == [(name, seed) for seed in (0, 1, 2) for name in recipes] + [(arm.name, 0) for arm in ALONE]
     reference = load_config(CONFIG, list(VCA_2022.overrides))
-    modern = load_config(CONFIG, list(VCA_MODERN.overrides))
-    assert modern.model.block_options == RECIPES["lightning-qknorm"] and modern.train.betas == [0.9, 0.95]
+    modern = load_config(MODERN_CONFIG, list(VCA_MODERN.overrides))
+    assert modern.model.block_options == BLOCK_PRESETS["lightning-qknorm"] and modern.train.betas == [0.9, 0.95]
     assert (modern.transport.time_distribution, modern.transport.cosine_loss_weight) == ("logit-normal", 1.0)
-    assert load_config(CONFIG, list(MHSA_MODERN.overrides)).model.block_options == RECIPES["lightning-qknorm"]
+    mhsa = load_config(MODERN_CONFIG, list(MHSA_MODERN.overrides))
+    assert mhsa.model.block_options == BLOCK_PRESETS["lightning-qknorm"]
     for arm in ALONE:  # a misspelt key fails here rather than after an hour of training
         config = load_config(CONFIG, list(arm.overrides))
         assert config.train.lr == reference.train.lr and config.train.max_steps == reference.train.max_steps
-        changed = {key for key, value in config.model.block_options.items() if value != RECIPES["dit"][key]}
+        changed = {key for key, value in config.model.block_options.items() if value != BLOCK_PRESETS["dit"][key]}
         assert len(changed) <= 1, (arm.name, changed)  # one block option at most, the others the 2022 recipe's
+
+
+def test_every_arm_trains_the_config_the_published_results_were_trained_with():
+    """The modern arm reads configs/digits-modern.yaml, the one-option arms the modern config's values: each arm's
+    resolved config is the one of the published study, key for key, under today's names (model.recipe is
+    model.blocks; the model settings training takes from the data, new in the section, are left null)."""
+    published = json.loads(PUBLISHED_ARMS.read_text())["arms"]
+    arms = (*FULL_DESIGN.recipes, *FULL_DESIGN.alone)
+    assert {arm.name for arm in arms} == set(published)
+    for arm in arms:
+        config = config_to_dict(load_config(arm.config or CONFIG, [*arm.overrides, "run.dir=RUN"]))
+        model = config["model"]
+        assert [model.pop(key) for key in ("input_size", "in_channels", "num_classes", "learn_sigma")] == [None] * 4
+        model["recipe"] = model.pop("blocks")
+        assert config == published[arm.name], arm.name
+
+
+def test_the_one_option_arms_cover_every_setting_the_modern_config_changes():
+    """What configs/digits-modern.yaml changes in configs/digits.yaml, key by key, is the union of the options the
+    study takes one at a time (and the preset, whose options are one arm each): no modern setting is left out of
+    the one-option arms, and no option names a key the modern config leaves alone."""
+
+    def flat(values: dict, prefix: str = "") -> dict:
+        return {
+            key: value
+            for name, item in values.items()
+            for key, value in (
+                flat(item, f"{prefix}{name}.") if isinstance(item, dict) else {f"{prefix}{name}": item}
+            ).items()
+        }
+
+    base, modern = (flat(config_to_dict(load_config(path, ["run.dir=RUN"]))) for path in (CONFIG, MODERN_CONFIG))
+    changed = {key for key in modern if modern[key] != base[key]}
+    # SiT's defaults, which the modern config spells out
+    defaults = {
+        "transport.path",
+        "transport.prediction",
+        "transport.logit_normal_location",
+        "transport.logit_normal_scale",
+    }
+    assert changed == set(MODERN_KEYS) - defaults and defaults <= set(MODERN_KEYS)
+    alone = {item.split("=")[0] for arm in ALONE for item in arm.overrides} - {"model.attention"}
+    assert alone == set(MODERN_KEYS) - {BLOCKS} | {f"model.{option}" for option in BLOCK_PRESETS[modern[BLOCKS]]}
 
 
 def test_one_channel_cosine_loss_moves_no_weight_except_from_a_zero_prediction():
@@ -92,7 +143,7 @@ def test_quick_study_trains_both_recipes_scores_run_by_run_and_reports(tmp_path)
         metrics = record["metrics"]  # one FID, of all the samples
         assert metrics["fid"] == metrics["fid_curve"] and record["sampling"]["num_samples"] == 12
         export = read_export(checkpoint_export(out / "runs" / f"{name}-seed0", 4))
-        assert export.description.objective["kind"] == kind
+        assert export.description.objective.kind == kind
     assert "| VCA, modern recipe | 0 |" in markdown and "Only the final model of each run is scored" in markdown
     assert "Every planned run was trained and scored." in markdown
 

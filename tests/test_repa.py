@@ -274,7 +274,7 @@ def test_repa_trains_logs_the_alignment_loss_and_keeps_the_projector_out_of_expo
     exported = read_export(checkpoint)
     weights = load_file(checkpoint / "export" / "ema.safetensors")
     assert not any(key.startswith(("0.", "2.", "4.")) for key in weights) and "repa" not in json.dumps(
-        exported.description.model
+        exported.description.to_json()["model"]
     )
     sampler = "ddim" if model.startswith("DiT") else "euler"
     assert ImageGenerator.from_export(exported).generate([0, 1], [0, 1], sampler=sampler, steps=2).shape[0] == 2

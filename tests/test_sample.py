@@ -334,13 +334,12 @@ def test_the_sampler_is_checked_against_the_objectives_table_without_building_an
     """sample.py's check of --sampler reads the checkpoint's objective kind in the objectives table (the table that
     --help lists): the same one line, with no objective built only to list its sampler names."""
     import generation.objective
-    from objectives import SAMPLERS
+    from dit_vca.model_spec import ModelSpec
+    from objectives import SAMPLERS, TransportSpec
     from sample_arguments import check_against, parse_args
 
     monkeypatch.setattr(generation.objective, "create_objective", lambda spec: pytest.fail("an objective was built"))
-    sit = types.SimpleNamespace(
-        model={"name": "SiT-S/2"}, objective={"kind": "transport"}, has_null_class=True, channels=4
-    )
+    sit = types.SimpleNamespace(model=ModelSpec("SiT-S/2"), objective=TransportSpec(), has_null_class=True, channels=4)
     args = parse_args(["--ckpt", "x", "--out", str(tmp_path / "s.npz"), "--num-samples", "1", "--sampler", "ddpm"])
     offered = ", ".join(SAMPLERS["transport"].names)
     with pytest.raises(SampleError, match=f"^--sampler 'ddpm': this checkpoint's objective offers {offered}$"):

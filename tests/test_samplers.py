@@ -149,7 +149,7 @@ ODE_ERROR_BOUNDS = {
 @pytest.mark.parametrize("sampler, steps", list(ODE_ERROR_BOUNDS))
 def test_ode_sampler_follows_the_exact_flow(path, sampler, steps):
     n = 4096
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     x_T = prior(n)
     result = transport.sample(interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler=sampler, steps=steps)
     t0, t1 = transport.interval(transport.sample_eps)
@@ -166,7 +166,7 @@ def test_ode_sampler_follows_the_exact_flow(path, sampler, steps):
 def test_fixed_step_solvers_converge_at_their_order(path):
     """Halving the step divides Euler's error by ~2 and Heun's by ~4 (measured 1.87-1.93 and 3.3-4.4)."""
     n = 256
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     model = interpolant_optimal_model(path, "velocity")
     x_T = prior(n)
     reference = exact_flow(path, x_T, *transport.interval(transport.sample_eps))
@@ -186,7 +186,7 @@ def test_fixed_step_solvers_converge_at_their_order(path):
 def test_dopri5_with_tight_tolerances_is_exact(path):
     """atol = rtol = 1e-8 leaves a global error of ~1e-8 (measured <= 5e-8); 1e-6 bound."""
     n = 256
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     x_T = prior(n)
     result = transport.sample(
         interpolant_optimal_model(path, "velocity"), x_T, labels(n), sampler="dopri5", atol=1e-8, rtol=1e-8
@@ -219,7 +219,7 @@ def test_the_time_shift_puts_the_fixed_step_solvers_on_lightningdits_grid(sample
 
     x_T = torch.ones(2, 1, 1, 1, dtype=torch.float64)
     options = {} if shift == 1.0 else {"time_shift": shift}  # 1: the option left out is the same grid
-    result = create_transport("linear").sample(model, x_T, labels(2), sampler=sampler, steps=steps, **options)
+    result = create_transport(path="linear").sample(model, x_T, labels(2), sampler=sampler, steps=steps, **options)
     widths = [b - a for a, b in zip(grid, grid[1:])]
     factor = math.prod(1 + h + (h * h / 2 if sampler == "heun" else 0) for h in widths)
     torch.testing.assert_close(result.samples, x_T * factor, rtol=1e-12, atol=0)
@@ -232,7 +232,7 @@ def test_the_time_shift_puts_the_fixed_step_solvers_on_lightningdits_grid(sample
 def test_lightningdits_shifted_euler_still_follows_the_exact_flow():
     """Euler on 250 points shifted by 0.3 (LightningDiT's sampling) lands within Euler-50's bound of the exact flow
     of the Gaussian's optimal velocity (measured 1.3e-3 on the Linear path)."""
-    n, transport = 1024, create_transport("linear")
+    n, transport = 1024, create_transport(path="linear")
     x_T = prior(n)
     model = interpolant_optimal_model("linear", "velocity")
     result = transport.sample(model, x_T, labels(n), sampler="euler", steps=249, time_shift=0.3)
@@ -247,7 +247,7 @@ def test_ode_with_noise_and_score_models(path, prediction, sampler, steps):
     """Noise and score models integrate on [eps, 1 - eps] through the converted velocity; same bounds as above
     (measured <= 3.6e-3 for Heun-50, <= 8e-3 for dopri5)."""
     n = 1024
-    transport = create_transport(path, prediction=prediction)
+    transport = create_transport(path=path, prediction=prediction)
     x_T = prior(n)
     result = transport.sample(interpolant_optimal_model(path, prediction), x_T, labels(n), sampler=sampler, steps=steps)
     error = (result.samples - exact_flow(path, x_T, *transport.interval(transport.sample_eps))).abs().max()
@@ -277,7 +277,7 @@ SDE_ALLOWANCE = 0.01
 )
 def test_sde_sampler_moments(path, prediction, sampler, options):
     n = 16384
-    transport = create_transport(path, prediction=prediction)
+    transport = create_transport(path=path, prediction=prediction)
     result = transport.sample(
         interpolant_optimal_model(path, prediction), prior(n), labels(n), sampler=sampler, **options
     )
@@ -307,7 +307,7 @@ def test_sde_last_step_changes_the_result_as_specified():
         "vp",
         0.96,
         0.04,
-        float(create_transport("vp").path.sde_diffusion(torch.tensor(0.96, dtype=torch.float64), "sigma", 1.0)),
+        float(create_transport(path="vp").path.sde_diffusion(torch.tensor(0.96, dtype=torch.float64), "sigma", 1.0)),
     )
     assert (std / STD).min() < 0.9
 
@@ -322,7 +322,7 @@ def test_ode_likelihood_equals_the_gaussian_log_density(path):
     """For a diagonal Jacobian a Rademacher probe gives the exact trace, so Hutchinson is exact here; the dopri5
     defaults then leave ~2e-4 nats/dim (measured). Bound 1e-2 nats/dim as required."""
     n = 64
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     x = MU + STD * prior(n, seed=1)
     result = transport.log_likelihood(interpolant_optimal_model(path, "velocity"), x, labels(n))
     expected = flow_log_density(path, x, *transport.interval(transport.sample_eps))
@@ -338,7 +338,7 @@ def test_ode_likelihood_with_exact_divergence_on_a_rotated_gaussian():
     n, rot = 64, rotation()
     z = MU + STD * prior(n, seed=2)
     x = torch.einsum("ij,bj...->bi...", rot, z)
-    result = create_transport("linear").log_likelihood(
+    result = create_transport(path="linear").log_likelihood(
         rotated_velocity_model("linear", rot), x, labels(n), divergence="exact"
     )
     assert ((result.log_prob - gaussian_log_density(z)).abs() / 4).max() <= 1e-2
@@ -350,7 +350,7 @@ def test_hutchinson_likelihood_is_unbiased():
     n, rot = 2048, rotation()
     z = MU + STD * prior(1, seed=3)
     x = torch.einsum("ij,bj...->bi...", rot, z).expand(n, *SHAPE)
-    result = create_transport("linear").log_likelihood(
+    result = create_transport(path="linear").log_likelihood(
         rotated_velocity_model("linear", rot), x, labels(n), noise=PerSampleNoise(range(n))
     )
     estimates = result.log_prob
@@ -387,7 +387,7 @@ def _sample(kind: str, sampler: str, seeds: list[int], **options) -> SampleResul
             noise=noise,
             **options,
         )
-    return create_transport("linear").sample(
+    return create_transport(path="linear").sample(
         interpolant_optimal_model("linear", "velocity"),
         x_T,
         labels(len(seeds)),
@@ -436,7 +436,7 @@ def test_nfe_counts_model_calls(kind, sampler, steps, expected):
     if kind == "ddpm":
         inner, objective = ddpm_optimal_model(list(range(1000))), create_diffusion()
     else:
-        inner, objective = interpolant_optimal_model("linear", "velocity"), create_transport("linear")
+        inner, objective = interpolant_optimal_model("linear", "velocity"), create_transport(path="linear")
 
     def model(x, t, y):
         calls.append(1)
@@ -449,7 +449,7 @@ def test_nfe_counts_model_calls(kind, sampler, steps, expected):
 
 
 def test_progress_bar_only_when_asked(capsys):
-    transport = create_transport("linear")
+    transport = create_transport(path="linear")
     model = interpolant_optimal_model("linear", "velocity")
     transport.sample(model, prior(2), labels(2), sampler="euler", steps=3, progress=False)
     assert "ODE Euler" not in capsys.readouterr().err
@@ -475,7 +475,7 @@ def test_progress_bar_only_when_asked(capsys):
 def test_bad_transport_requests_fail_before_sampling(kwargs, message):
     model = lambda x, t, y: pytest.fail("the model must not run for a bad request")  # noqa: E731
     with pytest.raises(ValueError, match=message):
-        create_transport("linear").sample(model, prior(2), labels(2), **kwargs)
+        create_transport(path="linear").sample(model, prior(2), labels(2), **kwargs)
 
 
 def test_default_samplers():

@@ -65,7 +65,7 @@ def test_shapes_config_builds_a_pixel_space_model_with_64_tokens():
     assert x.shape == (3, 16, 16) and label == 1 and -1.0 <= x.min() and x.max() <= 1.0
     assert model_input_shape(config, dataset, None) == (3, 16)
     model = build_model(config, 3, 16)
-    assert (model.input_size // model.patch_size) ** 2 == 64
+    assert (model.spec.input_size // model.patch_size) ** 2 == 64
     with torch.no_grad():
         out = model(x[None], torch.tensor([10]), torch.tensor([label]))
     assert out.shape == (1, 3, 16, 16)

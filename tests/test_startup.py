@@ -4,6 +4,7 @@ the launches it refuses because they would not run the processes asked for."""
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from _launch import TORCHRUN_TWO_PROCESSES
 from _tiny_runs import run_train, summary_rows
 from commands import USER_ERROR_STATUS
+from dit_vca.model_spec import ModelSpec
 from training.loop import TrainerState
 from training.summary import describe_model, describe_resume
 
@@ -155,9 +157,10 @@ def test_more_loader_workers_than_cpus_are_capped_and_the_summary_says_so(tmp_pa
 
 
 def test_a_model_of_the_names_own_sizes_is_named_alone():
-    built = {"name": "SiT-XL/2", "depth": 28, "hidden_size": 1152, "num_heads": 16, "mlp_ratio": 4.0}
+    built = ModelSpec("SiT-XL/2").resolved()
     assert describe_model(built) == "SiT-XL/2"
-    assert describe_model({**built, "mlp_ratio": 2.0}).startswith("SiT-XL/2 resized to depth 28, width 1152, 16 heads")
+    resized = describe_model(replace(built, mlp_ratio=2.0))
+    assert resized.startswith("SiT-XL/2 resized to depth 28, width 1152, 16 heads")
 
 
 def test_the_summary_states_a_swiglu_blocks_width_the_objective_and_the_latents():
@@ -170,9 +173,9 @@ def test_the_summary_states_a_swiglu_blocks_width_the_objective_and_the_latents(
     from training.config import load_config
     from training.summary import describe_latents, describe_objective
 
-    built = {"name": "SiT-S/2", "depth": 12, "hidden_size": 384, "num_heads": 6, "mlp_ratio": 4.0, "mlp": "swiglu"}
+    built = ModelSpec("SiT-S/2", mlp="swiglu").resolved()
     assert describe_model(built) == "SiT-S/2 with swiglu (hidden width 1024)"
-    assert describe_model({**built, "depth": 1, "hidden_size": 48, "num_heads": 2}) == (
+    assert describe_model(replace(built, depth=1, hidden_size=48, num_heads=2)) == (
         "SiT-S/2 with swiglu resized to depth 1, width 48, 2 heads, SwiGLU hidden width 128 (the name's: 12, 384, 6, "
         "1024)"
     )

@@ -34,6 +34,7 @@ from _tiny_runs import (
 )
 from generation import ImageGenerator, read_export
 from generation.vae import VAEUnavailableError
+from objectives import DiffusionSpec
 from training.checkpoint_folders import CheckpointError
 from training.config import ConfigError
 from training.loop import NonFiniteLossError
@@ -143,8 +144,8 @@ def test_export_rebuilds_the_model_and_holds_the_ema(two_process_run):
     trained = load_file(run_dir / "checkpoints" / "step-0000020" / "model.safetensors")
     assert trained.keys() == ema.keys()  # plain model keys, no DDP "module." prefix
     assert any(not torch.equal(trained[key], ema[key]) for key in ema)  # the EMA is not the raw weights
-    assert description.model == model.config and description.model["hidden_size"] == 32
-    assert description.objective == {"kind": "diffusion", "learn_sigma": False, "decoder_cdf": "tanh"}
+    assert description.model == model.spec and description.model.hidden_size == 32
+    assert description.objective == DiffusionSpec(learn_sigma=False, decoder_cdf="tanh")
     assert (
         description.space,
         description.image_size,

@@ -24,7 +24,7 @@ RTOL = 1e-10
 
 @pytest.mark.parametrize("path", PATHS)
 def test_path_coefficients_match_reference_formulas(path):
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     t = TIMES.view(-1, 1)
     alpha, d_alpha, sigma, d_sigma = path_coefficients(path, TIMES)
     a, da = transport.path.alpha(t)
@@ -47,7 +47,7 @@ def test_path_end_points():
 
 @pytest.mark.parametrize("path", PATHS)
 def test_interpolant_and_velocity_target(path):
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     x0, x1 = torch.randn(25, *SHAPE, dtype=torch.float64), torch.randn(25, *SHAPE, dtype=torch.float64)
     alpha, d_alpha, sigma, d_sigma = (c.view(-1, 1, 1, 1) for c in path_coefficients(path, TIMES))
     x_t, u_t = transport.path.interpolate(x0, x1, TIMES.view(-1, 1, 1, 1))
@@ -59,7 +59,7 @@ def test_interpolant_and_velocity_target(path):
 def test_conversions_are_exact_for_the_optimal_predictors(path):
     """For Gaussian data the optimal velocity, score and noise predictions are known in closed form, so each
     conversion must map one exactly onto the other."""
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     x = torch.randn(25, *SHAPE, dtype=torch.float64) * 2 + MU
     t = TIMES.view(-1, 1, 1, 1)
     y = torch.zeros(25, dtype=torch.long)
@@ -72,7 +72,7 @@ def test_conversions_are_exact_for_the_optimal_predictors(path):
     close(p.noise_from_score(score, t), noise)
     # The transport's own dispatch (what the samplers use) for each prediction type.
     for prediction, output in [("velocity", velocity), ("score", score), ("noise", noise)]:
-        chosen = create_transport(path, prediction=prediction)
+        chosen = create_transport(path=path, prediction=prediction)
         close(chosen.velocity(output, x, TIMES), velocity)
         close(chosen.score(output, x, TIMES), score)
 
@@ -80,7 +80,7 @@ def test_conversions_are_exact_for_the_optimal_predictors(path):
 @pytest.mark.parametrize("path", ["linear", "gvp"])
 def test_score_from_velocity_is_finite_at_t0(path):
     """At t = 0 (alpha = 0) the marginal is N(0, I), whose score is -x."""
-    transport = create_transport(path)
+    transport = create_transport(path=path)
     x = torch.randn(4, *SHAPE, dtype=torch.float64)
     t = torch.zeros(4, dtype=torch.float64)
     velocity = interpolant_optimal_model(path, "velocity")(x, t, None)
@@ -99,7 +99,7 @@ def test_score_from_velocity_is_finite_at_t0(path):
     ],
 )
 def test_default_epsilons_and_intervals(path, prediction, train_eps, sample_eps):
-    transport = create_transport(path, prediction=prediction)
+    transport = create_transport(path=path, prediction=prediction)
     assert (transport.train_eps, transport.sample_eps) == (train_eps, sample_eps)
     t0, t1 = transport.interval(transport.sample_eps)
     assert t1 == 1 - sample_eps
@@ -109,7 +109,7 @@ def test_default_epsilons_and_intervals(path, prediction, train_eps, sample_eps)
 
 
 def test_explicit_epsilons_override_defaults():
-    transport = create_transport("VP", train_eps=1e-4, sample_eps=2e-3)
+    transport = create_transport(path="VP", train_eps=1e-4, sample_eps=2e-3)
     assert isinstance(transport, Transport) and isinstance(transport.path, VPPath)
     assert (transport.train_eps, transport.sample_eps) == (1e-4, 2e-3)
 
@@ -137,7 +137,7 @@ def test_training_loss_values(path, prediction, loss_weight):
     """The loss for a fixed model output, time and noise, against the formulas of SiT's objective written out with
     the reference path coefficients: velocity |v - u|^2; noise w |eps - x0|^2; score w |s sigma + x0|^2 with
     w = 1, (b / sigma)^2 (velocity weighting) or b / sigma^2 (likelihood), b = (alpha'/alpha) sigma^2 - sigma sigma'."""
-    transport = create_transport(path, prediction=prediction, loss_weight=loss_weight)
+    transport = create_transport(path=path, prediction=prediction, loss_weight=loss_weight)
     x1 = torch.randn(25, *SHAPE, dtype=torch.float64)
     noise = torch.randn_like(x1)
     output = torch.randn_like(x1)
@@ -157,7 +157,7 @@ def test_training_loss_values(path, prediction, loss_weight):
 
 @pytest.mark.parametrize("path, prediction", [("linear", "velocity"), ("linear", "noise"), ("vp", "velocity")])
 def test_training_times_cover_the_training_interval(path, prediction):
-    transport = create_transport(path, prediction=prediction)
+    transport = create_transport(path=path, prediction=prediction)
     seen = []
 
     def model(x_t, t, y):
@@ -175,7 +175,7 @@ def test_training_times_cover_the_training_interval(path, prediction):
 
 def test_learn_sigma_outputs_drop_the_extra_channels():
     """A SiT backbone built with learn_sigma=True returns 2C channels; the first C are the prediction."""
-    transport = create_transport("linear")
+    transport = create_transport(path="linear")
     x1 = torch.randn(3, *SHAPE, dtype=torch.float64)
     prediction = torch.randn_like(x1)
     with_sigma = lambda x_t, t, y: torch.cat([prediction, torch.full_like(prediction, 1e6)], dim=1)  # noqa: E731
@@ -207,7 +207,7 @@ def logit_normal_density(u: float, location: float, scale: float) -> float:
 @pytest.mark.parametrize("path, location, scale", [("linear", 0.0, 1.0), ("linear", 0.8, 0.5), ("vp", -1.0, 1.6)])
 def test_logit_normal_training_times_follow_the_closed_form_law(path, location, scale):
     transport = create_transport(
-        path, time_distribution="logit-normal", logit_normal_location=location, logit_normal_scale=scale
+        path=path, time_distribution="logit-normal", logit_normal_location=location, logit_normal_scale=scale
     )
     torch.manual_seed(0)
     u = unit_times(transport, 20_000).numpy()
@@ -224,7 +224,7 @@ def test_logit_normal_training_times_follow_the_closed_form_law(path, location, 
 
 
 def test_uniform_times_are_the_default_and_fail_the_logit_normal_law():
-    transport = create_transport("linear")
+    transport = create_transport(path="linear")
     torch.manual_seed(0)
     u = unit_times(transport, 20_000).numpy()
     assert kstest(u, "uniform").pvalue > 0.01
@@ -233,7 +233,7 @@ def test_uniform_times_are_the_default_and_fail_the_logit_normal_law():
 
 def test_uniform_times_draw_the_same_numbers_as_before():
     # Runs resumed across this change keep their random stream: uniform times are still one torch.rand call.
-    transport = create_transport("linear")
+    transport = create_transport(path="linear")
     torch.manual_seed(3)
     expected = torch.rand(7, dtype=torch.float64)
     torch.manual_seed(3)
@@ -255,7 +255,7 @@ def test_velocity_direction_loss_is_one_minus_the_cosine_over_channels_per_pixel
 
 
 def test_training_loss_adds_the_weighted_direction_loss_to_the_velocity_mse():
-    transport = create_transport("linear", cosine_loss_weight=0.7)
+    transport = create_transport(path="linear", cosine_loss_weight=0.7)
     x1 = torch.randn(25, *SHAPE, dtype=torch.float64)
     noise, output = torch.randn_like(x1), torch.randn_like(x1)
     terms = transport.training_losses(lambda x_t, t, y: output, x1, None, t=TIMES, noise=noise)

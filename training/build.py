@@ -7,7 +7,7 @@ of `dit_vca`, SiT models ("SiT-...") with the transport objective of `sit_vca` (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,12 +18,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from dit_vca.attention import set_vca_kernel
-from dit_vca.models import DiT, build_model_from_config, model_family, name_size
+from dit_vca.model_spec import model_family, name_size
+from dit_vca.models import DiT
 from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
 from generation.objective import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
-from objectives import DIFFUSION, MODEL_FAMILIES
+from objectives import DIFFUSION, MODEL_FAMILIES, ObjectiveSpec
 from training.accelerator import micro_batch_size
 from training.config import Config, ConfigError
 from training.data import LatentShardDataset, ShardedBatches, build_dataset
@@ -82,51 +83,28 @@ def model_input_shape(config: Config, dataset: Dataset, vae: AutoencoderKL | Non
 
 
 def build_model(config: Config, in_channels: int, input_size: int) -> DiT:
-    """The network of `config` for inputs (B, in_channels, input_size, input_size)."""
-    model = config.model
-    objective = MODEL_FAMILIES[model_family(model.name)]  # diffusion.learn_sigma is DDPM's; SiT's is the family's
-    arguments: dict[str, Any] = dict(
-        name=model.name,
-        attention=model.attention,
+    """The network of `config` for inputs (B, in_channels, input_size, input_size): its model section, with what
+    the data and the objective decide."""
+    objective = MODEL_FAMILIES[model_family(config.model.name)]  # diffusion.learn_sigma is DDPM's; SiT's the family's
+    spec = replace(
+        config.model,
         input_size=input_size,
         in_channels=in_channels,
         num_classes=config.data.num_classes,
-        class_dropout_prob=model.class_dropout_prob,
         learn_sigma=config.diffusion.learn_sigma if objective is DIFFUSION else objective.learn_sigma,
-        gradient_checkpointing=model.gradient_checkpointing,
-        **model.block_options,
     )
-    if model.attention == "vca":
-        arguments["vca"] = model.vca
-    for size_override in ("depth", "hidden_size", "num_heads", "mlp_ratio"):
-        if getattr(model, size_override) is not None:
-            arguments[size_override] = getattr(model, size_override)
     try:
-        return build_model_from_config(arguments)
+        return DiT(spec)
     except ValueError as error:  # the backbone names the sizes that do not fit together
         raise ConfigError(
             f"model settings that build no model for {in_channels}x{input_size}x{input_size} inputs: {error}"
         ) from None
 
 
-def objective_spec(config: Config) -> dict[str, Any]:
-    """{"kind": "diffusion" | "transport", **keyword arguments of its factory} (JSON-serialisable)."""
-    kind = MODEL_FAMILIES[model_family(config.model.name)].kind
-    if kind == DIFFUSION.kind:
-        return {"kind": kind, "learn_sigma": config.diffusion.learn_sigma, "decoder_cdf": config.diffusion.decoder_cdf}
-    transport = config.transport
-    return {
-        "kind": kind,
-        "path": transport.path,
-        "prediction": transport.prediction,
-        "loss_weight": transport.loss_weight,
-        "train_eps": transport.train_eps,
-        "sample_eps": transport.sample_eps,
-        "time_distribution": transport.time_distribution,
-        "logit_normal_location": transport.logit_normal_location,
-        "logit_normal_scale": transport.logit_normal_scale,
-        "cosine_loss_weight": transport.cosine_loss_weight,
-    }
+def objective_spec(config: Config) -> ObjectiveSpec:
+    """The objective of the model's family: the config's diffusion section (DiT names) or transport section (SiT)."""
+    objective = MODEL_FAMILIES[model_family(config.model.name)]
+    return config.diffusion if objective is DIFFUSION else config.transport
 
 
 def class_names(dataset: Dataset) -> list[str] | None:
@@ -145,7 +123,7 @@ def export_description(config: Config, model: DiT, dataset: Dataset | None = Non
     normalization = dataset.normalization if isinstance(dataset, LatentShardDataset) else None
     mean, std = (normalization.mean, normalization.std) if normalization is not None else (None, None)
     return ExportDescription(
-        model=dict(model.config),
+        model=model.spec,
         objective=objective_spec(config),
         space="pixels" if pixels else "latents",
         image_size=config.data.image_size,
@@ -220,7 +198,7 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
     objective = create_objective(objective_spec(config))
     export = export_description(config, model, dataset)
     projector = (
-        build_projector(model.config["hidden_size"], config.train.repa.projector_dim, encoder.width)
+        build_projector(model.spec.hidden_size, config.train.repa.projector_dim, encoder.width)
         if encoder is not None
         else None
     )

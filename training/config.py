@@ -7,13 +7,17 @@ fails at once with the key, the file it came from and the valid choices or range
 says what 0 means (log.sample_every, log.fid_every, log.export_every: 0 switches it off).
 
 The schema holds types and neutral defaults; recipe values (model, data, batch size, learning rate, EMA
-decay, steps, VAE) have no default and come from the YAML files, so each is written down in one place.
+decay, steps, VAE) have no default and come from the YAML files, so each is written down in one place. The
+sections model, diffusion and transport are the specs the network and the objectives are built from
+(dit_vca.model_spec.ModelSpec, objectives.DiffusionSpec and TransportSpec): their settings are written there once.
+A key that earlier code named otherwise (RENAMED_KEYS) loads under its new name, with one line saying it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,25 +30,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from commands import UserError
 from configs import UnknownConfigError, find_config
-from dit_vca.model_options import (
-    MLPS,
-    NORMS,
-    RECIPES,
-    VCA_KERNEL_SETTINGS,
-    VCAOptions,
-    recipe_options,
-)
-from objectives import (
-    DECODER_CDF,
-    DIFFUSION,
-    LOSS_WEIGHT,
-    MODEL_FAMILIES,
-    PATH,
-    PREDICTION,
-    SAMPLERS,
-    TIME_DISTRIBUTION,
-    Setting,
-)
+from dit_vca.model_options import VCA_KERNEL_SETTINGS
+from dit_vca.model_spec import ModelSpec, all_model_names, name_size
+from objectives import MODEL_FAMILIES, SAMPLERS, DiffusionSpec, TransportSpec
+from settings import choice as _choice
+from settings import value_range as _range
 from training.encoder_source import encoder_source
 
 BASE_KEY = "base"
@@ -55,73 +45,9 @@ class ConfigError(UserError):
     """A config file or override that does not fit the schema."""
 
 
-def _choice(default: Any, *choices: Any) -> Any:
-    """A field whose value must be one of `choices` (checked after all sources are merged)."""
-    return field(default=default, metadata={"choices": choices})
-
-
-def _setting(setting: Setting) -> Any:
-    """A field of an objective's setting: its default and choices, from the objectives table."""
-    return _choice(setting.default, *setting.choices)
-
-
-def _range(default: Any, minimum: float, maximum: float = math.inf, above: bool = False) -> Any:
-    """A number (or list of numbers) in [minimum, maximum], or (minimum, maximum] when `above`; finite; None
-    passes where the type allows it (checked after all sources are merged)."""
-    return field(default=default, metadata={"range": (minimum, maximum, above)})
-
-
 # --------------------------------------------------------------------------------------------------
 #                                              Schema
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """The network: a size name ("DiT-S/2", "SiT-XL/2", ...) plus the attention and its switches."""
-
-    name: str = MISSING  # "DiT-S/2" ... "SiT-XL/8"
-    attention: str = _choice("vca", "vca", "mhsa")  # token mixer: Visual-Contrast Attention or the MHSA baseline
-    class_dropout_prob: float = _range(0.1, 0.0, 1.0)  # labels replaced by the null class (CFG needs > 0)
-    vca: VCAOptions = field(default_factory=VCAOptions)  # contrast grid and ablation switches (docs/VCA.md)
-    gradient_checkpointing: bool = False  # recompute each block in backward: less memory, more time
-    depth: int | None = _range(None, 1)  # blocks; None: the name's (these size overrides: small models, tests)
-    hidden_size: int | None = _range(None, 1)  # width; None: the name's
-    num_heads: int | None = _range(None, 1)  # attention heads; None: the name's
-    mlp_ratio: float | None = _range(None, 0.0, above=True)  # MLP width / width; None: the name's
-    recipe: str = _choice("dit", *RECIPES)  # block options preset: dit (2022), lightning (RMSNorm, SwiGLU, RoPE), ...
-    norm: str | None = _choice(None, None, *NORMS)  # block norms: layernorm (DiT) or rmsnorm; null: the recipe's
-    mlp: str | None = _choice(None, None, *MLPS)  # gelu (DiT) or swiglu (2/3 of the GELU width); null: the recipe's
-    qk_norm: bool | None = None  # RMSNorm of each head's queries and keys (docs/models.md); null: the recipe's
-    rope: bool | None = None  # 2-D rotary position embedding of queries and keys (docs/models.md); null: the recipe's
-
-    @property
-    def block_options(self) -> dict[str, Any]:
-        """norm, mlp, qk_norm and rope as the backbone takes them: the recipe's, each replaced where set."""
-        return recipe_options(self.recipe, norm=self.norm, mlp=self.mlp, qk_norm=self.qk_norm, rope=self.rope)
-
-
-@dataclass
-class DiffusionConfig:
-    """DDPM objective of DiT models (used when model.name starts with "DiT-")."""
-
-    learn_sigma: bool = DIFFUSION.learn_sigma  # learned-range variance + hybrid loss (DiT); False: plain eps-MSE
-    decoder_cdf: str = _setting(DECODER_CDF)  # normal CDF of the t = 0 decoder NLL: official tanh form
-
-
-@dataclass
-class TransportConfig:
-    """Interpolant objective of SiT models (used when model.name starts with "SiT-")."""
-
-    path: str = _setting(PATH)  # the interpolant from noise to data
-    prediction: str = _setting(PREDICTION)  # what the network predicts
-    loss_weight: str | None = _setting(LOSS_WEIGHT)  # score/noise prediction only
-    train_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
-    sample_eps: float | None = _range(None, 0.0, 1.0)  # None: the path's default (sit_vca.transport)
-    time_distribution: str = _setting(TIME_DISTRIBUTION)  # of training times: uniform or logit-normal
-    logit_normal_location: float = _range(0.0, -math.inf)  # m of t = sigmoid(m + s·N(0, 1)); t = 1 is data
-    logit_normal_scale: float = _range(1.0, 0.0, above=True)  # s of the same
-    cosine_loss_weight: float = _range(0.0, 0.0)  # weight of the direction loss 1 - cos(v, u) (LightningDiT: 1); 0: off
 
 
 @dataclass
@@ -257,9 +183,9 @@ class RunConfig:
 class Config:
     """One experiment."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
+    model: ModelSpec = field(default_factory=lambda: ModelSpec(MISSING))  # dit_vca.model_spec
+    diffusion: DiffusionSpec = field(default_factory=DiffusionSpec)  # objectives
+    transport: TransportSpec = field(default_factory=TransportSpec)  # objectives
     data: DataConfig = field(default_factory=DataConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
@@ -282,6 +208,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(str(error)) from None
     merged = OmegaConf.structured(Config)
     for source, values in [*_read_chain(path, ()), ("the command line", _parse_overrides(overrides))]:
+        _rename_legacy_keys(values, source)
         _check_keys(values, Config, source, prefix="")
         try:
             merged = OmegaConf.merge(merged, values)
@@ -324,23 +251,34 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     return config
 
 
+# Keys of configs that earlier code wrote, and their names today: a file or override with the old name loads, with
+# one line saying the new name (once per process).
+RENAMED_KEYS = {"model.recipe": ("model.blocks", "the block options' preset; the modern recipe is configs/modern.yaml")}
+_told_renamed: set[str] = set()
+
+
+def _rename_legacy_keys(values: DictConfig | dict[str, Any], source: str, tell: bool = True) -> None:
+    """Move each key of RENAMED_KEYS in `values` (one source's) to its new name, in place."""
+    for old, (new, meaning) in RENAMED_KEYS.items():
+        section, old_key = old.split(".")
+        new_key = new.split(".")[1]
+        node = values.get(section)
+        if not isinstance(node, (DictConfig, dict)) or old_key not in node:
+            continue
+        if new_key in node:
+            raise ConfigError(f"{source}: '{old}' and '{new}' are one key (its old and new name): keep '{new}'")
+        node[new_key] = node.pop(old_key)
+        if tell and old not in _told_renamed:
+            _told_renamed.add(old)
+            print(f"warning: {source}: '{old}' is now '{new}' ({meaning}): write '{new}'", file=sys.stderr)
+
+
 # What a resumed run keeps from its checkpoint: the network and its objective, what the data are and the seed that
 # orders them. A change of any of these is refused (the weights or the data stream would not fit); everything else
-# (optimiser settings, steps, schedules, logging, precision, paths) applies from the resume step on.
+# (optimiser settings, steps, schedules, logging, precision, paths) applies from the resume step on (RESUME_FREE:
+# the keys of the sections above that do not change the weights).
 RESUME_FIXED = (
-    "model.name",
-    "model.attention",
-    "model.class_dropout_prob",
-    "model.vca",
-    "model.depth",
-    "model.hidden_size",
-    "model.num_heads",
-    "model.mlp_ratio",
-    "model.recipe",
-    "model.norm",
-    "model.mlp",
-    "model.qk_norm",
-    "model.rope",
+    "model",
     "diffusion",
     "transport",
     "data.source",
@@ -350,6 +288,7 @@ RESUME_FIXED = (
     "vae.normalize",
     "train.seed",
 )
+RESUME_FREE = ("model.gradient_checkpointing",)  # recomputes in backward what the weights give
 
 
 def resume_conflict(config: Config, saved_yaml: str) -> tuple[str, Any, Any] | None:
@@ -357,6 +296,7 @@ def resume_conflict(config: Config, saved_yaml: str) -> tuple[str, Any, Any] | N
     (key, checkpoint's value, this config's value), or None. A key the checkpoint's config does not have (written
     before the key existed) counts with the schema's default, which is what that run used."""
     saved, ours, defaults = yaml.safe_load(saved_yaml), config_to_dict(config), config_to_dict(Config())
+    _rename_legacy_keys(saved, "the checkpoint's config.yaml", tell=False)  # the run's own, told when it loaded
     absent = object()
 
     def at(values: Any, key: str) -> Any:
@@ -370,7 +310,7 @@ def resume_conflict(config: Config, saved_yaml: str) -> tuple[str, Any, Any] | N
 
     for group in RESUME_FIXED:
         for key in _leaf_keys(at(ours, group), group):
-            if saved_at(key) != at(ours, key):
+            if key not in RESUME_FREE and saved_at(key) != at(ours, key):
                 return key, saved_at(key), at(ours, key)
     return None
 
@@ -484,11 +424,16 @@ def _field_type(schema: type, name: str) -> Any:
 
 
 def _check_values(node: Any, prefix: str) -> None:
-    """Check every field against its choices or range (see `_choice`, `_range`)."""
+    """Check every field against its choices or range, and that those decided by other keys are left null
+    (`settings`)."""
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):
             _check_values(value, prefix=f"{prefix}{f.name}.")
+        elif "decided_by" in f.metadata and value is not None:
+            raise ConfigError(
+                f"'{prefix}{f.name}' is {value!r}, but training sets it from {f.metadata['decided_by']}: leave it null"
+            )
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
             choices = ", ".join("null" if c is None else str(c) for c in f.metadata["choices"])
             raise ConfigError(f"'{prefix}{f.name}' is {value!r}; valid choices: {choices}")
@@ -510,8 +455,6 @@ def describe_range(minimum: float, maximum: float, above: bool) -> str:
 
 def _check_repa(config: Config) -> None:
     """The aligned block exists; mean and std agree (the encoder itself is checked by training.repa)."""
-    from dit_vca.models import name_size
-
     repa = config.train.repa
     depth = config.model.depth or name_size(config.model.name)[0][0]
     if repa.depth > depth:
@@ -549,10 +492,8 @@ def _check_fid_weights(config: Config) -> None:
         raise ConfigError(f"'log.fid_weights' is {setting!r}, a profile this run does not track; {expected}")
 
 
-def _check_model_heads(model: ModelConfig) -> None:
+def _check_model_heads(model: ModelSpec) -> None:
     """The width splits into the heads (the backbone checks this too, but only once the data are loaded)."""
-    from dit_vca.models import name_size
-
     _, preset_width, preset_heads = name_size(model.name)[0]
     width, heads = model.hidden_size or preset_width, model.num_heads or preset_heads
     if width % heads:
@@ -562,11 +503,9 @@ def _check_model_heads(model: ModelConfig) -> None:
         )
 
 
-def _check_block_options(model: ModelConfig) -> None:
+def _check_block_options(model: ModelSpec) -> None:
     """RoPE needs a head dimension that splits into two axes of channel pairs, whether set or switched on by the
-    recipe."""
-    from dit_vca.models import name_size
-
+    preset model.blocks."""
     options = model.block_options
     _, width, heads = name_size(model.name)[0]
     head_dim = (model.hidden_size or width) // (model.num_heads or heads)
@@ -609,7 +548,5 @@ def _check_preview_sampler(config: Config) -> None:
 
 
 def _check_model_name(name: str) -> None:
-    from dit_vca.models import all_model_names  # the size table lives with the backbone
-
     if name not in all_model_names():
         raise ConfigError(f"'model.name' is {name!r}; valid choices: {', '.join(all_model_names())}")

@@ -54,7 +54,9 @@ def config_keys(schema: type = Config, prefix: str = "") -> list[ConfigKey]:
             allowed = "one of " + ", ".join(yaml_value(choice) for choice in item.metadata["choices"])
         elif "range" in item.metadata:
             allowed = describe_range(*item.metadata["range"])
-        required = default is MISSING
+        elif "decided_by" in item.metadata:
+            allowed = f"set by training from {item.metadata['decided_by']}"
+        required = default is MISSING or default is dataclasses.MISSING  # ModelSpec.name has no default
         keys.append(ConfigKey(name, "" if required else yaml_value(default), required, allowed, comments[item.name]))
     return keys
 

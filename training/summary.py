@@ -16,8 +16,9 @@ from accelerate import Accelerator
 from torch import nn
 
 from dit_vca.diffusion import NUM_TIMESTEPS
-from dit_vca.model_options import RECIPES
-from dit_vca.models import name_size, swiglu_hidden_size
+from dit_vca.model_options import BLOCK_PRESETS
+from dit_vca.model_spec import ModelSpec, name_size
+from dit_vca.models import swiglu_hidden_size
 from generation.vae import LatentNormalization
 from training.build import TrainingParts, objective_spec
 from training.config import Config
@@ -39,31 +40,31 @@ def attention_parameters(model: nn.Module) -> int:
     )
 
 
-def describe_model(built: dict[str, Any]) -> str:
+def describe_model(built: ModelSpec) -> str:
     """The model's name, with the sizes that were built where they are not the name's own (tiny test and demo
     models override depth, width, heads or the MLP ratio) and the block options that are not DiT's (RMSNorm,
-    SwiGLU with its hidden width, QK-norm, RoPE): `built` is the model's `config`. A SwiGLU block's MLP is said by
-    its hidden width (two thirds of the ratio's: dit_vca.models.swiglu_hidden_size), not by the ratio."""
-    (depth, width, heads), _ = name_size(built["name"])
-    sizes = (built["depth"], built["hidden_size"], built["num_heads"], built["mlp_ratio"])
-    dit = RECIPES["dit"]  # config keys of the block options and DiT's values
-    swiglu = built.get("mlp") == "swiglu"
-    hidden = swiglu_hidden_size(built["hidden_size"], built["mlp_ratio"])
+    SwiGLU with its hidden width, QK-norm, RoPE): `built` is the model's (resolved) `spec`. A SwiGLU block's MLP is
+    said by its hidden width (two thirds of the ratio's: dit_vca.models.swiglu_hidden_size), not by the ratio."""
+    (depth, width, heads), _ = name_size(built.name)
+    sizes = (built.depth, built.hidden_size, built.num_heads, built.mlp_ratio)
+    dit = BLOCK_PRESETS["dit"]  # the block options and DiT's values
+    swiglu = built.mlp == "swiglu"
+    hidden = swiglu_hidden_size(built.hidden_size, built.mlp_ratio)
     resized = sizes != (depth, width, heads, 4.0)
     swiglu_text = "swiglu" if resized else f"swiglu (hidden width {hidden})"  # resized: said with the sizes
     changed = [
         (swiglu_text if value == "swiglu" else value) if isinstance(value, str) else key
-        for key, value in built.items()
-        if dit.get(key, value) != value
+        for key, value in built.block_options.items()
+        if dit[key] != value
     ]
     options = f" with {', '.join(changed)}" if changed else ""
     if not resized:
-        return built["name"] + options
+        return built.name + options
     mlp, name_mlp = (
         (f"SwiGLU hidden width {hidden}", swiglu_hidden_size(width, 4.0)) if swiglu else (f"MLP ratio {sizes[3]:g}", 4)
     )
     return (
-        f"{built['name']}{options} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, {mlp} "
+        f"{built.name}{options} resized to depth {sizes[0]}, width {sizes[1]}, {sizes[2]} heads, {mlp} "
         f"(the name's: {depth}, {width}, {heads}, {name_mlp})"
     )
 
@@ -71,7 +72,7 @@ def describe_model(built: dict[str, Any]) -> str:
 def describe_objective(config: Config, objective: Any) -> str:
     """What the model is trained to do: DDPM's process and loss, or the interpolant's path, prediction, training
     times (their law and interval) and loss terms with their weights."""
-    if objective_spec(config)["kind"] == "diffusion":
+    if objective_spec(config).kind == "diffusion":
         loss = (
             "epsilon and a learned-range variance, loss MSE + variational bound (DiT's hybrid)"
             if config.diffusion.learn_sigma
@@ -200,7 +201,7 @@ def startup_summary(
     with_projector = f", REPA's projector {projector:,} included" if parts.alignment is not None else ""
     precision = accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"
     rows = {
-        "model": f"{describe_model(model.config)}, attention {config.model.attention}: {total:,} parameters "
+        "model": f"{describe_model(model.spec)}, attention {config.model.attention}: {total:,} parameters "
         f"({trainable:,} trained{with_projector}; attention layers {attention_parameters(model):,})",
         **({"REPA": describe_alignment(config, parts.alignment, projector)} if parts.alignment is not None else {}),
         "objective": describe_objective(config, parts.objective),
