@@ -404,7 +404,7 @@ def test_a_vae_of_another_channel_count_is_one_line_before_any_image_is_read(tmp
     AutoencoderKL(**{**TINY_VAE, "latent_channels": 8}).save_pretrained(vae_folder)  # 8 channels, the model 4
     description = ExportDescription(
         model=model.spec,
-        objective={"kind": "transport"},
+        objective=TransportSpec(),
         space="latents",
         image_size=8,
         num_classes=4,

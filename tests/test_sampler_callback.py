@@ -113,7 +113,7 @@ def test_every_ddpm_step_reaches_the_callback_with_its_state_time_and_x0(sampler
 @pytest.mark.parametrize("path, prediction", [("linear", "velocity"), ("gvp", "score"), ("vp", "noise")])
 @pytest.mark.parametrize("sampler, steps, per_step", [("euler", 7, 1), ("heun", 5, 2)])
 def test_every_fixed_ode_step_reaches_the_callback(path, prediction, sampler, steps, per_step):
-    transport = create_transport(path, prediction, sample_eps=1e-3)
+    transport = create_transport(path=path, prediction=prediction, sample_eps=1e-3)
     recording = Recording(interpolant_optimal_model(path, prediction))
     result = transport.sample(recording, prior(), labels(), sampler=sampler, steps=steps, callback=recording.callback)
     assert len(recording.steps) == steps
@@ -130,7 +130,7 @@ def test_every_fixed_ode_step_reaches_the_callback(path, prediction, sampler, st
 def test_every_accepted_adaptive_step_reaches_the_callback(method):
     """One SamplerStep per accepted step, at increasing times from t0; its state and estimate are those of the model
     call the step started from; the last carries every evaluation, rejected attempts included."""
-    transport = create_transport("linear")
+    transport = create_transport(path="linear")
     recording = Recording(interpolant_optimal_model("linear", "velocity"))
     result = transport.sample(recording, prior(), labels(), sampler=method, callback=recording.callback)
     assert len(recording.steps) >= 2
@@ -149,7 +149,7 @@ def test_every_sde_step_and_the_last_step_reach_the_callback(path, prediction, s
     """The data estimate of an SDE step comes from its drift v + w·score (the velocity recovered from it); the last
     step is a step too, with the estimate at its start."""
     steps = 6
-    transport = create_transport(path, prediction, sample_eps=1e-3)
+    transport = create_transport(path=path, prediction=prediction, sample_eps=1e-3)
     recording = Recording(interpolant_optimal_model(path, prediction))
     result = transport.sample(
         recording, prior(), labels(), sampler=sampler, steps=steps, last_step=last_step, callback=recording.callback
@@ -167,7 +167,7 @@ def test_every_sde_step_and_the_last_step_reach_the_callback(path, prediction, s
 
 
 def test_a_callback_does_not_change_the_samples():
-    transport = create_transport("linear")
+    transport = create_transport(path="linear")
     model = interpolant_optimal_model("linear", "velocity")
     for sampler in ("heun", "dopri5", "sde-heun"):
         plain = transport.sample(model, prior(), labels(), sampler=sampler, noise=noise()).samples
