@@ -107,7 +107,7 @@ def sample_and_inception_rows(threads: int, repeats: int) -> list[dict]:
     import demo
     from fid import extract_features, load_inception
     from generation import ImageGenerator
-    from generation.objective import create_objective
+    from generation.objective_builder import create_objective
     from judges.digits import INCEPTION_BATCH, real_digits
     from training.build import build_model, objective_spec
     from training.config import load_config

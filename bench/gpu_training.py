@@ -21,7 +21,7 @@ from bench._harness import synchronize
 from dit_vca.attention import VCAOptions, VisualContrastAttention, set_vca_kernel
 from dit_vca.model_spec import ModelSpec, model_family
 from dit_vca.models import create_backbone
-from generation.objective import create_objective, default_objective
+from generation.objective_builder import create_objective, default_objective
 
 LATENT_CHANNELS, DOWNSAMPLING = 4, 8  # the SD VAE's latents (generation.vae.SD_VAE_ARCHITECTURE)
 FIXED_GRID = 8

@@ -50,7 +50,7 @@ from bench._harness import (
     synchronize,
 )
 from bench.gpu_training import FIXED_GRID, TIME_GOALS
-from generation.objective import create_objective
+from generation.objective_builder import create_objective
 from generation.vae import SD_VAE_ARCHITECTURE, latent_downsampling
 from training.accelerator import create_accelerator
 from training.build import TrainingParts, build_model, create_optimizer, export_description, objective_spec

@@ -71,7 +71,7 @@ class ExportDescription:
     """
 
     model: ModelSpec  # the network, every setting decided (ModelSpec.resolved): dit_vca.models.DiT(model)
-    objective: ObjectiveSpec  # objectives.DiffusionSpec or TransportSpec (generation.objective.create_objective)
+    objective: ObjectiveSpec  # objectives.DiffusionSpec or TransportSpec (objective_builder.create_objective)
     space: str  # "pixels" | "latents"
     image_size: int  # side of the generated images in pixels
     num_classes: int

@@ -20,7 +20,7 @@ from dit_vca.attention import set_vca_kernel
 from dit_vca.models import DiT
 from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
-from generation.objective import Objective, create_objective
+from generation.objective_builder import Objective, create_objective
 from samplers import PerSampleNoise, StepCallback, autoguidance, classifier_free_guidance
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # model space (B, C, h, w) -> pixels in [-1, 1] (B, 1 or 3, H, W)

@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     import torch
 
     from generation.generator import check_vae_fits, load_model
-    from generation.objective import create_objective
+    from generation.objective_builder import create_objective
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     vae = None

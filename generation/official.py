@@ -33,7 +33,7 @@ from commands import CommandParser, UserError, run_command
 from dit_vca.model_spec import ModelSpec, all_model_names, model_family
 from dit_vca.models import DiT
 from generation.export import Export, ExportDescription, write_export
-from generation.objective import default_objective
+from generation.objective_builder import default_objective
 from objectives import DIFFUSION, MODEL_FAMILIES
 
 # The recipe the official checkpoints were trained with (VAE, latent scale, classes), written down once.

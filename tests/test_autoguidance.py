@@ -22,7 +22,7 @@ from _tiny_models import EXPORT_CLASSES, tiny_export
 from generation import ExportDescription, ImageGenerator, load_export
 from generation.autoguide import guide_mismatch
 from generation.images import to_uint8
-from generation.objective import create_objective
+from generation.objective_builder import create_objective
 from objectives import DiffusionSpec, TransportSpec
 from sample_arguments import SampleError
 from samplers import PerSampleNoise

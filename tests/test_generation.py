@@ -23,7 +23,7 @@ from dit_vca import create_model
 from dit_vca.attention import VCAOptions
 from dit_vca.models import DiT
 from generation import Export, ExportDescription, ExportError, ImageGenerator, load_export, read_export, write_export
-from generation.objective import create_objective
+from generation.objective_builder import create_objective
 from generation.official import OfficialCheckpointError, official_export
 from generation.sample_plan import assign_labels, sample_seeds
 from objectives import DiffusionSpec, TransportSpec, objective_record

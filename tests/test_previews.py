@@ -16,7 +16,7 @@ import dit_vca
 from _tiny_runs import run_train, summary_rows
 from generation import ImageGenerator, read_export
 from generation.generator import pixel_decoder
-from generation.objective import create_objective
+from generation.objective_builder import create_objective
 from training.config import ConfigError, PosthocEMAConfig, load_config
 from training.curves import draw_curves
 from training.ema import create_ema

@@ -333,12 +333,13 @@ def test_out_into_a_missing_folder_makes_it(export, tmp_path, capsys):
 def test_the_sampler_is_checked_against_the_objectives_table_without_building_an_objective(tmp_path, monkeypatch):
     """sample.py's check of --sampler reads the checkpoint's objective kind in the objectives table (the table that
     --help lists): the same one line, with no objective built only to list its sampler names."""
-    import generation.objective
+    import generation.objective_builder
     from dit_vca.model_spec import ModelSpec
     from objectives import SAMPLERS, TransportSpec
     from sample_arguments import check_against, parse_args
 
-    monkeypatch.setattr(generation.objective, "create_objective", lambda spec: pytest.fail("an objective was built"))
+    unbuilt = lambda spec: pytest.fail("an objective was built")  # noqa: E731
+    monkeypatch.setattr(generation.objective_builder, "create_objective", unbuilt)
     sit = types.SimpleNamespace(model=ModelSpec("SiT-S/2"), objective=TransportSpec(), has_null_class=True, channels=4)
     args = parse_args(["--ckpt", "x", "--out", str(tmp_path / "s.npz"), "--num-samples", "1", "--sampler", "ddpm"])
     offered = ", ".join(SAMPLERS["transport"].names)

@@ -167,7 +167,7 @@ def test_the_summary_states_a_swiglu_blocks_width_the_objective_and_the_latents(
     """Issue 48: the summary said "MLP ratio 4" for a SwiGLU block, and neither the objective nor the latents'
     normalisation. LightningDiT's recipe: SwiGLU of hidden width int(2/3 int(4 C)), rectified flow with
     logit-normal times and the direction loss, latents normalised per channel."""
-    from generation.objective import create_objective
+    from generation.objective_builder import create_objective
     from generation.vae import LatentNormalization
     from training.build import objective_spec
     from training.config import load_config

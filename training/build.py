@@ -22,7 +22,7 @@ from dit_vca.model_spec import model_family, name_size
 from dit_vca.models import DiT
 from generation.export import ExportDescription
 from generation.generator import ImageGenerator, pixel_decoder
-from generation.objective import Objective, create_objective
+from generation.objective_builder import Objective, create_objective
 from generation.vae import latent_downsampling, load_vae
 from objectives import DIFFUSION, MODEL_FAMILIES, ObjectiveSpec
 from training.accelerator import micro_batch_size

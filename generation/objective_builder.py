@@ -1,5 +1,6 @@
-"""The objective an export names: DiT's DDPM (`dit_vca.diffusion`) or SiT's transport (`sit_vca.transport`), built
-from its spec (`objectives.DiffusionSpec`, `objectives.TransportSpec`)."""
+"""The objective an export names, built from its spec: DiT's DDPM (`dit_vca.diffusion`) or SiT's transport
+(`sit_vca.transport`) from `objectives.DiffusionSpec` or `objectives.TransportSpec`. The top-level `objectives`
+holds the specs and the table of objectives and samplers as plain data; this module makes the torch objects."""
 
 from __future__ import annotations
 
