@@ -43,6 +43,34 @@ def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_host_time_benchmark_times_every_subject_through_its_launch_path(tmp_path: Path) -> None:
+    """`python -m bench.host_time --quick` on the CPU, Triton's interpreter unset (it times the compiled launch
+    path, over the stub driver): every layer row on CPU and meta tensors and every model row has a positive time
+    for MHSA and for VCA on ATen and on Triton, and the files are written."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment |= {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "bench.host_time", "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "host-time-cpu-quick.json").read_text())
+    assert results["stub_driver"] and results["triton"]
+    layers = [row for row in results["rows"] if row["case"] == "layer"]
+    assert {(row["tensors"], row["precision"], row["mode"]) for row in layers} == {
+        (tensors, precision, mode)
+        for tensors, precision in (("cpu", "fp32"), ("cpu", "bf16"), ("meta", "fp32"))
+        for mode in ("forward", "forward+backward")
+    }
+    models = [row for row in results["rows"] if row["case"] == "model"]
+    assert {(row["mode"], row["compiled"]) for row in models} == {
+        (mode, compiled) for mode in ("train step", "sample step") for compiled in (False, True)
+    }
+    for row in layers + models:
+        assert set(row["us"]) == {"mhsa", "vca-aten", "vca-triton"} and min(row["us"].values()) > 0, row
+    assert (tmp_path / "host-time-cpu-quick.png").stat().st_size > 0
+    assert "vca-triton / mhsa" in (tmp_path / "host-time-cpu-quick.md").read_text()
+
+
+@pytest.mark.slow
 def test_attention_benchmark_times_the_block_options(tmp_path: Path) -> None:
     """`python -m bench.attention --options`: MHSA and VCA plain, with QK-norm, RoPE and both, and VCA's readable
     path with both, each timed, with a table row per pass (a smoke run at N = 64)."""
