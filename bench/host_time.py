@@ -13,15 +13,16 @@ same mode and precision is the figure (issue 46's goal: ≤ 2).
 
 Rows, each in fp32 and under bf16 autocast:
 - layer: one layer, C = 64, 2 heads, 4×4 tokens, n = 4, batch 2; `forward+backward` (a training step's share,
-  backward of the output's sum) and `forward` (under no_grad: sampling's share). On a CPU also with every tensor
-  on the meta device (fp32: autocast does not exist there), where an operation costs its dispatch and shape logic
-  alone, as it costs the host on a GPU but for the launch; on CPU tensors the small operations also compute (the
-  depthwise convolution's oneDNN call costs more than MHSA's whole forward here). Subjects: MHSA (SDPA), VCA on
-  its ATen core, and VCA on its Triton core; on a CPU with the CUDA driver stubbed out (bench.stub_driver):
-  Triton's own launch path, the JIT's binding, cache lookup and C launcher, runs in full; the kernels compile once
-  for sm_90 and then launch nothing, so the ATen operations around them compute on whatever their outputs held
-  (flush-to-zero keeps denormals from slowing them); the per-call look-up of the first-use check, which runs on
-  CUDA devices only, is not in them. On a GPU the Triton core is the real one.
+  backward of the output's sum) and `forward` (under no_grad: sampling's share). On CPU tensors the small
+  operations also compute, which on a GPU they leave to it: the depthwise convolution's oneDNN call, ~75 µs
+  forward, costs more than MHSA's whole forward here (the meta device is no cleaner a stand-in: many of its
+  operations run Python decompositions, ten times the CPU's cost). Subjects: MHSA (SDPA), VCA on its ATen core,
+  and VCA on its Triton core; on a CPU with the CUDA driver stubbed out (bench.stub_driver): Triton's own launch
+  path, the JIT's binding, cache lookup and C launcher, runs in full; the kernels compile once for sm_90 and then
+  launch nothing, so the ATen operations around them compute on whatever their outputs held (flush-to-zero keeps
+  denormals from slowing them); the per-call look-up of the first-use check, which runs on CUDA devices only, is
+  not in them. On a GPU the Triton core is the real one. On a CPU the convolution alone is timed beside them
+  (subject "conv", as nn.Conv2d runs it) and the table gives VCA's time without it over MHSA's too.
 - model (--models): a small DiT (DiT-S/2's family, 2 blocks, C = 64, 2 heads, 8×8 latents: 16 tokens), batch 2:
   `train step` (the objective's loss, backward, AdamW) and `sample step` (one model call under no_grad on the
   CFG pair as one batch of 4), eager and compiled (`model.compile(fullgraph=True)`, inductor; the first calls,
@@ -33,7 +34,7 @@ Writes bench/results/host-time-<device>.json, .md and .png (--quick: host-time-<
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import os
 import statistics
 import time
@@ -58,6 +59,7 @@ GOAL = 2.0  # issue 46: a small VCA layer's host time ≤ 2x MHSA's
 @dataclass(frozen=True)
 class Settings:
     min_seconds: float  # of timed calls per row, the slowest subject's
+    min_rounds: int
     max_rounds: int
     models: bool
     model_precisions: tuple[str, ...]
@@ -73,7 +75,7 @@ def interleaved_thread_seconds(steps: dict[str, Callable[[], object]], device: t
             step()
         synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in steps}
-    while (rounds := len(times[next(iter(times))])) < 5 or (
+    while (rounds := len(times[next(iter(times))])) < settings.min_rounds or (
         max(sum(t) for t in times.values()) < settings.min_seconds and rounds < settings.max_rounds
     ):
         for name, step in steps.items():
@@ -100,24 +102,17 @@ def subjects(device: torch.device) -> dict[str, str | None]:
     return names
 
 
-@contextlib.contextmanager
-def triton_launch_path(device: torch.device) -> Iterator[None]:
-    """On the CPU, Triton's launch path over the stub driver, and VCA's Triton core allowed CPU tensors (it refuses
-    them unless Triton's interpreter runs them: here nothing runs them). On a GPU, nothing to do."""
-    if device.type == "cuda":
-        yield
+def use_triton_launch_path(device: torch.device) -> None:
+    """On the CPU, for the rest of the process: Triton's launch path over the stub driver, and VCA's Triton core
+    allowed CPU tensors (it refuses them unless Triton's interpreter runs them: here nothing runs them). On a GPU,
+    or under the interpreter (the GPU runbook's rehearsal), nothing to do."""
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return
-    from bench.stub_driver import stub_driver
+    from bench.stub_driver import use_stub_driver
+    from dit_vca import vca_triton
 
-    with stub_driver():
-        from dit_vca import vca_triton
-
-        check = vca_triton._check_device
-        vca_triton._check_device = lambda tensor: None
-        try:
-            yield
-        finally:
-            vca_triton._check_device = check
+    use_stub_driver()
+    vca_triton._check_device = lambda tensor: None
 
 
 def layer(kernel: str | None, device: torch.device) -> torch.nn.Module:
@@ -133,26 +128,38 @@ def layer(kernel: str | None, device: torch.device) -> torch.nn.Module:
     return module.to(device)
 
 
+class ValueConvolution(torch.nn.Module):
+    """VCA's depthwise 3×3 convolution of v alone, on tokens (B, N, C) as a channels-last image: on CPU tensors, the
+    share of VCA's time that is the CPU computing (oneDNN), which on a GPU the host leaves to the GPU."""
+
+    def __init__(self, width: int, grid: int) -> None:
+        super().__init__()
+        self.grid = grid
+        self.conv = torch.nn.Conv2d(width, width, kernel_size=3, padding=1, groups=width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        image = x.view(B, self.grid, self.grid, C).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last
+        return self.conv(image).permute(0, 2, 3, 1).reshape(B, N, C)  # (B, N, C)
+
+
 def layer_rows(device: torch.device, settings: Settings) -> Iterator[dict]:
-    """The layer rows on `device`, and on a CPU also on the meta device (dispatch only: every operation computes
-    shapes, nothing else; fp32, as autocast does not exist there)."""
+    """The layer rows, with the convolution alone beside them on a CPU (subject "conv")."""
     from bench.attention import layer_step
 
     names = subjects(device)
-    tokens = LAYER["grid"] ** 2
-    places = [(device, PRECISIONS)]
+    layers = {name: layer(kernel, device) for name, kernel in names.items()}
     if device.type == "cpu":
-        places.append((torch.device("meta"), {"fp32": torch.float32}))
-    for place, precisions in places:
-        layers = {name: layer(kernel, place) for name, kernel in names.items()}
-        for precision, dtype in precisions.items():
-            for backward in (True, False):
-                x = torch.randn(LAYER["batch"], tokens, LAYER["width"], device=place, requires_grad=backward)
-                steps = {name: layer_step(module, x, dtype, backward) for name, module in layers.items()}
-                seconds = interleaved_thread_seconds(steps, device, settings)
-                yield {"case": "layer", "tensors": place.type, "precision": precision,
-                       "mode": "forward+backward" if backward else "forward",
-                       "us": {name: 1e6 * s for name, s in seconds.items()}}  # fmt: skip
+        layers["conv"] = ValueConvolution(LAYER["width"], LAYER["grid"]).to(device)
+    tokens = LAYER["grid"] ** 2
+    for precision, dtype in PRECISIONS.items():
+        for backward in (True, False):
+            x = torch.randn(LAYER["batch"], tokens, LAYER["width"], device=device, requires_grad=backward)
+            steps = {name: layer_step(module, x, dtype, backward) for name, module in layers.items()}
+            seconds = interleaved_thread_seconds(steps, device, settings)
+            yield {"case": "layer", "tensors": device.type, "precision": precision,
+                   "mode": "forward+backward" if backward else "forward",
+                   "us": {name: 1e6 * s for name, s in seconds.items()}}  # fmt: skip
 
 
 def model_rows(device: torch.device, settings: Settings) -> Iterator[dict]:
@@ -162,6 +169,10 @@ def model_rows(device: torch.device, settings: Settings) -> Iterator[dict]:
 
     family = model_family(MODEL["name"])
     objective = create_objective(default_objective_spec(family))
+    dynamo = importlib.import_module("torch._dynamo")
+    # Every compiled model is another instance of one forward: Dynamo counts each as a recompilation of it.
+    limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), 64))
     batch, latent = MODEL["batch"], MODEL["latent"]
     sizes = {key: MODEL[key] for key in ("depth", "hidden_size", "num_heads")}
     x = torch.randn(batch, 4, latent, latent, device=device)
@@ -251,12 +262,16 @@ def markdown(results: dict) -> str:
 
 
 def _table(head: list[str], rows: list[tuple[list[str], dict[str, float]]]) -> list[str]:
-    """A Markdown table: the `head` columns, µs per subject, then each VCA subject over MHSA."""
+    """A Markdown table: the `head` columns, µs per subject, each VCA subject over MHSA, and where the convolution
+    was timed alone, each VCA subject without it over MHSA."""
     names = list(rows[0][1])
-    header = [*head, *(f"{n} µs" for n in names), *(f"{n} / mhsa" for n in names[1:])]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(head) + "---:|" * (2 * len(names) - 1)]
+    vca = [n for n in names if n.startswith("vca")]
+    header = [*head, *(f"{n} µs" for n in names), *(f"{n} / mhsa" for n in vca)]
+    header += [f"({n} − conv) / mhsa" for n in vca] if "conv" in names else []
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(head) + "---:|" * (len(header) - len(head))]
     for cells, us in rows:
-        ratios = [f"**{us[n] / us['mhsa']:.2f}**" for n in names[1:]]
+        ratios = [f"**{us[n] / us['mhsa']:.2f}**" for n in vca]
+        ratios += [f"{(us[n] - us['conv']) / us['mhsa']:.2f}" for n in vca] if "conv" in us else []
         lines.append("| " + " | ".join([*cells, *(f"{us[n]:.0f}" for n in names), *ratios]) + " |")
     return lines
 
@@ -264,7 +279,7 @@ def _table(head: list[str], rows: list[tuple[list[str], dict[str, float]]]) -> l
 def plot(results: dict) -> Figure:
     rows = results["rows"]
     figure, ax = subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.5))
-    names = list(rows[0]["us"])
+    names = [name for name in rows[0]["us"] if name != "conv"]
     labels = [f"{r['case']} {r['tensors']} {r['precision']}\n{r['mode']}{' compiled' if r.get('compiled') else ''}"
               for r in rows]  # fmt: skip
     width = 0.8 / len(names)
@@ -294,6 +309,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
     settings = Settings(
         min_seconds=0.0 if args.quick else 3.0,
+        min_rounds=5,
         max_rounds=5 if args.quick else 20000,
         models=args.models or args.quick,
         model_precisions=("fp32",) if args.quick else tuple(PRECISIONS),
@@ -301,15 +317,16 @@ def main() -> None:
     )
     from importlib.metadata import version
 
+    if "vca-triton" in subjects(device):
+        use_triton_launch_path(device)
     rows = []
-    with triton_launch_path(device) if "vca-triton" in subjects(device) else contextlib.nullcontext():
-        for row in layer_rows(device, settings):
+    for row in layer_rows(device, settings):
+        rows.append(row)
+        print(row, flush=True)
+    if settings.models:
+        for row in model_rows(device, settings):
             rows.append(row)
             print(row, flush=True)
-        if settings.models:
-            for row in model_rows(device, settings):
-                rows.append(row)
-                print(row, flush=True)
     results = {
         "device": describe_device(device),
         "cpu_flags": cpu_vector_flags() if device.type == "cpu" else [],

@@ -1,6 +1,6 @@
 """Triton's own launch path on a machine without a GPU: a stand-in for the CUDA driver that launches nothing.
 
-`stub_driver()` builds bench/stub_libcuda.c into a libcuda.so.1 whose every call succeeds at once, loads it, and
+`use_stub_driver()` builds bench/stub_libcuda.c into a libcuda.so.1 whose every call succeeds at once, loads it, and
 makes Triton's active driver a CudaDriver that names an sm_90 device (132 multiprocessors), device 0 and stream 0.
 A kernel launched on CPU tensors then goes the way it goes on a GPU: the JIT's binding and specialisation of the
 arguments, its cache lookup (the first launch of a specialisation compiles it for sm_90 with Triton's own ptxas,
@@ -11,18 +11,17 @@ cuLaunchKernelEx, which returns at once. So a launch's host time is all there bu
 
 Needs a C compiler (Triton builds its own launcher with one too) and TRITON_INTERPRET unset when triton is imported
 (its interpreter replaces the JIT at decoration time). The tensors stay on the CPU: nothing reads what a kernel was
-to write.
+to write. The stub stays the active driver for the rest of the process: Triton makes its real driver anew only
+where one is active, which is why the stub is needed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "stub_libcuda.c"
@@ -51,9 +50,8 @@ def build_stub() -> Path:
     return folder
 
 
-@contextlib.contextmanager
-def stub_driver() -> Iterator[None]:
-    """Triton's active driver is the stub's while the context lasts (see the module docstring)."""
+def use_stub_driver() -> None:
+    """Make the stub Triton's active driver for the rest of the process (see the module docstring)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("the stub CUDA driver runs Triton's compiled launch path: unset TRITON_INTERPRET")
     folder = build_stub()
@@ -83,7 +81,3 @@ def stub_driver() -> Iterator[None]:
             return same_time
 
     triton.runtime.driver.set_active(StubDriver())
-    try:
-        yield
-    finally:
-        triton.runtime.driver.reset_active()

@@ -194,7 +194,7 @@ def _core_forward(
         lambdas = _lambdas(tensors.lambda_vectors(), layout.lambda_init) if _differential(layout) else None
         lambda1, lambda2 = _stage_lambdas(lambdas, layout)
         qkv = torch.addmm(weights["qkv_bias"], x_in.reshape(B * N, C), weights["qkv_weight"].T)  # (B·N, 3C)
-        heads = _heads(qkv, B, N, layout.num_heads)  # (3, B, h, N, d)
+        heads = _heads(qkv, B, N, layout)  # (3, B, h, N, d)
         value_image = _value_image(qkv, B, N, layout.grid_size)  # (B, C, H, W), channels-last
         local = F.conv2d(value_image, weights["conv_weight"], weights["conv_bias"], padding=1, groups=C)
         result = local.permute(0, 2, 3, 1).reshape(B, N, C).contiguous()  # (B, N, C); a view when channels-last
@@ -250,12 +250,13 @@ def _lambdas_backward(grads: list[Tensor], exps: Tensor, stacked: Tensor) -> Ten
     return stacked[:, :, 1:] * scale[..., None, None]  # (k, q) · scale: (dq, dk)
 
 
-def _heads(qkv: Tensor, B: int, N: int, num_heads: int) -> Tensor:
-    """q, k, v of the qkv GEMM's output (B·N, 3C) as (3, B, h, N, d), head-major and contiguous: the ATen path
-    computes on (G, N, d) matrices (batched GEMMs and SDPA); the Triton kernels need it until they read the GEMM's
-    output through strides (issue 46's kernel half; then the Triton path passes the strided view itself)."""
-    d = qkv.shape[1] // (3 * num_heads)
-    return qkv.view(B, N, 3, num_heads, d).permute(2, 0, 3, 1, 4).contiguous()  # (3, B, h, N, d)
+def _heads(qkv: Tensor, B: int, N: int, layout: KernelLayout) -> Tensor:
+    """q, k, v of the qkv GEMM's output (B·N, 3C) as (3, B, h, N, d), what the attention stages read."""
+    h = layout.num_heads
+    heads = qkv.view(B, N, 3, h, qkv.shape[1] // (3 * h)).permute(2, 0, 3, 1, 4)  # (3, B, h, N, d), a view
+    if layout.triton:  # until the kernels read q, k, v through strides (issue 46's kernel half): then `return heads`
+        return heads.contiguous()
+    return heads.contiguous()  # the ATen path computes on head-major (G, N, d) matrices: batched GEMMs and SDPA
 
 
 def _value_image(qkv: Tensor, B: int, N: int, grid_size: int) -> Tensor:
@@ -321,7 +322,7 @@ def _core_backward(
         heads, value_image = kept.heads, kept.value_image
         if heads is None:  # recompute_qkv
             qkv = torch.addmm(weights["qkv_bias"], x.view(B * N, C), weights["qkv_weight"].T)  # (B·N, 3C)
-            heads, value_image = _heads(qkv, B, N, layout.num_heads), _value_image(qkv, B, N, layout.grid_size)
+            heads, value_image = _heads(qkv, B, N, layout), _value_image(qkv, B, N, layout.grid_size)
 
         # Depthwise convolution of v (its bias gradient, a sum over B·N rows, in float32).
         H = layout.grid_size
@@ -471,7 +472,7 @@ def _core_op_fake(x, tensors, present, dtype, *layout_args):
     x_in, *cast = (None if t is None else (t if t.dtype == dtype else torch.empty_like(t, dtype=dtype))
                    for t in (x, *(getattr(inputs, name) for name in CAST)))  # fmt: skip
     qkv = x.new_empty(B * N, 3 * C, dtype=dtype)
-    heads = _heads(qkv, B, N, num_heads=layout.num_heads)
+    heads = _heads(qkv, B, N, layout)
     value_image = _value_image(qkv, B, N, layout.grid_size)
     result = x.new_empty(B, N, C, dtype=dtype)
     lambdas = None
@@ -483,7 +484,7 @@ def _core_op_fake(x, tensors, present, dtype, *layout_args):
                    x.new_empty(stages, 2, 3, d, dtype=wide))  # fmt: skip
     if layout.recompute_qkv:
         heads = value_image = None
-    saved = _attention(layout).saved_like(_heads(qkv, B, N, layout.num_heads), layout)
+    saved = _attention(layout).saved_like(_heads(qkv, B, N, layout), layout)
     kept = _Kept(x_in, dict(zip(CAST, cast)), heads, value_image, result, lambdas, saved)
     return x.new_empty(B, N, C, dtype=dtype), kept.new_tensors(x, inputs)
 
