@@ -368,25 +368,29 @@ def _core_backward(
 
 
 def _like_inputs(grads: list[Tensor | None], x_dtype: torch.dtype, tensors: CoreTensors) -> list[Tensor | None]:
-    """Each gradient in its input's dtype and strides (x's: contiguous). A gradient whose strides differ from its
-    input's only along dimensions of size one is the same memory: it becomes a view with the input's strides. The
-    others that differ are fixed together, in one launch on CUDA (torch._foreach_copy_). The convolution's weight
-    gradient comes out channels-last ((9, 1, 3, 1) for a (C, 1, 3, 3) weight whose strides are (9, 9, 3, 1)): DDP
-    would warn that the gradient's strides do not match its bucket view and copy it at every step, and a compiled
-    graph would be told strides the kernel does not produce."""
-    grad_x = grads[0]
-    targets = [(grad_x.shape, grad_x.stride(), x_dtype), *((t.shape, t.stride(), t.dtype) if t is not None else None
-                                                           for t in tensors)]  # fmt: skip
-    fixes = []
-    for index, (grad, target) in enumerate(zip(grads, targets)):
-        if grad is None or (grad.dtype, grad.stride()) == (target[2], target[1]):
-            continue
-        if grad.dtype == target[2] and _same_memory(grad, target[1]):
-            grads[index] = grad.as_strided(target[0], target[1])
+    """Each gradient in its input's dtype (x's: x_dtype) and the convolution's weight gradient in its weight's
+    strides, those that differ fixed together, in one launch on CUDA (torch._foreach_copy_). The weight gradient
+    comes out channels-last ((9, 1, 3, 1) for a (C, 1, 3, 3) weight whose strides are (9, 9, 3, 1)): DDP would warn
+    that the gradient's strides do not match its bucket view and copy it at every step, and a compiled graph would
+    be told strides the kernel does not produce; where only a dimension of size one differs (that one) it is the
+    same memory, a view with the weight's strides. Every other gradient comes out of a GEMM, a sum or a kernel
+    contiguous, as its parameter is."""
+    targets = [x_dtype, *(None if t is None else t.dtype for t in tensors)]
+    fixes = [
+        index for index, (grad, dtype) in enumerate(zip(grads, targets)) if grad is not None and grad.dtype != dtype
+    ]
+    conv = 1 + CoreTensors._fields.index("conv_weight")
+    weight, grad = tensors.conv_weight, grads[conv]
+    if grad.stride() != weight.stride() and conv not in fixes:
+        if _same_memory(grad, weight.stride()):
+            grads[conv] = grad.as_strided(weight.shape, weight.stride())
         else:
-            fixes.append(index)
+            fixes.append(conv)
     if fixes:
-        copies = [grad_x.new_empty_strided(targets[i][0], targets[i][1], dtype=targets[i][2]) for i in fixes]
+        shapes = [(grads[i].shape, grads[i].stride()) if i != conv else (weight.shape, weight.stride()) for i in fixes]
+        copies = [
+            grads[0].new_empty_strided(shape, stride, dtype=targets[i]) for i, (shape, stride) in zip(fixes, shapes)
+        ]
         torch._foreach_copy_(copies, [grads[i] for i in fixes])
         for index, copy in zip(fixes, copies):
             grads[index] = copy

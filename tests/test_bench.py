@@ -115,6 +115,17 @@ def test_gpu_runbooks_fit_one_device_call_by_construction() -> None:
     assert list(EXTENDED.budgets)[-1] == "train"  # compiling models is the slowest part: last
 
 
+def test_issue_46_gpu_check_fits_its_window_by_construction() -> None:
+    """bench.gpu_host, issue 46's GPU check: one command of at most 420 s, a budget for every part, both old and new
+    kernels timed, the training parts last."""
+    from bench.gpu_host import HOST_RUNBOOK, HOST_RUNBOOK_SECONDS
+
+    assert HOST_RUNBOOK_SECONDS == 420 and HOST_RUNBOOK.budget_seconds(rehearse=False) <= 420
+    assert list(HOST_RUNBOOK.budgets) == list(HOST_RUNBOOK.rehearsal_budgets) == list(HOST_RUNBOOK.parts)
+    assert {"kernels", "kernels-old"} <= set(HOST_RUNBOOK.parts)
+    assert list(HOST_RUNBOOK.parts)[-2:] == ["train-256", "train-512"]
+
+
 def test_gpu_runbook_keeps_the_rows_of_a_part_stopped_by_its_budget(tmp_path: Path) -> None:
     from bench.gpu import RUNBOOK, append_row, read_rows, run_part
 
