@@ -578,7 +578,7 @@ def _host_table(rows: list[dict]) -> list[str]:
     vca = [n for n in names if n.startswith("vca")]
     lines = [
         "",
-        "Host time per call of a small layer (C = 64, 16 tokens, batch 2), thread CPU µs, median of interleaved "
+        "Host time per call of a small layer (bench.host_time's), thread CPU µs, median of interleaved "
         f"rounds; goal: VCA ≤ {HOST_GOAL:g}x MHSA:",
         "",
         "| tensors | precision | pass | " + " | ".join(f"{n} µs" for n in names) + " | "

@@ -12,17 +12,17 @@ inflate, of one call at a time, every layer in turn (interleaved rounds), the me
 same mode and precision is the figure (issue 46's goal: ≤ 2).
 
 Rows, each in fp32 and under bf16 autocast:
-- layer: one layer, C = 64, 2 heads, 4×4 tokens, n = 4, batch 2; `forward+backward` (a training step's share,
-  backward of the output's sum) and `forward` (under no_grad: sampling's share). On CPU tensors the small
-  operations also compute, which on a GPU they leave to it: the depthwise convolution's oneDNN call, ~75 µs
-  forward, costs more than MHSA's whole forward here (the meta device is no cleaner a stand-in: many of its
-  operations run Python decompositions, ten times the CPU's cost). Subjects: MHSA (SDPA), VCA on its ATen core,
-  and VCA on its Triton core; on a CPU with the CUDA driver stubbed out (bench.stub_driver): Triton's own launch
-  path, the JIT's binding, cache lookup and C launcher, runs in full; the kernels compile once for sm_90 and then
-  launch nothing, so the ATen operations around them compute on whatever their outputs held (flush-to-zero keeps
-  denormals from slowing them); the per-call look-up of the first-use check, which runs on CUDA devices only, is
-  not in them. On a GPU the Triton core is the real one. On a CPU the convolution alone is timed beside them
-  (subject "conv", as nn.Conv2d runs it) and the table gives VCA's time without it over MHSA's too.
+- layer: one layer, C = 144, 2 heads (d = 72, DiT-XL/2's), 8×8 tokens, n = 16, batch 2: `forward+backward` (a
+  training step's share, backward of the output's sum) and `forward` (under no_grad: sampling's share). On CPU
+  tensors the small operations also compute, which on a GPU they leave to it: the depthwise convolution's oneDNN
+  calls most of all (the meta device is no cleaner a stand-in: many of its operations run Python decompositions,
+  ten times the CPU's cost). Subjects: MHSA (SDPA), VCA on its ATen core, and VCA on its Triton core; on a CPU with
+  the CUDA driver stubbed out (bench.stub_driver): Triton's own launch path, the JIT's binding, cache lookup and C
+  launcher, runs in full; the kernels compile once for sm_90 and then launch nothing, so the ATen operations
+  around them compute on whatever their outputs held (flush-to-zero keeps denormals from slowing them); the
+  per-call look-up of the first-use check, which runs on CUDA devices only, is not in them. On a GPU the Triton
+  core is the real one. On a CPU the convolution alone is timed beside them (subject "conv", as nn.Conv2d runs it)
+  and the table gives VCA's time without it over MHSA's too.
 - model (--models): a small DiT (DiT-S/2's family, 2 blocks, C = 64, 2 heads, 8×8 latents: 16 tokens), batch 2:
   `train step` (the objective's loss, backward, AdamW) and `sample step` (one model call under no_grad on the
   CFG pair as one batch of 4), eager and compiled (`model.compile(fullgraph=True)`, inductor; the first calls,
@@ -50,7 +50,9 @@ from bench._harness import benchmark_parser, cpu_vector_flags, describe_device, 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-LAYER = {"width": 64, "heads": 2, "grid": 4, "contrast_grid": 2, "batch": 2}
+# The small layer: DiT-XL/2's head dimension (d = 72) and sizes in the integer classes Triton specialises on (N, n
+# multiples of 16), so that on a GPU its kernels are the XL layer's compilations, from Triton's cache.
+LAYER = {"width": 144, "heads": 2, "grid": 8, "contrast_grid": 4, "batch": 2}
 MODEL = {"name": "DiT-S/2", "depth": 2, "hidden_size": 64, "num_heads": 2, "latent": 8, "batch": 2}
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GOAL = 2.0  # issue 46: a small VCA layer's host time ≤ 2x MHSA's
@@ -143,8 +145,10 @@ class ValueConvolution(torch.nn.Module):
         return self.conv(image).permute(0, 2, 3, 1).reshape(B, N, C)  # (B, N, C)
 
 
-def layer_rows(device: torch.device, settings: Settings) -> Iterator[dict]:
-    """The layer rows, with the convolution alone beside them on a CPU (subject "conv")."""
+def layer_rows(
+    device: torch.device, settings: Settings, precisions: tuple[str, ...] = tuple(PRECISIONS)
+) -> Iterator[dict]:
+    """The layer rows in `precisions`, with the convolution alone beside them on a CPU (subject "conv")."""
     from bench.attention import layer_step
 
     names = subjects(device)
@@ -152,7 +156,8 @@ def layer_rows(device: torch.device, settings: Settings) -> Iterator[dict]:
     if device.type == "cpu":
         layers["conv"] = ValueConvolution(LAYER["width"], LAYER["grid"]).to(device)
     tokens = LAYER["grid"] ** 2
-    for precision, dtype in PRECISIONS.items():
+    for precision in precisions:
+        dtype = PRECISIONS[precision]
         for backward in (True, False):
             x = torch.randn(LAYER["batch"], tokens, LAYER["width"], device=device, requires_grad=backward)
             steps = {name: layer_step(module, x, dtype, backward) for name, module in layers.items()}

@@ -17,7 +17,9 @@ autograd over torch operations (VisualContrastAttention.reference_forward, the s
   tensors, FlopCounterMode and any other dispatch mode see the custom operators dit_vca::vca_core and
   dit_vca::vca_core_backward instead: opaque to Dynamo, their fake kernels give the shapes, so
   `torch.compile(model, fullgraph=True)` keeps this core, its memory and its kernels, and compiles the code around
-  it. Both doors run `_core_forward` and `_core_backward`.
+  it; there λ and the output projection are computed around the operator (`_traced_layer`), where Inductor fuses
+  λ's element-wise operations and the projection's bias into the code beside them. Both doors run `_core_forward`
+  and `_core_backward`.
 - Fused attention kernels. Every SDPA call here and in the readable path takes 4-D (B, h, L, d) tensors of one
   dtype whose last dimension has stride 1: what PyTorch's dispatcher requires of the flash and
   memory-efficient kernels (see SDPA_FUSED_CONSTRAINTS).
@@ -102,6 +104,9 @@ class CoreTensors(NamedTuple):
     rope_sin: Tensor | None
     contrast_cos: Tensor | None
     contrast_sin: Tensor | None
+    # λ₁, λ₂ themselves (0-d), given instead of their vectors: torch.compile's door computes them around the operator
+    lambda1: Tensor | None = None
+    lambda2: Tensor | None = None
 
     def rope(self) -> RopeTables | None:
         return None if self.rope_cos is None else (self.rope_cos, self.rope_sin, self.contrast_cos, self.contrast_sin)
@@ -110,10 +115,16 @@ class CoreTensors(NamedTuple):
         """The vectors of the differential stages, four per stage (q1, k1, q2, k2), stage 1 first."""
         return [t for t in self[LAMBDA_VECTORS] if t is not None]
 
+    @property
+    def projects(self) -> bool:
+        """Whether the core ends with the output projection (torch.compile's door projects around the operator)."""
+        return self.proj_weight is not None
+
 
 # The positions of the λ vectors among the core's tensors, and the names of the RoPE tables (constants: no gradient).
 LAMBDA_VECTORS = slice(3, 11)
 ROPE_TABLES = ("rope_cos", "rope_sin", "contrast_cos", "contrast_sin")
+PROJ_WEIGHT = CoreTensors._fields.index("proj_weight")
 
 
 # The parameters the core computes with in its compute dtype, cast in the forward and kept for the backward (the
@@ -126,13 +137,29 @@ def vca_core(x: Tensor, tensors: CoreTensors, layout: KernelLayout, dtype: torch
     Differentiable with respect to x and every tensor of `tensors` but the RoPE tables."""
     dtype = x.dtype if dtype is None else dtype
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        # torch.compile, fake tensors, FlopCounterMode and any other dispatch mode: the operator, opaque, with its
-        # fake kernel and FLOP formula.
-        present = [t is not None for t in tensors]
-        return _core_op(x, [t for t in tensors if t is not None], present, dtype, *layout.as_args())[0]
+        # torch.compile, fake tensors, FlopCounterMode and any other dispatch mode.
+        return _traced_layer(x, tensors, layout, dtype)
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in tensors)):
         return _CoreFunction.apply(x, layout, dtype, *tensors)
     return _core_forward(x, tensors, layout, dtype, keep=False)[0]  # inference: no node, nothing kept
+
+
+def _traced_layer(x: Tensor, tensors: CoreTensors, layout: KernelLayout, dtype: torch.dtype) -> Tensor:
+    """torch.compile's door: λ from its vectors and the output projection as traced operations around the opaque
+    operator (Inductor fuses λ's few element-wise operations into one kernel, and the projection's bias into the
+    code after it), the operator the rest of the core, given λ. The same functions compute them as the eager node's
+    (`_lambdas`, the projection's addmm): the same numbers forward."""
+    lambda1 = lambda2 = None
+    if _differential(layout):
+        lambda1, lambda2 = _stage_lambdas(_lambdas(tensors.lambda_vectors(), layout.lambda_init), layout)
+    given = {name: None for name in CoreTensors._fields[LAMBDA_VECTORS]}
+    core = tensors._replace(**given, proj_weight=None, proj_bias=None, lambda1=lambda1, lambda2=lambda2)
+    present = [t is not None for t in core]
+    out = _core_op(x, [t for t in core if t is not None], present, dtype, *layout.as_args())[0]  # (B, N, C)
+    B, N, C = out.shape
+    with _autocast_off(x.device.type):
+        weight, bias = tensors.proj_weight.to(dtype), tensors.proj_bias.to(dtype)  # through autograd: traced casts
+        return torch.addmm(bias, out.view(B * N, C), weight.T).view(B, N, C)  # (B, N, C)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,14 +170,15 @@ def vca_core(x: Tensor, tensors: CoreTensors, layout: KernelLayout, dtype: torch
 class _Kept(NamedTuple):
     """What the backward reads besides the core's inputs, all in the compute dtype but λ's (float32): x and the
     parameters as computed with (the inputs themselves where no cast was needed), the q, k, v the stages read
-    and the value image (None under recompute_qkv), the output projection's input, λ with the terms'
-    exponentials and stacked vectors (None without a differential stage), and what the attention stages saved."""
+    and the value image (None under recompute_qkv), the output projection's input (None where the core does not
+    project), λ with the terms' exponentials and stacked vectors (None without a differential stage, or where λ
+    was given), and what the attention stages saved."""
 
     x: Tensor
     weights: dict[str, Tensor | None]  # CAST's names
     heads: Tensor | None
     value_image: Tensor | None
-    result: Tensor
+    result: Tensor | None
     lambdas: tuple[Tensor, Tensor, Tensor] | None
     saved: list[Tensor]
 
@@ -159,8 +187,8 @@ class _Kept(NamedTuple):
         them (an operator's outputs never alias its inputs, and the backward has them anyway)."""
         casts = [self.x] if self.x is not x else []
         casts += [cast for name, cast in self.weights.items() if cast is not getattr(tensors, name)]
-        made = [t for t in (self.heads, self.value_image) if t is not None]
-        return [*casts, *made, self.result, *(self.lambdas or ()), *self.saved]
+        made = [t for t in (self.heads, self.value_image, self.result) if t is not None]
+        return [*casts, *made, *(self.lambdas or ()), *self.saved]
 
     @staticmethod
     def unpack(
@@ -174,8 +202,8 @@ class _Kept(NamedTuple):
             t = getattr(tensors, name)
             weights[name] = next(made) if t is not None and t.dtype != dtype else t
         heads, value_image = (None, None) if layout.recompute_qkv else (next(made), next(made))
-        result = next(made)
-        lambdas = (next(made), next(made), next(made)) if _differential(layout) else None
+        result = next(made) if tensors.projects else None
+        lambdas = (next(made), next(made), next(made)) if tensors.lambda_vectors() else None
         return _Kept(x, weights, heads, value_image, result, lambdas, list(made))
 
 
@@ -186,13 +214,16 @@ def _differential(layout: KernelLayout) -> bool:
 def _core_forward(
     x: Tensor, tensors: CoreTensors, layout: KernelLayout, dtype: torch.dtype, keep: bool = True
 ) -> tuple[Tensor, _Kept | None]:
-    """(the layer's output (B, N, C) in `dtype`, what the backward reads or None when `keep` is off)."""
+    """(the layer's output (B, N, C) in `dtype`, what the backward reads or None when `keep` is off). λ from its
+    vectors, or given (`tensors.lambda1`, `lambda2`); the output projection where `tensors` has it, else the
+    output is its input."""
     B, N, C = x.shape
     with _autocast_off(x.device.type):
         x_in, *cast = _in_dtype(dtype, x, *(getattr(tensors, name) for name in CAST))
         weights = dict(zip(CAST, cast))
-        lambdas = _lambdas(tensors.lambda_vectors(), layout.lambda_init) if _differential(layout) else None
-        lambda1, lambda2 = _stage_lambdas(lambdas, layout)
+        vectors = tensors.lambda_vectors()
+        lambdas = _lambdas(vectors, layout.lambda_init) if vectors else None
+        lambda1, lambda2 = _stage_lambdas(lambdas, layout) if vectors else (tensors.lambda1, tensors.lambda2)
         qkv = torch.addmm(weights["qkv_bias"], x_in.reshape(B * N, C), weights["qkv_weight"].T)  # (B·N, 3C)
         heads = _heads(qkv, B, N, layout)  # (3, B, h, N, d)
         value_image = _value_image(qkv, B, N, layout.grid_size)  # (B, C, H, W), channels-last
@@ -202,11 +233,14 @@ def _core_forward(
         saved = _attention(layout).add_attention(
             result, attended, pooled, weights["embed"], lambda1, lambda2, weights["norm1"], weights["norm2"], layout
         )
-        out = torch.addmm(weights["proj_bias"], result.view(B * N, C), weights["proj_weight"].T).view(B, N, C)
+        out = result
+        if tensors.projects:
+            out = torch.addmm(weights["proj_bias"], result.view(B * N, C), weights["proj_weight"].T).view(B, N, C)
     if not keep:
         return out, None
     kept_heads, kept_image = (None, None) if layout.recompute_qkv else (heads, value_image)
-    return out, _Kept(x_in, weights, kept_heads, kept_image, result, lambdas, saved)
+    kept_result = result if tensors.projects else None
+    return out, _Kept(x_in, weights, kept_heads, kept_image, kept_result, lambdas, saved)
 
 
 def _in_dtype(dtype: torch.dtype, *tensors: Tensor | None) -> list[Tensor | None]:
@@ -233,9 +267,9 @@ def _lambdas(vectors: list[Tensor], init: float) -> tuple[Tensor, Tensor, Tensor
     return torch.sub(exps[:, 0], exps[:, 1]).add_(init), exps, stacked
 
 
-def _stage_lambdas(lambdas: tuple | None, layout: KernelLayout) -> tuple[Tensor | None, Tensor | None]:
-    """λ₁ and λ₂ as 0-d float32 tensors (None where the stage is not differential)."""
-    values = iter(lambdas[0]) if lambdas is not None else iter(())
+def _stage_lambdas(lambdas: tuple, layout: KernelLayout) -> tuple[Tensor | None, Tensor | None]:
+    """λ₁ and λ₂ of `_lambdas`' result as 0-d float32 tensors (None where the stage is not differential)."""
+    values = iter(lambdas[0])
     lambda1 = next(values) if layout.stage1_differential else None
     lambda2 = next(values) if layout.stage2_differential else None
     return lambda1, lambda2
@@ -316,9 +350,12 @@ def _core_backward(
     B, N, C = x.shape
     with _autocast_off(x.device.type):
         grad = grad.to(x.dtype).reshape(B * N, C)  # (B·N, C)
-        grad_proj_weight = grad.T @ kept.result.view(B * N, C)  # (C, C)
-        grad_proj_bias = sum_to_fp32(grad, 0)
-        grad_result = grad @ weights["proj_weight"]  # (B·N, C): the gradient of the conv + attention output
+        grad_proj_weight = grad_proj_bias = None
+        grad_result = grad  # (B·N, C): the gradient of the conv + attention output
+        if tensors.projects:
+            grad_proj_weight = grad.T @ kept.result.view(B * N, C)  # (C, C)
+            grad_proj_bias = sum_to_fp32(grad, 0)
+            grad_result = grad @ weights["proj_weight"]
         heads, value_image = kept.heads, kept.value_image
         if heads is None:  # recompute_qkv
             qkv = torch.addmm(weights["qkv_bias"], x.view(B * N, C), weights["qkv_weight"].T)  # (B·N, 3C)
@@ -333,7 +370,9 @@ def _core_backward(
         )  # fmt: skip
         grad_conv_bias = sum_to_fp32(grad_result, 0)  # (C,)
 
-        lambda1, lambda2 = _stage_lambdas(kept.lambdas, layout)
+        lambda1, lambda2 = (tensors.lambda1, tensors.lambda2)  # given, or None without a differential stage
+        if kept.lambdas is not None:
+            lambda1, lambda2 = _stage_lambdas(kept.lambdas, layout)
         attended, pooled = _prepared(heads, tensors, layout)  # what the stages read in forward
         grad_qkv, grad_embed, grad_lambda1, grad_lambda2, grad_norm1, grad_norm2, grad_pooled = _attention(
             layout
@@ -352,8 +391,9 @@ def _core_backward(
         grad_qkv_weight = grad_qkv.T @ x.view(B * N, C)  # (3C, C)
         grad_qkv_bias = sum_to_fp32(grad_qkv, 0)
 
-        grad_vectors = [None] * 8
+        grad_vectors, grad_lambdas = [None] * 8, (grad_lambda1, grad_lambda2)  # of λ's vectors, or of λ given
         if kept.lambdas is not None:
+            grad_lambdas = (None, None)
             _, exps, stacked = kept.lambdas
             present = [g for g in (grad_lambda1, grad_lambda2) if g is not None]
             computed = iter(_lambdas_backward(present, exps, stacked).view(-1, stacked.shape[-1]).unbind(0))  # (4S, d)
@@ -362,7 +402,7 @@ def _core_backward(
 
     grads = [
         grad_x, grad_qkv_weight, grad_qkv_bias, grad_embed, *grad_vectors, grad_norm1, grad_norm2, grad_conv_weight,
-        grad_conv_bias, grad_proj_weight, grad_proj_bias, *grad_gains, None, None, None, None,
+        grad_conv_bias, grad_proj_weight, grad_proj_bias, *grad_gains, None, None, None, None, *grad_lambdas,
     ]  # fmt: skip
     return _like_inputs(grads, x_dtype, tensors)
 
@@ -478,10 +518,10 @@ def _core_op_fake(x, tensors, present, dtype, *layout_args):
     qkv = x.new_empty(B * N, 3 * C, dtype=dtype)
     heads = _heads(qkv, B, N, layout)
     value_image = _value_image(qkv, B, N, layout.grid_size)
-    result = x.new_empty(B, N, C, dtype=dtype)
+    result = x.new_empty(B, N, C, dtype=dtype) if inputs.projects else None
     lambdas = None
-    if _differential(layout):
-        vectors = inputs.lambda_vectors()
+    vectors = inputs.lambda_vectors()
+    if vectors:
         stages, d = len(vectors) // 4, vectors[0].shape[-1]
         wide = torch.promote_types(vectors[0].dtype, torch.float32)
         lambdas = (x.new_empty(stages, dtype=wide), x.new_empty(stages, 2, dtype=wide),
@@ -575,11 +615,11 @@ _core_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _attention_macs(x_shape, layout: KernelLayout) -> dict[str, int]:
-    """Multiply-adds of the core's products per part, from the shape (B, N, C) of its input: the qkv and output
-    GEMMs, the GEMM-like products of the two stages over all B·h heads (Stage II as the SDPA calls or the GEMMs of
-    `layout.stage2_sdpa`) and the 3×3 depthwise convolution. Element-wise work (λ among it) is not counted, as
-    FlopCounterMode counts none."""
+def _attention_macs(x_shape, layout: KernelLayout, projects: bool) -> dict[str, int]:
+    """Multiply-adds of the core's products per part, from the shape (B, N, C) of its input: the qkv GEMM, the
+    GEMM-like products of the two stages over all B·h heads (Stage II as the SDPA calls or the GEMMs of
+    `layout.stage2_sdpa`), the 3×3 depthwise convolution and, where the core `projects`, the output GEMM.
+    Element-wise work (λ among it) is not counted, as FlopCounterMode counts none."""
     B, N, C = x_shape
     n, m1, m2 = layout.contrast_grid**2, layout.stage1_rows, layout.stage2_cols
     if layout.triton:  # scores, then one value product for a joint softmax, one per stream for two
@@ -591,13 +631,13 @@ def _attention_macs(x_shape, layout: KernelLayout) -> dict[str, int]:
         "stage1": 2 * m1 * N * C * B,
         "stage2": stage2,
         "conv": 9 * B * N * C,
-        "proj": B * N * C * C,
+        "proj": B * N * C * C if projects else 0,
     }
 
 
 @register_flop_formula(torch.ops.dit_vca.vca_core)
 def _core_flops(x_shape, tensors_shape, present, dtype, *layout_args, out_shape=None, **kwargs) -> int:
-    return 2 * sum(_attention_macs(x_shape, KernelLayout(*layout_args)).values())
+    return 2 * sum(_attention_macs(x_shape, KernelLayout(*layout_args), present[PROJ_WEIGHT]).values())
 
 
 @register_flop_formula(torch.ops.dit_vca.vca_core_backward)
@@ -607,7 +647,7 @@ def _core_backward_flops(grad_shape, x_shape, tensors_shape, present, made_shape
     I's scores of m1 rows and values of n rows, Stage II's scores and values) and two products per forward
     product (the gradients of both operands); on the Triton path what its two backward kernels multiply (Stage
     II: scores, dq and dT per stream, dW and dV̂; Stage I: scores, dP, dk, dv and dT, see
-    vca_triton.tile_products); then the convolution's and both projections' gradients (and the qkv GEMM again
+    vca_triton.tile_products); then the convolution's and the projections' gradients (and the qkv GEMM again
     with recompute_qkv)."""
     layout = KernelLayout(*layout_args)
     B, N, C = grad_shape
@@ -617,4 +657,5 @@ def _core_backward_flops(grad_shape, x_shape, tensors_shape, present, made_shape
     else:
         attention = 3 * (m1 + n + m2 + n) * N * C * B
     qkv = (3 if layout.recompute_qkv else 2) * 3 * B * N * C * C
-    return 2 * (attention + 2 * 9 * B * N * C + qkv + 2 * B * N * C * C)
+    projection = 2 * B * N * C * C if present[PROJ_WEIGHT] else 0
+    return 2 * (attention + 2 * 9 * B * N * C + qkv + projection)

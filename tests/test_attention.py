@@ -436,9 +436,11 @@ class ThroughTheOperator(TorchDispatchMode):
 
 @pytest.mark.parametrize("options", ALL_OPTIONS, ids=switch_ids)
 def test_eager_node_and_operator_compute_the_same(options):
-    """The core's two doors (dit_vca.vca_core: the autograd.Function eagerly, the custom operators for
-    torch.compile) run the same code: the same output and gradients, bit for bit, in float32 and under bf16
-    autocast (x and the parameters cast in the forward, the gradients cast back)."""
+    """The core's two doors (dit_vca.vca_core: the autograd.Function eagerly; for torch.compile the custom
+    operators, with λ and the output projection traced around them) run the same code: the same output and
+    gradients, bit for bit, in float32 and under bf16 autocast (x and the parameters cast in the forward, the
+    gradients cast back), but for the projection's bias gradient under autocast, which autograd sums in bf16 there
+    (as nn.Linear's) and the eager node in float32: within bf16's rounding of it (2⁻⁸ relative)."""
     module = perturbed_vca(32, 2, 4, block_index=3, options=replace(options, contrast_grid=2))
     x, grad = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
     for autocast in (False, True):
@@ -448,6 +450,9 @@ def test_eager_node_and_operator_compute_the_same(options):
                 results.append(outputs_and_gradients(module, "forward", x, grad.bfloat16() if autocast else grad))
         eager, operator = results
         for name, value in eager.items():
+            if autocast and name == "proj.bias":
+                assert ((value - operator[name]).abs() <= 2**-8 * value.abs()).all(), name
+                continue
             assert value is None and operator[name] is None or torch.equal(value, operator[name]), name
 
 
