@@ -279,7 +279,7 @@ def _outputs_and_gradients(layer, x, grad, path: str, dtype: torch.dtype) -> dic
         if path == "readable":
             out = layer.reference_forward(x)
         else:
-            out = layer.proj(layer.core(x.to(dtype), triton=path == "triton"))
+            out = layer.core(x.to(dtype), triton=path == "triton")  # the layer, output projection included
     out.backward(grad.to(out.dtype))
     gradients = {name: parameter.grad.float() for name, parameter in layer.named_parameters()}
     return {"output": out.detach().float(), "x": x.grad.float(), **gradients}
