@@ -6,11 +6,14 @@ runs under Accelerate with the experiment configs, which set `train.max_grad_nor
 in the precision's dtype, the objective's loss on random latents and labels, backward, fused AdamW (on CUDA, as
 training.build creates it), and the float32 EMA update (timm's ModelEmaV3, as training.ema configures it). No data
 loading or gradient norm: neither depends on the attention. `compiled` wraps the model as `train.compile=true`
-does: `model.compile(fullgraph=True)`.
+does: `model.compile(fullgraph=True)` (or, `per_block`, each block: what Inductor compiles once for all blocks,
+in a fraction of the time); `graphed` runs the step as train.cuda_graph does, captured in a CUDA graph and
+replayed (generation.cuda_graphs; the optimiser capturable, the EMA update eager after each replay).
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +24,7 @@ from bench._harness import synchronize
 from dit_vca.attention import VCAOptions, VisualContrastAttention, set_vca_kernel
 from dit_vca.model_spec import ModelSpec, model_family
 from dit_vca.models import create_backbone
+from generation.cuda_graphs import WARMUP_CALLS, CapturedCalls
 from generation.objective_builder import create_objective, default_objective
 
 LATENT_CHANNELS, DOWNSAMPLING = 4, 8  # the SD VAE's latents (generation.vae.SD_VAE_ARCHITECTURE)
@@ -41,13 +45,16 @@ class TrainingCase:
     contrast_grid: int | None = None  # VCA's p; None: H/2
     recipe: str = "dit"  # the block options' preset, model.blocks (dit_vca.model_options.BLOCK_PRESETS); "recipe" in
     # the results, as they were first written
+    graphed: bool = False  # the step captured in a CUDA graph and replayed (train.cuda_graph)
+    per_block: bool = False  # compiled: each block (fullgraph), not the whole model
 
     @property
     def label(self) -> str:
         grid = f" grid {self.contrast_grid}" if self.contrast_grid else ""
         recipe = f" {self.recipe}" if self.recipe != "dit" else ""
-        compiled = " compiled" if self.compiled else ""
-        return f"{self.model} {self.image_size}px {self.attention}{grid}{recipe} {self.precision}{compiled}"
+        compiled = (" compiled per block" if self.per_block else " compiled") if self.compiled else ""
+        graphed = " graphed" if self.graphed else ""
+        return f"{self.model} {self.image_size}px {self.attention}{grid}{recipe} {self.precision}{compiled}{graphed}"
 
 
 def goal_cases(precision: str) -> list[TrainingCase]:
@@ -95,19 +102,34 @@ def measure_training(
     # float32, as training.ema's dtype=torch.float32 makes it: the parameters are float32 here (autocast computes
     # in bf16). Without that argument, which timm before 1.0.31 lacks (the GPU machine's timm, 2026-12-04).
     ema = ModelEmaV3(model, decay=0.9999)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None)
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True if cuda else None, capturable=cuda and case.graphed
+    )
     objective = create_objective(default_objective(family))
     if case.compiled:
-        model.compile(fullgraph=True, backend=backend)
+        if case.per_block:  # should a torch key its guards on each block, each would count as a recompilation
+            dynamo = importlib.import_module("torch._dynamo")
+            limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), 2 * len(model.blocks)))
+        for module in model.blocks if case.per_block else [model]:
+            module.compile(fullgraph=True, backend=backend)
     x = torch.randn(batch, LATENT_CHANNELS, latent, latent, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
 
-    def step() -> None:
+    def learn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)  # before the step: a captured backward then writes them anew
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = objective.training_losses(model, x, y)["loss"].mean()
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    learned = CapturedCalls(learn, pure=False) if case.graphed else learn
+    warmup = max(warmup, WARMUP_CALLS + 2) if case.graphed else warmup  # the capture is a warm-up step
+
+    def step() -> None:
+        learned(x, y)
         ema.update(model)
 
     started = time.perf_counter()
@@ -133,4 +155,5 @@ def measure_training(
         "images_per_s": batch / seconds,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "compile_seconds": first - seconds if case.compiled else None,
+        "graphs": learned.graphs if case.graphed else None,
     }

@@ -17,7 +17,7 @@ from commands import UserError
 from dit_vca.kernel_layout import KernelLayout
 from dit_vca.model_options import ATTENTION_KINDS, VCA_KERNEL_SETTINGS, VCA_KERNELS, VCAOptions
 from dit_vca.rope import RotaryEmbedding2d
-from dit_vca.vca_core import autocast_exists, stage2_uses_sdpa, vca_core
+from dit_vca.vca_core import CoreTensors, autocast_exists, stage2_uses_sdpa, vca_core
 
 KERNEL_ATTRIBUTE = "VisualContrastAttention.kernel"  # how a refusal names the choice when no option made it
 TRITON_DEVICE_TYPES = ("cuda",)  # where the automatic choice (kernel None) runs the core on the Triton kernels
@@ -89,7 +89,9 @@ def _scaled_rms_norm(norm: nn.RMSNorm, x: Tensor, scale: float) -> Tensor:
 
 
 class DifferentialWeight(nn.Module):
-    """The scalar λ = exp(⟨λ_q1, λ_k1⟩) − exp(⟨λ_q2, λ_k2⟩) + λ_init that weighs a negative stream."""
+    """The scalar λ = exp(⟨λ_q1, λ_k1⟩) − exp(⟨λ_q2, λ_k2⟩) + λ_init that weighs a negative stream. Its forward is
+    the readable path's; the fused core computes λ itself from the four vectors, with its own backward
+    (dit_vca.vca_core)."""
 
     def __init__(self, head_dim: int, init: float):
         super().__init__()
@@ -100,6 +102,12 @@ class DifferentialWeight(nn.Module):
 
     def forward(self) -> Tensor:
         return torch.exp(torch.dot(self.q1, self.k1)) - torch.exp(torch.dot(self.q2, self.k2)) + self.init
+
+
+def _vectors(weight: DifferentialWeight | None) -> tuple[Tensor | None, ...]:
+    """The four vectors of a differential weight (q1, k1, q2, k2), from which the core computes λ; None for each
+    where the stage is not differential."""
+    return (None,) * 4 if weight is None else (weight.q1, weight.k1, weight.q2, weight.k2)
 
 
 class VisualContrastAttention(nn.Module):
@@ -180,18 +188,19 @@ class VisualContrastAttention(nn.Module):
         self.kernel: str | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        """The fast path: the core as one custom operator with a hand-written backward (dit_vca.vca_core), also
-        under torch.compile, which treats it as opaque. Equal to `reference_forward` up to float rounding,
-        outputs and gradients (tested). Under autocast the core computes in the autocast dtype, as nn.Linear
-        would; the parameters' gradients come back in float32."""
+        """The fast path: the layer as one autograd node with a hand-written backward (dit_vca.vca_core), under
+        torch.compile an opaque custom operator. Equal to `reference_forward` up to float rounding, outputs and
+        gradients (tested). Under autocast the layer computes in the autocast dtype and returns its output in it, as
+        nn.Linear would; the parameters' gradients come back in their own dtype (float32)."""
         device_type = x.device.type
         autocast = autocast_exists(device_type) and torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
-        return self.proj(self.core(x.to(dtype), self.runs_triton(x.device, dtype)))  # (B, N, C)
+        return self.core(x, self.runs_triton(x.device, dtype), dtype)  # (B, N, C)
 
-    def core(self, x: Tensor, triton: bool) -> Tensor:
-        """The VCA core (dit_vca.vca_core) of tokens x (B, N, C), computed in x's dtype on the Triton kernels or
-        the ATen operations: the input of the output projection (B, N, C)."""
+    def core(self, x: Tensor, triton: bool, dtype: torch.dtype | None = None) -> Tensor:
+        """The fused layer (dit_vca.vca_core) on tokens x (B, N, C), from the qkv projection to the output
+        projection, computed in `dtype` (default x's) on the Triton kernels or the ATen operations: its output
+        (B, N, C) in that dtype."""
         options = self.options
         layout = KernelLayout(
             self.num_heads,
@@ -208,25 +217,26 @@ class VisualContrastAttention(nn.Module):
             triton,
             QK_NORM_EPS if self.q_norm is not None else None,
         )
-        rope = None
+        rope = (None,) * 4
         if self.rope is not None:
             rope = (self.rope.cos, self.rope.sin, self.contrast_rope.cos, self.contrast_rope.sin)
-        return vca_core(
-            x,  # (B, N, C)
+        tensors = CoreTensors(
             self.qkv.weight,
             self.qkv.bias,
             self.contrast_embed,
-            self.lambda1() if options.stage1_differential else None,
-            self.lambda2() if options.stage2_differential else None,
+            *_vectors(self.lambda1 if options.stage1_differential else None),
+            *_vectors(self.lambda2 if options.stage2_differential else None),
             self.norm1.weight if options.stage1_differential else None,
             self.norm2.weight if options.stage2_differential else None,
             self.value_conv.weight,
             self.value_conv.bias,
-            layout,
-            q_norm=None if self.q_norm is None else self.q_norm.weight,
-            k_norm=None if self.k_norm is None else self.k_norm.weight,
-            rope=rope,
-        )  # (B, N, C)
+            self.proj.weight,
+            self.proj.bias,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            *rope,
+        )
+        return vca_core(x, tensors, layout, dtype)  # (B, N, C)
 
     def uses_triton(self, device_type: str) -> bool:
         """Whether the core runs on the Triton kernels for tensors of `device_type` (see `kernel`)."""

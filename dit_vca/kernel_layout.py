@@ -4,12 +4,12 @@ read. A module of its own so that the implementations and the operator share it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class KernelLayout:
-    """The static shape and switches the fused VCA core needs besides its tensors (scalar operator arguments)."""
+class KernelLayout(NamedTuple):
+    """The static shape and switches the fused VCA core needs besides its tensors (scalar operator arguments). A
+    named tuple: built at every call of a layer, and a tuple is the cheapest immutable record to build."""
 
     num_heads: int
     grid_size: int  # H (= W)
@@ -27,21 +27,7 @@ class KernelLayout:
 
     def as_args(self) -> tuple:
         """The fields in order: the scalar arguments of the operators."""
-        return (
-            self.num_heads,
-            self.grid_size,
-            self.contrast_grid,
-            self.joint_softmax,
-            self.stage1_differential,
-            self.stage2_differential,
-            self.pooled_content,
-            self.lambda_init,
-            self.eps,
-            self.recompute_qkv,
-            self.stage2_sdpa,
-            self.triton,
-            self.qk_norm_eps,
-        )
+        return tuple(self)
 
     @property
     def stage1_rows(self) -> int:  # contrast tokens that read the keys in Stage I: [T⁺; T⁻] or T⁺

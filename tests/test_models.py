@@ -2,6 +2,7 @@
 mixed precision, gradient checkpointing and torch.compile."""
 
 import json
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -266,13 +267,19 @@ def test_compiled_dit_vca_keeps_the_fused_core():
 
 def test_qk_norm_and_rope_stay_inside_the_compiled_vca_core():
     """torch.compile(fullgraph=True) sees a VCA model with QK-norm and RoPE as it sees plain VCA: one graph, one
-    opaque dit_vca::vca_core per block, and none of the options' operations around it (no RMSNorm, no rotation's
-    stack: the block norms stay LayerNorm here, so any rms_norm or stack in the graph would be the options')."""
-    model = dit_vca.create_model("DiT-S/2", attention="vca", qk_norm=True, rope=True, **TINY)
-    randomize_zero_init(model)
-    explanation = torch._dynamo.explain(model)(*tiny_inputs(model))
-    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
-    targets = [node.target for graph in explanation.graphs for node in graph.graph.nodes]
-    assert targets.count(torch.ops.dit_vca.vca_core.default) == TINY["depth"]
-    names = " ".join(str(target) for target in targets)
-    assert "rms_norm" not in names and "stack" not in names and "scaled_dot_product_attention" not in names
+    opaque dit_vca::vca_core per block, and around it the operations of plain VCA (λ from its vectors, the output
+    projection, the blocks), none of the options' (no RMSNorm, no rotation: the block norms stay LayerNorm here)."""
+
+    def targets(**block_options) -> Counter:
+        model = dit_vca.create_model("DiT-S/2", attention="vca", **block_options, **TINY)
+        randomize_zero_init(model)
+        explanation = torch._dynamo.explain(model)(*tiny_inputs(model))
+        assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+        return Counter(str(node.target) for graph in explanation.graphs for node in graph.graph.nodes
+                       if node.op == "call_function")  # fmt: skip
+
+    both, plain = targets(qk_norm=True, rope=True), targets()
+    assert both[str(torch.ops.dit_vca.vca_core.default)] == TINY["depth"]
+    assert both == plain, (both - plain, plain - both)
+    names = " ".join(both)
+    assert "rms_norm" not in names and "scaled_dot_product_attention" not in names

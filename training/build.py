@@ -142,20 +142,50 @@ def create_optimizer(
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over the trainable parameters of `model` (and `extra`, REPA's projector), with a linear warm-up to a
     constant learning rate. On CUDA (`device`, where training runs) AdamW is fused: one kernel for all parameters
-    instead of several per tensor, with its step counts on the GPU. Elsewhere torch's default (bit-identical to
-    earlier runs)."""
+    instead of several per tensor, with its step counts on the GPU, and with train.cuda_graph capturable (the
+    Trainer gives it its learning rate as a tensor). Elsewhere torch's default (bit-identical to earlier runs)."""
     train = config.train
     parameters = [*model.parameters(), *(extra.parameters() if extra is not None else ())]
+    cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(
         [p for p in parameters if p.requires_grad],
         lr=train.lr,
         betas=tuple(train.betas),
         weight_decay=train.weight_decay,
-        fused=True if device.type == "cuda" else None,
+        fused=True if cuda else None,
+        capturable=cuda and train.cuda_graph,
     )
     warmup = train.warmup_steps
     scheduler = LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup) if warmup else 1.0)
     return optimizer, scheduler
+
+
+CUDA_GRAPH_TORCH = (2, 6)  # the first torch whose LR schedulers fill a tensor learning rate in place, no host sync
+
+
+def check_cuda_graph_launch(accelerator: Accelerator) -> None:
+    """What train.cuda_graph needs of the launch, which the config alone does not say (training.config checks the
+    rest): one process (no all-reduce inside the graph), no fp16 from `accelerate launch` (its loss scaling reads
+    the GPU from the host), a recent torch. Without CUDA, a one-line note: the step runs eagerly on the static
+    buffers (generation.cuda_graphs)."""
+    if accelerator.num_processes > 1:
+        raise ConfigError(
+            f"'train.cuda_graph' is true, but this launch has {accelerator.num_processes} processes: a captured step "
+            "runs on one (launch one process, or set train.cuda_graph=false)"
+        )
+    if accelerator.mixed_precision == "fp16":
+        raise ConfigError("'train.cuda_graph' is true, but the launch's mixed precision is fp16: use fp32 or bf16")
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if accelerator.device.type == "cuda" and version < CUDA_GRAPH_TORCH:
+        raise ConfigError(
+            f"'train.cuda_graph' needs torch >= {'.'.join(map(str, CUDA_GRAPH_TORCH))}, this is {torch.__version__}"
+        )
+    if accelerator.device.type != "cuda" and accelerator.is_main_process:
+        print(
+            f"note: train.cuda_graph=true on {accelerator.device.type}: no CUDA graph there; the step runs eagerly "
+            "on the same static buffers",
+            flush=True,
+        )
 
 
 def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
@@ -165,6 +195,8 @@ def build_training(config: Config, accelerator: Accelerator) -> TrainingParts:
 
     if config.train.repa.enabled:
         check_encoder(config.train.repa)  # before the data is read
+    if config.train.cuda_graph:
+        check_cuda_graph_launch(accelerator)
     dataset = build_dataset(config)
     vae = load_vae(config.vae.name, accelerator.device, hint=config.vae.path) if needs_vae(config) else None
     fid_extractor = load_fid_extractor(config.log, accelerator.device)

@@ -142,6 +142,8 @@ class TrainConfig:
     mixed_precision: str | None = _choice(None, None, "fp32", "fp16", "bf16")  # None: as `accelerate launch` says
     tf32: bool = True  # TF32 matmuls and convolutions on CUDA
     compile: bool = False  # torch.compile the model
+    cuda_graph: bool = False  # the step (loss, backward, clipping, AdamW) as one CUDA graph, replayed: one process,
+    # grad_accum_steps 1, fp32 or bf16, no REPA; off CUDA it runs eagerly on the same static buffers
     vca_kernel: str = _choice("auto", *VCA_KERNEL_SETTINGS)  # VCA's core in ATen or Triton; auto: Triton on CUDA
     cpu: bool = False  # force CPU processes (gloo), e.g. under torchrun for tests
     repa: RepaConfig = field(default_factory=RepaConfig)
@@ -226,6 +228,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     _check_block_options(config.model)
     _check_transport(config)
     _check_preview_sampler(config)
+    _check_cuda_graph(config)
     if not config.data.in_pixel_space and (config.vae.name is None or config.vae.scale is None):
         raise ConfigError(
             f"{path}: data.source={config.data.source} works in latent space and needs vae.name and vae.scale"
@@ -545,6 +548,23 @@ def _check_preview_sampler(config: Config) -> None:
             + (" (the default)" if log.sample_sampler is None else "")
             + f" chooses its own steps: set log.sample_steps=null, or a fixed-step sampler ({fixed})"
         )
+
+
+def _check_cuda_graph(config: Config) -> None:
+    """What a captured training step cannot do (training.loop, generation.cuda_graphs): change shape inside a
+    step, read the GPU from the host (fp16's loss scaling checks for overflow there), or run more than the step
+    (REPA's encoder; one process: the gradients' all-reduce is checked by train.py, which knows the launch)."""
+    train = config.train
+    if not train.cuda_graph:
+        return
+    refused = [
+        (train.grad_accum_steps != 1, f"train.grad_accum_steps={train.grad_accum_steps}", "1"),
+        (train.mixed_precision == "fp16", "train.mixed_precision=fp16", "fp32 or bf16"),
+        (train.repa.enabled, f"train.repa.encoder={train.repa.encoder}", "no REPA"),
+    ]
+    for refuse, setting, expected in refused:
+        if refuse:
+            raise ConfigError(f"'train.cuda_graph' is true, but {setting}: a captured step needs {expected}")
 
 
 def _check_model_name(name: str) -> None:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from atomic_files import OutputError
 from commands import UserError, end_processes
+from generation.cuda_graphs import CapturedCalls
 from generation.run_layout import grid_name
 from generation.vae import sample_latents
 from training.build import TrainingParts
@@ -109,6 +110,12 @@ class Trainer:
         self.step_terms: dict[str, torch.Tensor] = {}  # loss terms logged on their own (REPA's alignment loss)
         self.curves_drawn_at = time.monotonic()  # the launch: see CURVES_INTERVAL_S
         self.curves_behind = False  # a checkpoint or FID logged since curves.png was last drawn
+        self.captured = CapturedCalls(self.captured_step, pure=False) if config.train.cuda_graph else None
+        if self.captured is not None and accelerator.device.type == "cuda":
+            # The graph reads the learning rate from a tensor that the scheduler fills at every step: a float would
+            # be fixed at capture. Set here, after a resume's optimiser settings (training.checkpoint).
+            for group in self.optimizer.param_groups:
+                group["lr"] = torch.tensor(float(group["lr"]), device=accelerator.device)
 
     def fit(self) -> str | None:
         """Train to max_steps; returns None, or the name of the signal that stopped the run (checkpoint written)."""
@@ -157,7 +164,7 @@ class Trainer:
             last = step == max_steps
             if step % log.every == 0 or last:
                 self.stop_if_non_finite(metrics)
-                line = metrics.write(step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch())
+                line = metrics.write(step, lr=float(self.scheduler.get_last_lr()[0]), epoch=self.epoch())
                 norm = {"grad_norm": f"{line['grad_norm']:.3f}"} if line["grad_norm"] is not None else {}
                 progress.set_postfix(loss=f"{line['loss']:.4f}", **norm)
             stopping = not last and stop.agreed()  # every rank, after the same step (the last one ends anyway)
@@ -227,21 +234,43 @@ class Trainer:
                 with accelerator.autocast():
                     x = sample_latents(self.parts.encoder, x, self.parts.export.latent_normalization)  # (B, C, h, w)
             with accelerator.accumulate(*self.parts.trained_modules):
-                loss, alignment = self.losses(x, y, images)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and train.max_grad_norm is not None:
-                    parameters = [p for module in self.parts.trained_modules for p in module.parameters()]
-                    grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm).detach().float()
-                self.optimizer.step()
+                if self.captured is None:
+                    loss, alignment, norm = self.learn(x, y, images)
+                    self.optimizer.zero_grad(set_to_none=True)
+                else:  # train.cuda_graph: a replay of the captured step (no REPA: train.py refuses it)
+                    (loss, norm), alignment = self.captured(x, y), None
+                grad_norm = norm if norm is not None else grad_norm
                 if accelerator.sync_gradients:
                     self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
             alignments += [alignment.detach()] if alignment is not None else []
             skipped += batch_skipped
         self.state.step += 1
         self.step_terms = {"alignment_loss": torch.stack(alignments).mean()} if alignments else {}
         return torch.stack(losses).mean(), grad_norm, skipped
+
+    def learn(
+        self, x: torch.Tensor, y: torch.Tensor, images: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One micro-batch's loss, its backward, the clipping (at the last micro-batch of a step) and the optimiser's
+        step: (loss, REPA's alignment loss or None, the clipping's gradient norm or None)."""
+        accelerator, train = self.accelerator, self.config.train
+        loss, alignment = self.losses(x, y, images)
+        accelerator.backward(loss)
+        grad_norm = None
+        if accelerator.sync_gradients and train.max_grad_norm is not None:
+            parameters = [p for module in self.parts.trained_modules for p in module.parameters()]
+            grad_norm = accelerator.clip_grad_norm_(parameters, train.max_grad_norm).detach().float()
+        self.optimizer.step()
+        return loss, alignment, grad_norm
+
+    def captured_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What train.cuda_graph captures (generation.cuda_graphs): `learn` on a batch, with the gradients dropped
+        before it rather than after, so that the captured backward writes them anew and every replay finds them
+        where the captured optimiser step reads them. Returns (loss, gradient norm or None)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, _, grad_norm = self.learn(x, y, x)
+        return loss.detach(), grad_norm
 
     def losses(
         self, x: torch.Tensor, y: torch.Tensor, images: torch.Tensor
