@@ -7,10 +7,9 @@ Rows and summary as bench.gpu writes them (<out>/gpu-host-<device>-<time>.jsonl,
 part in its own process under its budget, the slowest last:
 1. `kernels`, `kernels-old`: the CUDA time of each kernel of one VCA layer at DiT-XL/2's width (C = 1152, 16 heads,
    n = 64), bf16, forward + backward, at N = 256 × 64 images and N = 16384 × 1 (torch.profiler), and their sum:
-   the Triton kernels of issue 46, then those of issue 37, which `kernels-old` asks for through OLD_KERNELS in its
-   process's environment (the kernel module's switch, wired at the merge of issue 46's two halves; the summary
-   says whether the launched kernels differ, i.e. whether the switch took). The first compiles the kernels for
-   d = 72 in bf16, which the next two parts take from Triton's cache.
+   the Triton kernels of issue 46, then those of issue 37, which `kernels-old` installs in its own process
+   (bench.kernels_before_46; each row names the kernels it launched). The first compiles the kernels for d = 72 in
+   bf16, which the next two parts take from Triton's cache.
 2. `host`: one small layer (bench.host_time's: C = 144, d = 72, 64 tokens, n = 16, batch 2): thread CPU time per call
    of MHSA, VCA on ATen and VCA on Triton, forward and forward + backward, bf16 autocast (issue 46's goal: VCA ≤ 2x
    MHSA); and the CUDA launches (kernels, copies, fills) of one forward + backward, against MHSA's and issue 46's
@@ -34,7 +33,6 @@ under 1.3 s; compiling a model is what the budgets leave room for.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -48,7 +46,6 @@ from bench.gpu import CONTRAST_GRID, XL_WIDTH, Runbook, main
 from bench.gpu_training import LARGE_MODEL, TrainingCase, measure_training
 
 HOST_RUNBOOK_SECONDS = 420  # the issue's window: one call of the device tool, with time to spare for a rerun
-OLD_KERNELS = {"DIT_VCA_TRITON_KERNELS": "issue37"}  # the environment that selects the old kernels (see part 2)
 LAUNCH_BOUND = 36  # issue 46: launches of one VCA layer's forward + backward under bf16 autocast
 
 
@@ -128,8 +125,10 @@ def device_launches(step: Callable[[], None], device: torch.device) -> dict[str,
 
 
 def kernel_rows(sizes: Sizes, device: torch.device, old: bool = False) -> Iterator[dict]:
-    if old:  # before the kernel module is imported: it reads the switch then
-        os.environ.update(OLD_KERNELS)
+    if old:  # this part's process only: VCA's core runs the kernels before issue 46 from here on
+        from bench import kernels_before_46
+
+        kernels_before_46.install()
     from torch.profiler import ProfilerActivity, profile
 
     width, heads = sizes.width

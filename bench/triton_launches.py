@@ -1,8 +1,9 @@
 """What VCA's Triton kernels are compiled for: every launch a VCA layer makes, found by running it, not listed.
 
 `discover()` runs a small VCA layer forward and backward on the CPU with the Triton core for every precision
-(bf16, fp16, fp32 with TF32, fp32 IEEE), head dimension and switch combination. The kernel module's public
-functions (the core's entry points) run on fake CUDA tensors (torch's FakeTensorMode: shapes and dtypes, no data,
+(bf16, fp16, fp32 with TF32, fp32 IEEE), head dimension and switch combination, on each of the core's paths
+(`GEOMETRIES`: per head, split with a head's contrast tokens in one block, split with several). The kernel module's
+public functions (the core's entry points) run on fake CUDA tensors (torch's FakeTensorMode: shapes and dtypes, no data,
 no GPU) and every kernel launch is recorded instead of run: the kernel, its arguments (tensor dtypes, integers,
 constexprs) and its autotuning configurations. Launches with equal arguments are one compile spec, whichever case
 made them. Nothing here names a kernel: a kernel added, renamed or launched differently shows up by itself.
@@ -12,9 +13,10 @@ precisions) and where no GPU is visible (every declared configuration, none left
 bench.triton_compile runs it in such a subprocess (`python -m bench.triton_launches OUT.json`).
 
 Triton's JIT specialises an integer argument only on whether it is 1, divisible by 16, or wider than 32 bits, so a
-spec keeps that class, not the value (`INTEGER_CLASSES`); at DISCOVERY_SHAPE (N = 256 tokens, n = 64 contrast
-tokens, 2 heads) the sizes fall in the classes of a 256-px DiT (N, n and the rows of the streams divisible by 16,
-d = 72 not). A float argument compiles as fp32 whatever its value, so its value is not part of a spec either.
+spec keeps that class, not the value (`INTEGER_CLASSES`); at the geometries' shapes (N = 256 tokens and n = 64
+contrast tokens, or N = 1024 and n = 256; 2 heads) the sizes fall in the classes of a DiT at 256 and 512 px (N, n
+and the rows of the streams divisible by 16, d = 72 not). A float argument compiles as fp32 whatever its value, so
+its value is not part of a spec either.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 KERNEL_MODULE = "dit_vca.vca_triton"
+PLAN_MODULE = "dit_vca.vca_triton_plan"  # its per_head_fits is forced per geometry
 PRECISIONS = {  # name: (dtype the core computes in, torch.backends.cuda.matmul.allow_tf32)
     "bf16": (torch.bfloat16, False),
     "fp16": (torch.float16, False),
@@ -43,7 +46,13 @@ SWITCHES = ("joint_softmax", "stage1_differential", "stage2_differential", "pool
 RELEASED = (True, True, True, True)  # VCAOptions' defaults: the released code, what the configs train
 # The classes Triton's JIT tells integers apart by, each with the value that stands in for it at compilation.
 INTEGER_CLASSES = {"one": 1, "multiple of 16": 16, "i32": 17, "i64": 2**40 + 1}
-DISCOVERY_SHAPE = {"batch": 1, "heads": 2, "grid": 16, "contrast_grid": 8}  # N = 256, n = 64
+# The shapes the layer runs at, one per path of the core (dit_vca.vca_triton_plan), forced: the per-head kernels;
+# the split kernels with a head's contrast tokens in one block (n = 64), and in several (n = 256).
+GEOMETRIES = {
+    "per-head": {"batch": 1, "heads": 2, "grid": 16, "contrast_grid": 8, "path": "per_head"},
+    "split": {"batch": 1, "heads": 2, "grid": 16, "contrast_grid": 8, "path": "split"},
+    "split-blocks": {"batch": 1, "heads": 2, "grid": 32, "contrast_grid": 16, "path": "split"},
+}
 # The exit status of a compile worker that found a kernel's source_hash changed since its launches were recorded
 # (bench.triton_worker compiles nothing then); here, so that bench.triton_compile needs no compiler import to read it.
 STALE_SOURCE = 3
@@ -161,21 +170,24 @@ def _on_fake_cuda(function):
     return run
 
 
-def cases(all_switches: bool) -> list[tuple[str, int, tuple[bool, ...]]]:
-    """(precision, head dim, switches) for discover() to run: the released switches, or every combination."""
+def cases(all_switches: bool) -> list[tuple[str, int, tuple[bool, ...], str]]:
+    """(precision, head dim, switches, geometry) for discover() to run: the released switches, or every
+    combination."""
     switch_sets = itertools.product((True, False), repeat=len(SWITCHES)) if all_switches else [RELEASED]
-    return list(itertools.product(PRECISIONS, HEAD_DIMS, switch_sets))
+    return list(itertools.product(PRECISIONS, HEAD_DIMS, switch_sets, GEOMETRIES))
 
 
 def discover(all_switches: bool = False) -> dict:
     """{"kernels": {name: source hash} of every kernel launched, "specs": [spec with "cases": [[precision, d,
-    switches], ...]], "shape", "switches"}. Runs the layer; must run with TRITON_INTERPRET unset and no GPU
-    visible (see the module's docstring)."""
+    switches, geometry], ...]], "geometries", "switches"}. Runs the layer; must run with TRITON_INTERPRET unset and
+    no GPU visible (see the module's docstring)."""
     from triton.runtime.jit import KernelInterface
 
     from dit_vca.attention import VCAOptions, VisualContrastAttention
 
     module = importlib.import_module(KERNEL_MODULE)
+    plan = importlib.import_module(PLAN_MODULE)
+    per_head_fits = plan.per_head_fits
     specs: dict[str, dict] = {}
     launched: list[dict] = []
 
@@ -193,9 +205,10 @@ def discover(all_switches: bool = False) -> dict:
         setattr(module, name, _on_fake_cuda(value))
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
-        shape = DISCOVERY_SHAPE
-        tokens = shape["grid"] ** 2
-        for precision, head_dim, switches in cases(all_switches):
+        for precision, head_dim, switches, geometry in cases(all_switches):
+            shape = GEOMETRIES[geometry]
+            tokens = shape["grid"] ** 2
+            plan.per_head_fits = lambda _, path=shape["path"]: path == "per_head"
             dtype, torch.backends.cuda.matmul.allow_tf32 = PRECISIONS[precision]
             torch.manual_seed(0)
             width = shape["heads"] * head_dim
@@ -210,18 +223,19 @@ def discover(all_switches: bool = False) -> dict:
                 identity = {k: launch[k] for k in ("kernel", "source", "args")}  # what a compilation depends on
                 key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
                 spec = specs.setdefault(key, {"id": key, **launch, "cases": []})
-                case = [precision, head_dim, list(switches)]
+                case = [precision, head_dim, list(switches), geometry]
                 if case not in spec["cases"]:
                     spec["cases"].append(case)
             launched.clear()
     finally:
         KernelInterface.__getitem__ = original_getitem
+        plan.per_head_fits = per_head_fits
         for name, value in entry_points.items():
             setattr(module, name, value)
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     kernels = {spec["name"]: spec["source"] for spec in specs.values()}
     switches = "all" if all_switches else "released"
-    return {"kernels": kernels, "shape": DISCOVERY_SHAPE, "switches": switches, "specs": list(specs.values())}
+    return {"kernels": kernels, "geometries": GEOMETRIES, "switches": switches, "specs": list(specs.values())}
 
 
 if __name__ == "__main__":  # python -m bench.triton_launches OUT.json [--all-switches] (what bench.triton_compile runs)

@@ -13,7 +13,9 @@ launch), then `triton.compile(ASTSource(fn, signature, constexprs, attrs), targe
 which runs every stage down to ptxas. Internal API, the same from Triton 3.5 to 3.8: `create_function_from_signature`
 and `JITFunction._pack_args` (what `JITFunction.run` calls before it compiles). A row has the error's first line, or
 the kernel's shared memory (bytes, from the compiled metadata), registers and spill bytes per thread (ptxas -v, as
-TRITON_DUMP_PTXAS_LOG prints it) and the compile time.
+TRITON_DUMP_PTXAS_LOG prints it), the atomic instructions of its PTX (`atom.*`, `red.*`), the GPU- or system-scope
+memory fences of its SASS (`MEMBAR.*.GPU`, `MEMBAR.*.SYS`: what an acq_rel atomic compiles to on sm_90, with
+Triton's own cuobjdump) and the compile time.
 """
 
 from __future__ import annotations
@@ -86,23 +88,24 @@ def _error_line(error: Exception, diagnostics: str) -> str:
 
 
 def _ptxas_figures(log: str) -> dict:
-    """Registers and spill bytes per thread from ptxas -v's report (the largest, should it list several)."""
+    """Registers and spill-store bytes per thread from ptxas -v's report (the largest, should it list several)."""
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     stores = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
-    loads = [int(s) for s in re.findall(r"(\d+) bytes spill loads", log)]
-    return {
-        "registers": max(registers, default=None),
-        "spill_stores": max(stores, default=None),
-        "spill_loads": max(loads, default=None),
-    }
+    return {"registers": max(registers, default=None), "spill_stores": max(stores, default=None)}
+
+
+# An atomic instruction of PTX (`atom.global.add.f32`, `red.global.add.f32`, with or without a predicate), and a
+# memory fence of SASS wider than a block (`MEMBAR.ALL.GPU`, `MEMBAR.SC.GPU`, `MEMBAR.SC.SYS`; wgmma's shared-memory
+# fences are `MEMBAR.ALL.CTA`).
+PTX_ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(atom|red)\.", re.MULTILINE)
+SASS_GPU_FENCE = re.compile(r"MEMBAR\.\w+\.(GPU|SYS)")
 
 
 def compile_job(job: dict) -> dict:
-    """The row of one job: its key, spec, configuration, target and version, then "ok", "error", "shared" (bytes),
-    "registers", "spill_stores", "spill_loads" (bytes per thread) and "seconds"."""
-    row = {"key": job["key"], "spec": job["spec"], "config": job["label"], "target": job["target"]}
-    row |= {"version": job["version"], "ok": False, "error": None, "shared": None, "registers": None}
-    row |= {"spill_stores": None, "spill_loads": None, "seconds": None}
+    """The row of one job: its key, then "ok", "error", "shared" (bytes), "registers", "spill_stores" (bytes per
+    thread), "atomics", "gpu_fences" and "seconds"."""
+    row = {"key": job["key"], "ok": False, "error": None, "shared": None, "registers": None}
+    row |= {"spill_stores": None, "atomics": None, "gpu_fences": None, "seconds": None}
     jit = _jit_function(job["kernel"])
     config = job["config"]
     kwargs = {name: _argument(description) for name, description in job["args"].items()} | config["params"]
@@ -124,6 +127,9 @@ def compile_job(job: dict) -> dict:
         row["seconds"] = round(time.perf_counter() - start, 2)
         return row
     row |= {"ok": True, "shared": compiled.metadata.shared, "seconds": round(time.perf_counter() - start, 2)}
+    row |= {"atomics": len(PTX_ATOMIC.findall(compiled.asm["ptx"]))}
+    with _native_stderr():  # nvdisasm's warnings
+        row |= {"gpu_fences": len(SASS_GPU_FENCE.findall(compiled.asm["sass"]))}
     return row | _ptxas_figures(log.getvalue())
 
 

@@ -24,8 +24,9 @@ before any heavy work, so that a refusal is their one-line error rather than an 
 (it does for any exception raised while it traces).
 
 The check leaves no trace: it runs under `torch.random.fork_rng` (a run resumed bit for bit draws the same
-numbers), restores the TF32 switches it turns off for the reference, and forgets the autotuning choices it made,
-whose keys do not include the batch (tuned on two images, they would stick for the real batch). It runs only on
+numbers) and restores the TF32 switches it turns off for the reference (the kernels are not autotuned: their tiles
+are declared per platform, dit_vca.vca_triton_configs, so the slice chooses nothing for the real batch). It runs
+only on
 CUDA devices (`CHECKED_DEVICE_TYPES`): under Triton's interpreter the kernels run as Python, not compiled code,
 and the test suite checks them there (tests/test_triton_first_use.py checks this module under the interpreter by
 adding "cpu").
@@ -160,15 +161,12 @@ def check_triton_core(
         layer, x, grad = _slice(key, layer_type, grid_size, contrast_grid)
         tensors = [x, *layer.parameters()]
         names = ["dx", *(f"d{name}" for name, _ in layer.named_parameters())]
-        tuned = _autotuned_choices()
         try:
             out = layer.core(x.to(key.dtype), triton=True)
             results = [out, *torch.autograd.grad(out, tensors, grad.to(key.dtype), allow_unused=True)]
         except Exception as error:  # a compile error, no configuration that fits, ...: anything the kernels raise
             message = str(error).strip().splitlines()
             return f"{type(error).__name__}: {message[0] if message else 'no message'}"[:300]
-        finally:
-            _forget_autotuning(tuned)
         with _tf32_off():
             out = layer.core(x, triton=False)  # float32
             expected = [out, *torch.autograd.grad(out, tensors, grad, allow_unused=True)]
@@ -237,26 +235,3 @@ class _tf32_off:
 
     def __exit__(self, *exc) -> None:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
-
-
-def _autotuners() -> list:
-    """The autotuned kernels of dit_vca.vca_triton (any triton.runtime.Autotuner it holds, whatever its name)."""
-    import triton
-
-    from dit_vca import vca_triton
-
-    return [value for value in vars(vca_triton).values() if isinstance(value, triton.runtime.Autotuner)]
-
-
-def _autotuned_choices() -> dict[int, set]:
-    """The keys each autotuner has chosen a configuration for so far."""
-    return {id(tuner): set(getattr(tuner, "cache", {})) for tuner in _autotuners()}
-
-
-def _forget_autotuning(before: dict[int, set]) -> None:
-    """Drop the choices made since `before`: the slice's two images are no guide for the real batch."""
-    for tuner in _autotuners():
-        cache = getattr(tuner, "cache", None)
-        if isinstance(cache, dict):
-            for choice in set(cache) - before.get(id(tuner), set()):
-                del cache[choice]

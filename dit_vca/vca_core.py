@@ -288,8 +288,8 @@ def _heads(qkv: Tensor, B: int, N: int, layout: KernelLayout) -> Tensor:
     """q, k, v of the qkv GEMM's output (B·N, 3C) as (3, B, h, N, d), what the attention stages read."""
     h = layout.num_heads
     heads = qkv.view(B, N, 3, h, qkv.shape[1] // (3 * h)).permute(2, 0, 3, 1, 4)  # (3, B, h, N, d), a view
-    if layout.triton:  # until the kernels read q, k, v through strides (issue 46's kernel half): then `return heads`
-        return heads.contiguous()
+    if layout.triton:  # the kernels read q, k, v through its strides: no head-major copy
+        return heads
     return heads.contiguous()  # the ATen path computes on head-major (G, N, d) matrices: batched GEMMs and SDPA
 
 

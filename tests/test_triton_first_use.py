@@ -175,20 +175,6 @@ def test_a_passing_check_keeps_triton_and_leaves_no_trace(checked_on_cpu, monkey
     assert calls.forward == 4  # each dtype: the check's slice, then the layer on the Triton core
 
 
-def test_the_check_forgets_the_autotuning_choices_it_made():
-    tuners = triton_check._autotuners()
-    assert tuners  # the autotuned kernels of dit_vca.vca_triton are found, whatever their names
-    kept, made = tuners[0], tuners[-1]
-    kept.cache["a real run's choice"] = "config"
-    before = triton_check._autotuned_choices()
-    made.cache["the slice's choice"] = "config"
-    triton_check._forget_autotuning(before)
-    try:
-        assert "the slice's choice" not in made.cache and kept.cache["a real run's choice"] == "config"
-    finally:
-        kept.cache.pop("a real run's choice")
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The commands: the check runs when they set the kernel, before compiling or any step
 # --------------------------------------------------------------------------------------------------------------------
