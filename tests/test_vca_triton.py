@@ -444,11 +444,10 @@ def test_layer_launches_at_most_36_kernels_forward_and_backward_under_bf16_autoc
     """A small layer (C = 32, 2 heads, 4×4 tokens) on the Triton path, bf16 autocast, forward + backward of the
     output's sum: x and the parameters cast to bf16 once, together, and kept for the backward (no cast there; the
     gradients cast back together), λ₁ and λ₂ from their vectors inside the core in ten launches, forward and
-    backward, the value image built once. Measured (CPU, torch 2.14, the kernels of issue 37): 34 ATen operators
-    (4 of them the loss's: its .float(), sum and their gradients; 5 the zero fills of the kernels' atomic sums; 1
-    the head-major copy of q, k, v that those kernels need) and 7 Triton launches: 41; MHSA 21 operators; 80
-    before (73 operators, 26 of them λ's). The bound is the issue's, for the kernels of issue 46 (no zero fills,
-    q, k, v read through strides)."""
+    backward, the value image built once, q, k, v read through strides. Measured (CPU, torch 2.14, the per-head
+    kernels): 28 ATen operators (4 of them the loss's: its .float(), sum and their gradients; no zero fill, no copy
+    of q, k, v) and 3 Triton launches: 31; MHSA 21 operators; 80 before issue 46 (73 operators, 26 of them λ's),
+    41 with the lean host path on issue 37's kernels (their 5 zero fills, a head-major copy, 7 launches)."""
     module = perturbed_vca(32, 2, 4, block_index=3, options=VCAOptions()).to(DEVICE)
     module.kernel = "triton"
     x = torch.randn(1, 16, 32, device=DEVICE)
