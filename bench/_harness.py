@@ -6,6 +6,7 @@ that commit. matplotlib is imported only to draw: the GPU runbook (bench.gpu) ru
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -30,6 +31,15 @@ RESULT_FOLDERS = ("bench/results", "studies/results")
 COMMIT_VARIABLE = "VCA_COMMIT"  # the commit of a tree that is no git checkout: "<sha>" or "<sha>-dirty"
 STAMP_KEY = "measured_on"  # the key of a result's stamp in its JSON (a JSONL file's: in its versions row)
 PROBE_SIZE = 512  # a 512³ matmul: large enough to reach a GEMM's speed, small enough for a slow fallback
+
+
+def allow_recompilations(count: int) -> None:
+    """Raises Dynamo's recompilation limit to at least `count`: a benchmark that compiles several instances of one
+    forward (models, or blocks keyed apart) has each counted as a recompilation of it. The setting is
+    `recompile_limit` in newer torch, `cache_size_limit` in older (the GPU machine's)."""
+    config = importlib.import_module("torch._dynamo").config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), count))
 
 
 def benchmark_parser(doc: str, quick: str, device: bool = True) -> argparse.ArgumentParser:

@@ -13,14 +13,13 @@ replayed (generation.cuda_graphs; the optimiser capturable, the EMA update eager
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from bench._harness import synchronize
+from bench._harness import allow_recompilations, synchronize
 from dit_vca.attention import VCAOptions, VisualContrastAttention, set_vca_kernel
 from dit_vca.model_spec import ModelSpec, model_family
 from dit_vca.models import create_backbone
@@ -109,9 +108,7 @@ def measure_training(
     objective = create_objective(default_objective(family))
     if case.compiled:
         if case.per_block:  # should a torch key its guards on each block, each would count as a recompilation
-            dynamo = importlib.import_module("torch._dynamo")
-            limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
-            setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), 2 * len(model.blocks)))
+            allow_recompilations(2 * len(model.blocks))
         for module in model.blocks if case.per_block else [model]:
             module.compile(fullgraph=True, backend=backend)
     x = torch.randn(batch, LATENT_CHANNELS, latent, latent, device=device)

@@ -34,7 +34,6 @@ Writes bench/results/host-time-<device>.json, .md and .png (--quick: host-time-<
 
 from __future__ import annotations
 
-import importlib
 import os
 import statistics
 import time
@@ -45,7 +44,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench._harness import benchmark_parser, cpu_vector_flags, describe_device, save_results, subplots, synchronize
+from bench._harness import (
+    allow_recompilations,
+    benchmark_parser,
+    cpu_vector_flags,
+    describe_device,
+    save_results,
+    subplots,
+    synchronize,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -175,10 +182,7 @@ def model_rows(device: torch.device, settings: Settings) -> Iterator[dict]:
 
     family = model_family(MODEL["name"])
     objective = create_objective(default_objective(family))
-    dynamo = importlib.import_module("torch._dynamo")
-    # Every compiled model is another instance of one forward: Dynamo counts each as a recompilation of it.
-    limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), 64))
+    allow_recompilations(64)  # every compiled model is another instance of one forward
     batch, latent = MODEL["batch"], MODEL["latent"]
     sizes = {key: MODEL[key] for key in ("depth", "hidden_size", "num_heads")}
     x = torch.randn(batch, 4, latent, latent, device=device)
