@@ -108,7 +108,12 @@ def saved_like(heads: Tensor, layout) -> list[Tensor]:
     (G, m1) in float32, O (O⁺ and O⁻ for two softmaxes, flat K·G·N·d) in q's dtype and its log-sum-exps (K·G·N) in
     float32, K = 1 or 2 softmaxes."""
     shape = core_shape(heads, layout)
-    if launch_plan(shape).path == "per_head":
+    return _saved(heads, shape, launch_plan(shape))
+
+
+def _saved(heads: Tensor, shape: CoreShape, plan: Plan) -> list[Tensor]:
+    """`saved_like` for the shape and plan a call has already made."""
+    if plan.path == "per_head":
         return []
     G, N, n, d = shape.G, shape.N, shape.n, shape.d
     K = 2 if shape.two_softmaxes else 1
@@ -177,7 +182,7 @@ def add_attention(
     _check_device(heads)
     shape, plan = _plan(heads, layout, pooled)
     a = _Arguments(heads, pooled, embed, layout, shape)
-    saved = saved_like(heads, layout)
+    saved = _saved(heads, shape, plan)
     content = dict(CONTENT=layout.pooled_content, GIVEN=pooled is not None)
     if plan.path == "per_head":
         [launch] = plan.forward

@@ -21,6 +21,7 @@ the same program is taken to come from L2), FLOPs are 2 × the multiply-adds of 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -222,7 +223,19 @@ def launch_plan(shape: CoreShape, path: str | None = None) -> Plan:
     `path`, "per_head" or "split", where it is forced: the tests run both)."""
     if path is None:
         path = "per_head" if per_head_fits(shape) else "split"
+    concrete = all(type(size) is int for size in (shape.B, shape.N, shape.h, shape.d))  # not torch.compile's
+    # symbolic sizes (dynamic shapes through the fake kernel), which cannot key a cache
+    return _planned(shape, path) if concrete else _built(shape, path)
+
+
+def _built(shape: CoreShape, path: str) -> Plan:
     return _per_head_plan(shape) if path == "per_head" else _split_plan(shape)
+
+
+# A shape's plan on a path, built once: the core reads it at every forward and backward (building it costs 30-50 µs of
+# host time, measured on a CPU, where a small layer's whole host path on a GPU should take a few hundred), and a plan
+# is never changed once built.
+_planned = functools.cache(_built)
 
 
 # ----------------------------------------------------------------------------------------------------------------
