@@ -11,7 +11,7 @@ autograd over torch operations (VisualContrastAttention.reference_forward, the s
   Triton path adds what FlashAttention saves (its `saved_like`). Under `no_grad` nothing is kept.
 - Host time. A small layer's time on a GPU is the time the host takes to launch it: the node costs one Python
   call, the parameters are cast to the compute dtype together (one launch) and kept for the backward, λ comes
-  from its four vectors per stage in a few launches (tests/test_vca_host.py counts them all).
+  from its four vectors per stage in a few launches (tests/test_vca_triton.py counts them all).
 - Two doors to one computation. Eager code calls a plain torch.autograd.Function (`_CoreFunction`): a custom
   operator costs ten times the host time per call through torch.library's Python dispatch. torch.compile, fake
   tensors, FlopCounterMode and any other dispatch mode see the custom operators dit_vca::vca_core and
