@@ -1,6 +1,6 @@
 """Runs first in every pytest process: Triton's interpreter for the Triton kernels' tests where there is no GPU,
 and the fixtures that several test modules share (helpers that are not fixtures live in the helper modules
-beside it, tests/_*.py: tests/README.md lists them).
+beside it, tests/_*.py: docs/architecture.md, "The tests", lists them).
 
 TRITON_INTERPRET is read when triton is first imported (its @triton.jit then builds interpreted functions), and
 pytest imports every test module in one process, so it is set here, before any test module imports the

@@ -1,6 +1,6 @@
 """The project's structure, held by the suite: packages import only packages on floors below their own, no module
 imports itself back through a circle, a study imports no other study, and docs/architecture.md lists these floors;
-in tests/, test modules import helper modules (tests/_*.py), never each other.
+in tests/, test modules import helper modules (tests/_*.py), never each other, and that page lists every helper.
 
 The floors follow the README's data flow (configs -> training run -> export -> generation -> .npz -> fid), read
 as "who may use whom": a command uses training, training uses generation, generation uses the models and
@@ -157,6 +157,13 @@ def test_test_modules_import_helper_modules_never_each_other():
     )
     unnamed = [path.name for path in tests.glob("*.py") if not path.name.startswith(("test_", "_", "conftest."))]
     assert not unnamed, f"modules in tests/ that are neither test modules nor _helpers: {unnamed}"
+
+
+def test_the_architecture_page_lists_every_helper_module():
+    """tests/conftest.py sends a reader to docs/architecture.md's table of helper modules: it names all of them."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    unlisted = [path.name for path in sorted((REPO / "tests").glob("_*.py")) if f"`tests/{path.name}`" not in page]
+    assert not unlisted, f"helper modules that docs/architecture.md's table of the tests leaves out: {unlisted}"
 
 
 def test_the_test_module_check_sees_imports_anywhere(tmp_path):
